@@ -1,0 +1,164 @@
+//! Loading the eBPF datapath: the object embedded at build time, maps sized from
+//! configuration, programs verified by the kernel.
+
+use anyhow::{bail, Context, Result};
+use aya::{
+    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray},
+    programs::SchedClassifier,
+    Ebpf, EbpfLoader,
+};
+use proxy_common::{
+    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, Stat,
+};
+
+use crate::proxier::ebpf::maps::KernelMaps;
+
+/// The object `cargo xtask build-ebpf` produced, or empty when the agent was built first.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+
+/// Map sizes (entries). Hash maps are preallocated by the kernel, so these are also the
+/// datapath's memory budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DatapathSizes {
+    /// `SERVICES`: one entry per service port plus one per (service port, endpoint).
+    pub services: u32,
+    /// `BACKENDS`: one entry per (service port, endpoint).
+    pub backends: u32,
+    /// `CONNTRACK`: two entries per tracked flow; least recently used entries are evicted.
+    pub conntrack: u32,
+}
+
+impl Default for DatapathSizes {
+    fn default() -> Self {
+        Self {
+            services: 262_144,
+            backends: 262_144,
+            conntrack: 262_144,
+        }
+    }
+}
+
+/// Explains the usual reasons a BPF load fails, in one line with the fix.
+fn privilege_hint(err: &dyn std::fmt::Display) -> Option<&'static str> {
+    let text = err.to_string();
+    if text.contains("Operation not permitted") || text.contains("EPERM") {
+        Some("the agent needs CAP_BPF and CAP_NET_ADMIN (run it as root, or grant them: setcap cap_bpf,cap_net_admin+ep)")
+    } else {
+        None
+    }
+}
+
+/// The loaded datapath: programs verified and loaded (not attached), maps created.
+pub struct Datapath {
+    pub ebpf: Ebpf,
+    pub sizes: DatapathSizes,
+}
+
+impl Datapath {
+    pub fn object_available() -> bool {
+        !EBPF_OBJECT.is_empty()
+    }
+
+    pub fn load(sizes: DatapathSizes) -> Result<Self> {
+        if !Self::object_available() {
+            bail!(
+                "this proxy-agent was built without its eBPF object: run `cargo xtask build-ebpf` \
+                 (or `cargo xtask setup` on a new machine), then build the agent again"
+            );
+        }
+        let mut loader = EbpfLoader::new();
+        loader
+            .map_max_entries(map_names::SERVICES, sizes.services)
+            .map_max_entries(map_names::BACKENDS, sizes.backends)
+            .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
+        let mut ebpf = loader.load(EBPF_OBJECT).map_err(|e| {
+            let hint = privilege_hint(&e);
+            let err = anyhow::Error::new(e).context("creating the eBPF maps");
+            match hint {
+                Some(h) => err.context(h),
+                None => err,
+            }
+        })?;
+        for name in [program_names::TC_INGRESS, program_names::TC_EGRESS] {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .with_context(|| format!("eBPF object has no program {name}"))?
+                .try_into()
+                .with_context(|| format!("program {name} is not a tc classifier"))?;
+            prog.load().map_err(|e| {
+                let hint = privilege_hint(&e);
+                let err = anyhow::Error::new(e)
+                    .context(format!("the kernel refused eBPF program {name}"));
+                match hint {
+                    Some(h) => err.context(h),
+                    None => err,
+                }
+            })?;
+        }
+        let mut datapath = Datapath { ebpf, sizes };
+        datapath.configure(&DatapathConfig::DEFAULT)?;
+        Ok(datapath)
+    }
+
+    pub fn program(&self, name: &str) -> Result<&SchedClassifier> {
+        self.ebpf
+            .program(name)
+            .with_context(|| format!("eBPF object has no program {name}"))?
+            .try_into()
+            .with_context(|| format!("program {name} is not a tc classifier"))
+    }
+
+    /// Writes the datapath settings (conntrack timeouts).
+    pub fn configure(&mut self, config: &DatapathConfig) -> Result<()> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::CONFIG)
+            .context("eBPF object has no CONFIG map")?;
+        let mut array: Array<&mut MapData, DatapathConfig> = Array::try_from(map)?;
+        array.set(0, config, 0).context("writing the datapath configuration")?;
+        Ok(())
+    }
+
+    /// Takes the maps the service sync writes. Call once.
+    pub fn take_service_maps(&mut self) -> Result<KernelMaps> {
+        let services = self
+            .ebpf
+            .take_map(map_names::SERVICES)
+            .context("eBPF object has no SERVICES map")?;
+        let backends = self
+            .ebpf
+            .take_map(map_names::BACKENDS)
+            .context("eBPF object has no BACKENDS map")?;
+        Ok(KernelMaps {
+            services: BpfHashMap::try_from(services)?,
+            backends: BpfHashMap::try_from(backends)?,
+            services_capacity: self.sizes.services,
+            backends_capacity: self.sizes.backends,
+        })
+    }
+
+    /// Datapath counters summed over CPUs, in [`Stat::ALL`] order.
+    pub fn stats(&self) -> Result<Vec<(Stat, u64)>> {
+        let map = self
+            .ebpf
+            .map(map_names::STATS)
+            .context("eBPF object has no STATS map")?;
+        let array: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(map)?;
+        Stat::ALL
+            .iter()
+            .map(|s| {
+                let per_cpu = array.get(&(*s as u32), 0)?;
+                Ok((*s, per_cpu.iter().sum()))
+            })
+            .collect()
+    }
+
+    /// The conntrack map, for inspection and garbage collection.
+    pub fn conntrack(&mut self) -> Result<BpfHashMap<&mut MapData, ConntrackKey, ConntrackValue>> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::CONNTRACK)
+            .context("eBPF object has no CONNTRACK map")?;
+        Ok(BpfHashMap::try_from(map)?)
+    }
+}

@@ -1,0 +1,157 @@
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use proxy_agent::{
+    datapath::{Datapath, DatapathSizes},
+    model::{ChangeTracker, DesiredState},
+    proxier::{ebpf::EbpfProxier, Proxier, ProxyMode},
+    source::manifests,
+};
+use tokio::{signal::unix::SignalKind, sync::mpsc};
+use tracing::{debug, info, warn};
+
+/// A kube-proxy replacement: programs this node's datapath so that traffic to a Service
+/// reaches its pods.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Which proxy mode to use: ebpf (default).
+    #[arg(long = "proxy-mode", default_value = "ebpf", value_parser = parse_mode)]
+    proxy_mode: ProxyMode,
+
+    /// Read Services, EndpointSlices and Nodes from this YAML/JSON file or directory
+    /// instead of an API server; edits are applied while the agent runs.
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+
+    /// Log verbosity, as kube-proxy's -v: 0-1 info, 2-3 debug, 4+ trace.
+    #[arg(short = 'v', long = "v", default_value_t = 0)]
+    verbosity: u8,
+
+    /// Entries of the SERVICES map (one per service port plus one per endpoint of each).
+    #[arg(long, default_value_t = DatapathSizes::default().services)]
+    services_map_size: u32,
+
+    /// Entries of the BACKENDS map (one per endpoint of each service port).
+    #[arg(long, default_value_t = DatapathSizes::default().backends)]
+    backends_map_size: u32,
+
+    /// Entries of the CONNTRACK map (two per tracked flow).
+    #[arg(long, default_value_t = DatapathSizes::default().conntrack)]
+    conntrack_map_size: u32,
+}
+
+fn parse_mode(s: &str) -> Result<ProxyMode, String> {
+    s.parse()
+}
+
+fn init_logging(verbosity: u8) {
+    let default = match verbosity {
+        0 | 1 => "info,aya=warn,aya_obj=warn",
+        2 | 3 => "debug,aya=info,aya_obj=info",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbosity);
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, outermost context first: what failed and how to fix it.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let Some(path) = cli.manifests.clone() else {
+        bail!("no service source: pass --manifests PATH (API-server mode is not built yet)");
+    };
+    info!("Using {} Proxier", cli.proxy_mode);
+    let sizes = DatapathSizes {
+        services: cli.services_map_size,
+        backends: cli.backends_map_size,
+        conntrack: cli.conntrack_map_size,
+    };
+    let mut datapath = Datapath::load(sizes)?;
+    let maps = datapath.take_service_maps()?;
+    let mut proxier = EbpfProxier::new(maps);
+    let mut tracker = ChangeTracker::default();
+
+    let (reload_tx, mut reload_rx) = mpsc::channel(1);
+    let _watcher = manifests::watch(&path, reload_tx)?;
+    let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    let mut stats_tick = tokio::time::interval(Duration::from_secs(30));
+
+    sync_from_manifests(&path, &mut tracker, &mut proxier)?;
+    loop {
+        tokio::select! {
+            Some(()) = reload_rx.recv() => {
+                if let Err(e) = sync_from_manifests(&path, &mut tracker, &mut proxier) {
+                    warn!("manifests not reloaded: {e:#}");
+                }
+            }
+            _ = stats_tick.tick() => {
+                if let Ok(stats) = datapath.stats() {
+                    let line: Vec<String> = stats.iter().map(|(s, n)| format!("{}={n}", s.name())).collect();
+                    debug!("datapath: {}", line.join(" "));
+                }
+            }
+            _ = sigterm.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    info!("stopping");
+    Ok(())
+}
+
+fn sync_from_manifests(
+    path: &std::path::Path,
+    tracker: &mut ChangeTracker,
+    proxier: &mut impl Proxier,
+) -> Result<()> {
+    let set = manifests::load(path)?;
+    for p in &set.problems {
+        warn!("{p}");
+    }
+    let (desired, problems) = DesiredState::build(&set.store);
+    for p in &problems {
+        warn!("{p}");
+    }
+    let changes = tracker.update(desired);
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let started = std::time::Instant::now();
+    let report = proxier.sync(tracker.current(), &changes)?;
+    info!(
+        changes = changes.len(),
+        written = report.services_written,
+        failed = report.services_failed,
+        service_ports = tracker.current().ports.len(),
+        elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+        "synced"
+    );
+    Ok(())
+}

@@ -1,0 +1,92 @@
+//! The eBPF proxier: writes the service model into the datapath's hash maps.
+
+pub mod maps;
+pub mod sync;
+
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+use tracing::{debug, error};
+
+use self::{maps::ServiceMaps, sync::MapSync};
+use super::{Proxier, ProxyMode, SyncReport};
+use crate::model::{DesiredState, ServiceChange, ServicePortName};
+
+pub struct EbpfProxier<M: ServiceMaps> {
+    sync: MapSync<M>,
+    /// Service ports whose last write failed (map full, ...): retried on every sync.
+    failed: BTreeMap<ServicePortName, String>,
+}
+
+impl<M: ServiceMaps> EbpfProxier<M> {
+    pub fn new(maps: M) -> Self {
+        Self {
+            sync: MapSync::new(maps),
+            failed: BTreeMap::new(),
+        }
+    }
+
+    pub fn map_sync(&self) -> &MapSync<M> {
+        &self.sync
+    }
+
+    /// Service ports not currently programmed, with the reason.
+    pub fn failed(&self) -> &BTreeMap<ServicePortName, String> {
+        &self.failed
+    }
+}
+
+impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ebpf
+    }
+
+    fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
+        let mut report = SyncReport::default();
+        // Removals first: a frontend that moves from one Service to another is freed
+        // before it is claimed again.
+        for change in changes {
+            let old = match change {
+                ServiceChange::Removed(old) => old,
+                ServiceChange::Updated { old, new } if old.frontend != new.frontend => old,
+                _ => continue,
+            };
+            self.failed.remove(&old.name);
+            if let Err(e) = self.sync.remove(&old.frontend) {
+                error!(service = %old.name, frontend = %old.frontend, "removing from the datapath: {e}");
+            }
+        }
+        let mut to_write: Vec<&ServicePortName> = changes
+            .iter()
+            .filter(|c| !matches!(c, ServiceChange::Removed(_)))
+            .map(ServiceChange::name)
+            .collect();
+        // Earlier failures are retried with their current desired state.
+        let retries: Vec<ServicePortName> = self.failed.keys().cloned().collect();
+        to_write.extend(retries.iter());
+        to_write.sort();
+        to_write.dedup();
+        for name in to_write {
+            let Some(state) = desired.ports.get(name) else {
+                self.failed.remove(name);
+                continue;
+            };
+            match self.sync.set(&state.frontend, &state.backends) {
+                Ok(ops) => {
+                    debug!(service = %name, frontend = %state.frontend, backends = state.backends.len(), ops, "programmed");
+                    self.failed.remove(name);
+                    report.services_written += 1;
+                }
+                Err(e) => {
+                    error!(service = %name, frontend = %state.frontend, "not programmed: {e}");
+                    self.failed.insert(name.clone(), e.to_string());
+                    report.services_failed += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests;

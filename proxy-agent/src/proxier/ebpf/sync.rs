@@ -1,0 +1,271 @@
+//! Turns "this frontend should have these backends" into the fewest map writes, in an order
+//! that never lets the datapath see a broken service:
+//!
+//! 1. new backends are written to `BACKENDS` before any slot names them;
+//! 2. slots `1..=n` are written before the header announces `n`;
+//! 3. the header shrinks before the slots beyond it are deleted;
+//! 4. a backend id is deleted only after no slot names it.
+//!
+//! So while backends are replaced, every packet finds a header whose slots all lead to a
+//! live backend, and a service with backends before and after never shows zero.
+
+use std::{
+    collections::{BTreeSet, HashMap, HashSet},
+    net::SocketAddrV4,
+};
+
+use proxy_common::{Backend, ServiceKey, ServiceValue};
+
+use super::maps::{MapError, ServiceMaps};
+use crate::model::Frontend;
+
+/// What the agent last wrote for one frontend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Written {
+    service_id: u32,
+    /// Slot `i + 1` holds `slots[i]`.
+    slots: Vec<(u32, SocketAddrV4)>,
+}
+
+pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
+    ServiceKey::new(
+        u32::from(frontend.addr).to_be(),
+        frontend.port.to_be(),
+        frontend.protocol.number(),
+        slot,
+    )
+}
+
+pub fn backend_value(addr: &SocketAddrV4) -> Backend {
+    Backend::new(u32::from(*addr.ip()).to_be(), addr.port().to_be())
+}
+
+/// Hands out backend ids. Ids are not reused until the counter wraps, so a conntrack entry
+/// that still names a deleted id cannot silently follow it to another service's backend.
+#[derive(Debug, Default)]
+struct IdAllocator {
+    next: u32,
+    in_use: HashSet<u32>,
+}
+
+impl IdAllocator {
+    fn allocate(&mut self) -> u32 {
+        loop {
+            self.next = self.next.wrapping_add(1);
+            if self.next != 0 && self.in_use.insert(self.next) {
+                return self.next;
+            }
+        }
+    }
+
+    fn release(&mut self, id: u32) {
+        self.in_use.remove(&id);
+    }
+}
+
+pub struct MapSync<M: ServiceMaps> {
+    maps: M,
+    written: HashMap<Frontend, Written>,
+    backend_ids: IdAllocator,
+    service_ids: IdAllocator,
+}
+
+impl<M: ServiceMaps> MapSync<M> {
+    pub fn new(maps: M) -> Self {
+        Self {
+            maps,
+            written: HashMap::new(),
+            backend_ids: IdAllocator::default(),
+            service_ids: IdAllocator::default(),
+        }
+    }
+
+    pub fn maps(&self) -> &M {
+        &self.maps
+    }
+
+    pub fn maps_mut(&mut self) -> &mut M {
+        &mut self.maps
+    }
+
+    pub fn frontends(&self) -> impl Iterator<Item = &Frontend> {
+        self.written.keys()
+    }
+
+    /// Makes `frontend` select among `backends` (empty: refuse connections). Returns the
+    /// number of map operations it took. On error the frontend is removed from the maps (a
+    /// half-written service is worse than none) and a later call retries it from scratch.
+    pub fn set(
+        &mut self,
+        frontend: &Frontend,
+        backends: &[SocketAddrV4],
+    ) -> Result<usize, MapError> {
+        let old = self.written.remove(frontend);
+        let service_id = old
+            .as_ref()
+            .map(|w| w.service_id)
+            .unwrap_or_else(|| self.service_ids.allocate());
+        let old_slots = old.as_ref().map(|w| w.slots.clone()).unwrap_or_default();
+        let new_slots = self.assign_slots(&old_slots, backends);
+        match self.write(frontend, service_id, old.is_none(), &old_slots, &new_slots) {
+            Ok(ops) => {
+                self.written.insert(
+                    *frontend,
+                    Written {
+                        service_id,
+                        slots: new_slots,
+                    },
+                );
+                Ok(ops)
+            }
+            Err(e) => {
+                let slot_count = old_slots.len().max(new_slots.len());
+                let ids: BTreeSet<u32> = old_slots.iter().chain(&new_slots).map(|s| s.0).collect();
+                let _ = self.purge(frontend, slot_count, ids);
+                self.service_ids.release(service_id);
+                Err(e)
+            }
+        }
+    }
+
+    /// The new slot list: surviving backends keep their slots, new ones fill the holes of
+    /// departed ones (then go at the end), and remaining holes are closed by moving
+    /// backends down from the tail. So a change of one backend costs one slot write.
+    fn assign_slots(
+        &mut self,
+        old: &[(u32, SocketAddrV4)],
+        backends: &[SocketAddrV4],
+    ) -> Vec<(u32, SocketAddrV4)> {
+        let wanted: BTreeSet<SocketAddrV4> = backends.iter().copied().collect();
+        let mut slots: Vec<Option<(u32, SocketAddrV4)>> = old
+            .iter()
+            .map(|s| wanted.contains(&s.1).then_some(*s))
+            .collect();
+        let present: HashSet<SocketAddrV4> = slots.iter().flatten().map(|s| s.1).collect();
+        let mut fresh = wanted
+            .iter()
+            .filter(|a| !present.contains(a))
+            .map(|a| (self.backend_ids.allocate(), *a))
+            .collect::<Vec<_>>()
+            .into_iter();
+        for slot in slots.iter_mut().filter(|s| s.is_none()) {
+            match fresh.next() {
+                Some(f) => *slot = Some(f),
+                None => break,
+            }
+        }
+        slots.extend(fresh.map(Some));
+        let mut i = 0;
+        while i < slots.len() {
+            if slots[i].is_none() {
+                while matches!(slots.last(), Some(None)) {
+                    slots.pop();
+                }
+                if i < slots.len() {
+                    // slots[i] is a hole and the last entry is not, so it lies beyond i.
+                    slots[i] = slots.pop().flatten();
+                }
+            }
+            i += 1;
+        }
+        slots.into_iter().flatten().collect()
+    }
+
+    fn write(
+        &mut self,
+        frontend: &Frontend,
+        service_id: u32,
+        is_new: bool,
+        old: &[(u32, SocketAddrV4)],
+        new: &[(u32, SocketAddrV4)],
+    ) -> Result<usize, MapError> {
+        let mut ops = 0;
+        let old_ids: HashSet<u32> = old.iter().map(|s| s.0).collect();
+        let new_ids: HashSet<u32> = new.iter().map(|s| s.0).collect();
+        // 1. new backends first
+        for (id, addr) in new.iter().filter(|s| !old_ids.contains(&s.0)) {
+            self.maps.set_backend(*id, backend_value(addr))?;
+            ops += 1;
+        }
+        // 2. slots that changed
+        for (i, s) in new.iter().enumerate() {
+            if old.get(i) != Some(s) {
+                let value = ServiceValue {
+                    backend_id: s.0,
+                    service_id,
+                    count: 0,
+                    flags: 0,
+                };
+                self.maps.set_service(service_key(frontend, i as u16 + 1), value)?;
+                ops += 1;
+            }
+        }
+        // 3. the header, when new or when its count changes
+        if is_new || old.len() != new.len() {
+            let header = ServiceValue {
+                backend_id: 0,
+                service_id,
+                count: new.len() as u16,
+                flags: 0,
+            };
+            self.maps.set_service(service_key(frontend, 0), header)?;
+            ops += 1;
+        }
+        // 4. shrink: slots beyond the new count, then departed backends
+        for i in new.len()..old.len() {
+            self.maps.remove_service(&service_key(frontend, i as u16 + 1))?;
+            ops += 1;
+        }
+        for (id, _) in old.iter().filter(|s| !new_ids.contains(&s.0)) {
+            self.maps.remove_backend(*id)?;
+            self.backend_ids.release(*id);
+            ops += 1;
+        }
+        Ok(ops)
+    }
+
+    /// Removes `frontend` from the maps: header first (no new flow picks it), then slots,
+    /// then backends.
+    pub fn remove(&mut self, frontend: &Frontend) -> Result<usize, MapError> {
+        let Some(old) = self.written.remove(frontend) else {
+            return Ok(0);
+        };
+        self.service_ids.release(old.service_id);
+        self.purge(
+            frontend,
+            old.slots.len(),
+            old.slots.iter().map(|s| s.0).collect(),
+        )
+    }
+
+    fn purge(
+        &mut self,
+        frontend: &Frontend,
+        slot_count: usize,
+        backend_ids: BTreeSet<u32>,
+    ) -> Result<usize, MapError> {
+        let mut ops = 0;
+        let mut first_err = None;
+        let mut note = |r: Result<(), MapError>| match r {
+            Ok(()) => ops += 1,
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        };
+        note(self.maps.remove_service(&service_key(frontend, 0)));
+        for i in 0..slot_count {
+            note(self.maps.remove_service(&service_key(frontend, i as u16 + 1)));
+        }
+        for id in backend_ids {
+            note(self.maps.remove_backend(id));
+            self.backend_ids.release(id);
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(ops),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

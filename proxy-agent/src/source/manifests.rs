@@ -1,0 +1,281 @@
+//! `--manifests PATH`: Services, EndpointSlices and Nodes from YAML/JSON files instead of an
+//! API server, re-read whenever the path changes.
+//!
+//! A file may hold several documents (`---`) and `v1/List` objects (what `kubectl get -o yaml`
+//! prints). Each document is parsed on its own, so one that is broken, of an unknown kind or
+//! invalid is reported with its file, document number and object name, and every other
+//! object is still served.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use notify::{RecursiveMode, Watcher};
+use serde_yaml::Value;
+use tokio::sync::mpsc;
+
+use crate::model::{
+    objects::display_name, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
+};
+
+/// Everything read from the manifests: the objects that passed validation and the problems
+/// with the rest.
+#[derive(Debug, Default)]
+pub struct ManifestSet {
+    pub store: ObjectStore,
+    pub problems: Vec<Problem>,
+    /// Names of `v1/Node` objects seen (used by later features: node addresses, zones).
+    pub nodes: Vec<String>,
+}
+
+/// Reads a file, or every `.yaml`/`.yml`/`.json` file under a directory (recursively; names
+/// starting with `.` are skipped, which also skips the `..data` bookkeeping of a mounted
+/// ConfigMap while its symlinked files are read).
+pub fn load(path: &Path) -> Result<ManifestSet> {
+    let mut set = ManifestSet::default();
+    let files = manifest_files(path)?;
+    for file in files {
+        let text = match fs::read_to_string(&file) {
+            Ok(t) => t,
+            // The file may be replaced between listing and reading; the watcher will call
+            // again. Report it rather than fail the whole load.
+            Err(e) => {
+                set.problems.push(Problem {
+                    origin: file.display().to_string().into(),
+                    object: "file".into(),
+                    message: format!("cannot be read: {e}"),
+                });
+                continue;
+            }
+        };
+        parse_into(&text, &file.display().to_string(), &mut set);
+    }
+    Ok(set)
+}
+
+fn manifest_files(path: &Path) -> Result<Vec<PathBuf>> {
+    let meta = fs::metadata(path).with_context(|| format!("--manifests {}", path.display()))?;
+    if meta.is_file() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files = Vec::new();
+    let mut dirs = vec![path.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let entries =
+            fs::read_dir(&dir).with_context(|| format!("reading directory {}", dir.display()))?;
+        for entry in entries {
+            let entry = entry?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') {
+                continue;
+            }
+            let p = entry.path();
+            // fs::metadata follows symlinks: ConfigMap files are symlinks into ..data/.
+            match fs::metadata(&p) {
+                Ok(m) if m.is_dir() => dirs.push(p),
+                Ok(m) if m.is_file() => {
+                    if matches!(
+                        p.extension().and_then(|e| e.to_str()),
+                        Some("yaml" | "yml" | "json")
+                    ) {
+                        files.push(p);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Splits a multi-document YAML stream at `---` lines. Done by hand rather than by the YAML
+/// parser, whose stream stops at the first broken document: here a broken document costs
+/// only itself. Returns (first line number, text) per non-empty document.
+fn split_documents(text: &str) -> Vec<(usize, String)> {
+    let mut docs = Vec::new();
+    let mut current = String::new();
+    let mut start = 1;
+    for (i, line) in text.lines().enumerate() {
+        let is_separator = line.starts_with("---")
+            && line[3..]
+                .chars()
+                .next()
+                .is_none_or(|c| c.is_whitespace());
+        if is_separator {
+            docs.push((start, std::mem::take(&mut current)));
+            start = i + 1;
+            // `--- {inline: doc}` keeps its content.
+            let rest = line[3..].trim();
+            if !rest.is_empty() && !rest.starts_with('#') {
+                current.push_str(rest);
+                current.push('\n');
+            }
+            continue;
+        }
+        if line == "..." {
+            continue;
+        }
+        current.push_str(line);
+        current.push('\n');
+    }
+    docs.push((start, current));
+    docs.into_iter()
+        .filter(|(_, d)| {
+            d.lines()
+                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        })
+        .collect()
+}
+
+/// Parses one file's text into `set`.
+pub fn parse_into(text: &str, file: &str, set: &mut ManifestSet) {
+    for (index, (line, doc)) in split_documents(text).into_iter().enumerate() {
+        let origin: Origin = format!("{file} document {} (line {line})", index + 1).into();
+        match serde_yaml::from_str::<Value>(&doc) {
+            Ok(value) => add_object(value, &origin, set),
+            Err(e) => set.problems.push(Problem {
+                origin,
+                object: "document".into(),
+                message: format!("not valid YAML: {e}"),
+            }),
+        }
+    }
+}
+
+fn str_field<'a>(value: &'a Value, key: &str) -> Option<&'a str> {
+    value.get(key).and_then(Value::as_str)
+}
+
+fn add_object(value: Value, origin: &Origin, set: &mut ManifestSet) {
+    let api_version = str_field(&value, "apiVersion").unwrap_or("").to_string();
+    let kind = str_field(&value, "kind").unwrap_or("").to_string();
+    let name = value
+        .get("metadata")
+        .map(|m| {
+            format!(
+                "{}/{}",
+                str_field(m, "namespace").unwrap_or("default"),
+                str_field(m, "name").unwrap_or("<unnamed>")
+            )
+        })
+        .unwrap_or_else(|| "<no metadata>".into());
+    let problem = |message: String| Problem {
+        origin: origin.clone(),
+        object: format!("{kind} {name}"),
+        message,
+    };
+    match (api_version.as_str(), kind.as_str()) {
+        ("v1", "List") => {
+            let items = match value.get("items") {
+                Some(Value::Sequence(items)) => items.clone(),
+                _ => Vec::new(),
+            };
+            for (i, item) in items.into_iter().enumerate() {
+                let item_origin: Origin = format!("{origin} item {i}").into();
+                add_object(item, &item_origin, set);
+            }
+        }
+        ("v1", "Service") => match serde_yaml::from_value::<Service>(value) {
+            Err(e) => set.problems.push(problem(format!("not a valid Service: {e}"))),
+            Ok(svc) => match ServiceInfo::from_api(&svc) {
+                Err(e) => set.problems.push(Problem {
+                    object: format!("Service {}", display_name(&svc.metadata)),
+                    ..problem(format!("{e}; skipped"))
+                }),
+                Ok(info) => {
+                    if let Some((_, earlier)) = set.store.services.get(&info.name) {
+                        set.problems.push(problem(format!(
+                            "defined again (first in {earlier}); the later definition is used"
+                        )));
+                    }
+                    set.store
+                        .services
+                        .insert(info.name.clone(), (info, origin.clone()));
+                }
+            },
+        },
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            match serde_yaml::from_value::<EndpointSlice>(value) {
+                Err(e) => set
+                    .problems
+                    .push(problem(format!("not a valid EndpointSlice: {e}"))),
+                Ok(slice) => match SliceInfo::from_api(&slice) {
+                    Err(e) => set.problems.push(Problem {
+                        object: format!("EndpointSlice {}", display_name(&slice.metadata)),
+                        ..problem(format!("{e}; skipped"))
+                    }),
+                    Ok(info) => {
+                        if let Some((_, earlier)) = set.store.slices.get(&info.name) {
+                            set.problems.push(problem(format!(
+                                "defined again (first in {earlier}); the later definition is used"
+                            )));
+                        }
+                        set.store
+                            .slices
+                            .insert(info.name.clone(), (info, origin.clone()));
+                    }
+                },
+            }
+        }
+        ("v1", "Node") => {
+            if let Some(n) = value.get("metadata").and_then(|m| str_field(m, "name")) {
+                set.nodes.push(n.to_string());
+            }
+        }
+        ("", _) | (_, "") => set.problems.push(problem(
+            "has no apiVersion/kind; expected a Kubernetes object".into(),
+        )),
+        _ => set.problems.push(problem(format!(
+            "unsupported kind {kind} (apiVersion {api_version}); expected v1/Service, \
+             discovery.k8s.io/v1/EndpointSlice, v1/Node or v1/List; skipped"
+        ))),
+    }
+}
+
+/// Watches `path` and sends `()` on `tx` whenever something under it may have changed.
+///
+/// The parent directory is watched as well as the path itself, so atomic replacement by
+/// rename and the symlink swap of a mounted ConfigMap (`..data` re-pointed) are both seen.
+/// Events are coalesced: a burst of writes yields one reload after it settles.
+pub fn watch(path: &Path, tx: mpsc::Sender<()>) -> Result<notify::RecommendedWatcher> {
+    let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
+    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if res.is_ok() {
+            let _ = raw_tx.send(());
+        }
+    })
+    .context("creating the manifest watcher (inotify)")?;
+    // Not canonicalised: a ConfigMap file is a symlink into a directory that the next
+    // update deletes; the directory the user named is the one that stays.
+    if path.is_dir() {
+        watcher
+            .watch(path, RecursiveMode::Recursive)
+            .with_context(|| format!("watching {}", path.display()))?;
+    } else {
+        let parent = path.parent().unwrap_or(Path::new("/"));
+        watcher
+            .watch(parent, RecursiveMode::NonRecursive)
+            .with_context(|| format!("watching {}", parent.display()))?;
+    }
+    let debounce = Duration::from_millis(100);
+    tokio::spawn(async move {
+        while raw_rx.recv().await.is_some() {
+            // Let a burst (editor save, ConfigMap swap) finish, then reload once.
+            tokio::time::sleep(debounce).await;
+            while raw_rx.try_recv().is_ok() {}
+            if tx.send(()).await.is_err() {
+                break;
+            }
+        }
+    });
+    Ok(watcher)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,2 @@
+//! Sources of Services and EndpointSlices.
+pub mod manifests;

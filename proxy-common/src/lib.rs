@@ -1,0 +1,379 @@
+//! Types shared by the kernel datapath (`proxy-ebpf`) and the agent (`proxy-agent`).
+//!
+//! Every map key and value is `#[repr(C)]` with its padding spelled out as named fields, so
+//! the kernel hashes exactly the bytes user space wrote (implicit padding is uninitialised
+//! memory on one side and zero on the other: lookups would miss at random). The layouts are
+//! asserted in this crate's tests; a change here must bump [`MAP_LAYOUT_VERSION`].
+//!
+//! Addresses and ports are kept in network byte order, as they appear in the packet, so the
+//! datapath never swaps bytes on the hot path.
+#![no_std]
+
+/// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
+/// maps so a newer agent never misreads maps written by an older one.
+pub const MAP_LAYOUT_VERSION: u32 = 1;
+
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_SCTP: u8 = 132;
+
+/// Names of the maps in the eBPF object; the agent sizes and pins them by these names.
+pub mod map_names {
+    pub const SERVICES: &str = "SERVICES";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const CONNTRACK: &str = "CONNTRACK";
+    pub const CONFIG: &str = "CONFIG";
+    pub const STATS: &str = "STATS";
+}
+
+/// Names of the programs in the eBPF object.
+pub mod program_names {
+    /// Attached at tc ingress: translates what a pod (or the outside) sends.
+    pub const TC_INGRESS: &str = "proxy_ingress";
+    /// Attached at tc egress: translates what the node forwards or sends out.
+    pub const TC_EGRESS: &str = "proxy_egress";
+}
+
+/// Key of the `SERVICES` hash map. One service port (frontend address, port, protocol) owns
+/// `count + 1` entries: slot 0 is the header ([`ServiceValue::count`]), slots `1..=count` each
+/// name one backend ([`ServiceValue::backend_id`]). Selecting a backend is then two lookups
+/// whatever the number of services or backends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    /// Frontend IPv4 address, network byte order.
+    pub addr: u32,
+    /// Frontend port, network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub _pad0: u8,
+    /// 0 for the header, 1..=count for backends (host byte order).
+    pub slot: u16,
+    pub _pad1: [u8; 2],
+}
+
+impl ServiceKey {
+    pub const fn new(addr_be: u32, port_be: u16, proto: u8, slot: u16) -> Self {
+        Self {
+            addr: addr_be,
+            port: port_be,
+            proto,
+            _pad0: 0,
+            slot,
+            _pad1: [0; 2],
+        }
+    }
+}
+
+/// Value of the `SERVICES` map. In slot 0, `count` and `flags` are meaningful; in the backend
+/// slots, `backend_id` is.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceValue {
+    /// Backend slots: key into `BACKENDS`.
+    pub backend_id: u32,
+    /// Stable identifier of the service port (for statistics and debugging).
+    pub service_id: u32,
+    /// Header slot: number of backend slots. 0 means "no ready endpoint": refuse.
+    pub count: u16,
+    /// Header slot: `SERVICE_FLAG_*`.
+    pub flags: u16,
+}
+
+/// Value of the `BACKENDS` hash map, keyed by a `u32` backend id the agent allocates per
+/// service port, so removing an endpoint from one service never keeps flows of that service
+/// on it because another service shares the same pod address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Backend {
+    /// IPv4 address, network byte order.
+    pub addr: u32,
+    /// Port, network byte order.
+    pub port: u16,
+    pub _pad0: [u8; 2],
+}
+
+impl Backend {
+    pub const fn new(addr_be: u32, port_be: u16) -> Self {
+        Self {
+            addr: addr_be,
+            port: port_be,
+            _pad0: [0; 2],
+        }
+    }
+}
+
+/// Key of the `CONNTRACK` LRU map: a packet's 5-tuple as it is on the wire.
+///
+/// A translated flow owns two entries: the *original* tuple (client -> service) whose value
+/// names the backend, and the *reply* tuple (backend -> client) whose value names the service
+/// address to restore.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConntrackKey {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub _pad0: [u8; 3],
+}
+
+impl ConntrackKey {
+    pub const fn new(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8) -> Self {
+        Self {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            _pad0: [0; 3],
+        }
+    }
+
+    /// The tuple of the packets travelling the other way.
+    pub const fn reversed(&self) -> Self {
+        Self::new(self.daddr, self.saddr, self.dport, self.sport, self.proto)
+    }
+}
+
+/// Entry is a reply-direction entry: rewrite the source back to `nat_addr:nat_port`.
+pub const CT_FLAG_REPLY: u8 = 1 << 0;
+/// A packet was seen in the reply direction (the flow is established, not just attempted).
+pub const CT_FLAG_SEEN_REPLY: u8 = 1 << 1;
+/// A FIN or RST was seen: the flow is closing and gets the short timeout.
+pub const CT_FLAG_CLOSING: u8 = 1 << 2;
+
+/// Value of the `CONNTRACK` map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConntrackValue {
+    /// `bpf_ktime_get_ns()` of the last packet that refreshed the entry (refreshed at most
+    /// once per [`CT_REFRESH_NS`] to keep the established path free of cache-line writes).
+    pub last_seen_ns: u64,
+    /// Original entry: backend address; reply entry: service address (network byte order).
+    pub nat_addr: u32,
+    /// Original entry: backend port; reply entry: service port (network byte order).
+    pub nat_port: u16,
+    /// `CT_FLAG_*`.
+    pub flags: u8,
+    pub _pad0: u8,
+    /// Original entry: the backend id chosen, checked against `BACKENDS` on every packet so a
+    /// flow never stays on a backend that has left its service.
+    pub backend_id: u32,
+    pub _pad1: [u8; 4],
+}
+
+/// Entries are refreshed at most this often.
+pub const CT_REFRESH_NS: u64 = 1_000_000_000;
+
+/// Index 0 of the `CONFIG` array map: datapath settings the agent writes from its
+/// configuration (conntrack timeouts, as kube-proxy's `conntrack` section).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DatapathConfig {
+    /// TCP flow that has seen a reply and no FIN/RST.
+    pub tcp_established_timeout_ns: u64,
+    /// TCP flow still waiting for the backend's SYN-ACK.
+    pub tcp_syn_timeout_ns: u64,
+    /// TCP flow after FIN or RST.
+    pub tcp_closing_timeout_ns: u64,
+    /// UDP flow that has seen no reply.
+    pub udp_timeout_ns: u64,
+    /// UDP flow that has seen replies (a "stream").
+    pub udp_stream_timeout_ns: u64,
+    /// Must equal [`MAP_LAYOUT_VERSION`]; 0 means the agent has not configured the datapath
+    /// yet, and built-in defaults apply.
+    pub layout_version: u32,
+    pub _pad0: [u8; 4],
+}
+
+impl DatapathConfig {
+    /// kube-proxy's conntrack defaults (tcpEstablishedTimeout 24h, tcpCloseWaitTimeout 1h,
+    /// udpTimeout 30s, udpStreamTimeout 120s), and a SYN timeout like the kernel's 120 s.
+    pub const DEFAULT: Self = Self {
+        tcp_established_timeout_ns: 24 * 3600 * 1_000_000_000,
+        tcp_syn_timeout_ns: 120 * 1_000_000_000,
+        tcp_closing_timeout_ns: 3600 * 1_000_000_000,
+        udp_timeout_ns: 30 * 1_000_000_000,
+        udp_stream_timeout_ns: 120 * 1_000_000_000,
+        layout_version: MAP_LAYOUT_VERSION,
+        _pad0: [0; 4],
+    };
+
+    /// How long `value` may stay idle before the flow is over.
+    pub const fn timeout_ns(&self, proto: u8, flags: u8) -> u64 {
+        if proto == IPPROTO_TCP {
+            if flags & CT_FLAG_CLOSING != 0 {
+                self.tcp_closing_timeout_ns
+            } else if flags & CT_FLAG_SEEN_REPLY != 0 {
+                self.tcp_established_timeout_ns
+            } else {
+                self.tcp_syn_timeout_ns
+            }
+        } else if flags & CT_FLAG_SEEN_REPLY != 0 {
+            self.udp_stream_timeout_ns
+        } else {
+            self.udp_timeout_ns
+        }
+    }
+}
+
+/// Indexes of the per-CPU `STATS` array: what the datapath did, exported as metrics.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stat {
+    /// A new flow to a service was given a backend.
+    NewFlow = 0,
+    /// A packet of a tracked flow was translated to its backend.
+    EstablishedFlow = 1,
+    /// A reply was translated back to the service address.
+    ReplyTranslated = 2,
+    /// A packet to a service with no ready endpoint was answered with ICMP port unreachable.
+    Refused = 3,
+    /// The refusal could not be built (packet too short, IP options): the packet was dropped.
+    RefuseFailed = 4,
+    /// A tracked flow's backend left the service; the flow was given a new backend.
+    BackendGone = 5,
+    /// A tracked flow had timed out; it was given a (possibly new) backend.
+    FlowExpired = 6,
+    /// The conntrack map refused an insert; the packet was translated without tracking.
+    ConntrackInsertFailed = 7,
+    /// A header could not be rewritten (helper failure): the packet was dropped.
+    RewriteFailed = 8,
+}
+
+impl Stat {
+    pub const COUNT: u32 = 9;
+    pub const ALL: [Stat; Self::COUNT as usize] = [
+        Stat::NewFlow,
+        Stat::EstablishedFlow,
+        Stat::ReplyTranslated,
+        Stat::Refused,
+        Stat::RefuseFailed,
+        Stat::BackendGone,
+        Stat::FlowExpired,
+        Stat::ConntrackInsertFailed,
+        Stat::RewriteFailed,
+    ];
+
+    /// Label used for the metric.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Stat::NewFlow => "new_flow",
+            Stat::EstablishedFlow => "established_flow",
+            Stat::ReplyTranslated => "reply_translated",
+            Stat::Refused => "refused_no_endpoints",
+            Stat::RefuseFailed => "refuse_failed",
+            Stat::BackendGone => "backend_gone",
+            Stat::FlowExpired => "flow_expired",
+            Stat::ConntrackInsertFailed => "conntrack_insert_failed",
+            Stat::RewriteFailed => "rewrite_failed",
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all of these are #[repr(C)] with explicit padding fields, so every byte is
+    // initialised and any bit pattern is valid.
+    unsafe impl aya::Pod for super::ServiceKey {}
+    unsafe impl aya::Pod for super::ServiceValue {}
+    unsafe impl aya::Pod for super::Backend {}
+    unsafe impl aya::Pod for super::ConntrackKey {}
+    unsafe impl aya::Pod for super::ConntrackValue {}
+    unsafe impl aya::Pod for super::DatapathConfig {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, offset_of, size_of};
+
+    // The datapath and the agent must agree byte for byte; these are the layouts both sides
+    // were written against.
+    #[test]
+    fn service_key_layout() {
+        assert_eq!(size_of::<ServiceKey>(), 12);
+        assert_eq!(offset_of!(ServiceKey, addr), 0);
+        assert_eq!(offset_of!(ServiceKey, port), 4);
+        assert_eq!(offset_of!(ServiceKey, proto), 6);
+        assert_eq!(offset_of!(ServiceKey, _pad0), 7);
+        assert_eq!(offset_of!(ServiceKey, slot), 8);
+        assert_eq!(offset_of!(ServiceKey, _pad1), 10);
+    }
+
+    #[test]
+    fn service_value_layout() {
+        assert_eq!(size_of::<ServiceValue>(), 12);
+        assert_eq!(offset_of!(ServiceValue, backend_id), 0);
+        assert_eq!(offset_of!(ServiceValue, service_id), 4);
+        assert_eq!(offset_of!(ServiceValue, count), 8);
+        assert_eq!(offset_of!(ServiceValue, flags), 10);
+    }
+
+    #[test]
+    fn backend_layout() {
+        assert_eq!(size_of::<Backend>(), 8);
+        assert_eq!(offset_of!(Backend, addr), 0);
+        assert_eq!(offset_of!(Backend, port), 4);
+        assert_eq!(offset_of!(Backend, _pad0), 6);
+    }
+
+    #[test]
+    fn conntrack_layout() {
+        assert_eq!(size_of::<ConntrackKey>(), 16);
+        assert_eq!(offset_of!(ConntrackKey, saddr), 0);
+        assert_eq!(offset_of!(ConntrackKey, daddr), 4);
+        assert_eq!(offset_of!(ConntrackKey, sport), 8);
+        assert_eq!(offset_of!(ConntrackKey, dport), 10);
+        assert_eq!(offset_of!(ConntrackKey, proto), 12);
+        assert_eq!(offset_of!(ConntrackKey, _pad0), 13);
+
+        assert_eq!(size_of::<ConntrackValue>(), 24);
+        assert_eq!(align_of::<ConntrackValue>(), 8);
+        assert_eq!(offset_of!(ConntrackValue, last_seen_ns), 0);
+        assert_eq!(offset_of!(ConntrackValue, nat_addr), 8);
+        assert_eq!(offset_of!(ConntrackValue, nat_port), 12);
+        assert_eq!(offset_of!(ConntrackValue, flags), 14);
+        assert_eq!(offset_of!(ConntrackValue, _pad0), 15);
+        assert_eq!(offset_of!(ConntrackValue, backend_id), 16);
+        assert_eq!(offset_of!(ConntrackValue, _pad1), 20);
+    }
+
+    #[test]
+    fn config_layout() {
+        assert_eq!(size_of::<DatapathConfig>(), 48);
+        assert_eq!(offset_of!(DatapathConfig, udp_stream_timeout_ns), 32);
+        assert_eq!(offset_of!(DatapathConfig, layout_version), 40);
+    }
+
+    #[test]
+    fn reversed_tuple_swaps_ends() {
+        let k = ConntrackKey::new(1, 2, 3, 4, IPPROTO_UDP);
+        let r = k.reversed();
+        assert_eq!((r.saddr, r.daddr, r.sport, r.dport, r.proto), (2, 1, 4, 3, IPPROTO_UDP));
+        assert_eq!(r.reversed(), k);
+    }
+
+    #[test]
+    fn timeouts_follow_flow_state() {
+        let c = DatapathConfig::DEFAULT;
+        assert_eq!(c.timeout_ns(IPPROTO_TCP, 0), c.tcp_syn_timeout_ns);
+        assert_eq!(c.timeout_ns(IPPROTO_TCP, CT_FLAG_SEEN_REPLY), c.tcp_established_timeout_ns);
+        assert_eq!(
+            c.timeout_ns(IPPROTO_TCP, CT_FLAG_SEEN_REPLY | CT_FLAG_CLOSING),
+            c.tcp_closing_timeout_ns
+        );
+        assert_eq!(c.timeout_ns(IPPROTO_UDP, 0), c.udp_timeout_ns);
+        assert_eq!(c.timeout_ns(IPPROTO_UDP, CT_FLAG_SEEN_REPLY), c.udp_stream_timeout_ns);
+    }
+
+    #[test]
+    fn stat_indexes_are_dense() {
+        for (i, s) in Stat::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+    }
+}

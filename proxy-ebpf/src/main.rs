@@ -1,0 +1,519 @@
+//! The eBPF datapath: a tc classifier that translates IPv4 TCP/UDP flows to a Service's
+//! frontend (ClusterIP:port) into a backend (pod IP:targetPort) and translates the replies back.
+//!
+//! Per packet: parse Ethernet/IPv4/L4 with a bounds check before every read, then
+//! 1. a conntrack hit in the reply direction rewrites the source back to the service;
+//! 2. a conntrack hit in the original direction rewrites the destination to the flow's backend,
+//!    provided the backend is still in the service and the flow has not timed out;
+//! 3. otherwise a service lookup picks a uniformly random backend, records both directions in
+//!    conntrack and rewrites; a service with no backend is refused with ICMP port unreachable.
+//!
+//! Anything that is not for a service leaves untouched with `TC_ACT_UNSPEC`, which is TCX's
+//! "next": programs attached after ours (a CNI's) still see the packet.
+#![no_std]
+#![no_main]
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR,
+        TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
+    },
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
+    macros::{classifier, map},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    programs::TcContext,
+};
+use proxy_common::{
+    Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceValue, Stat,
+    CT_FLAG_CLOSING, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
+};
+
+// Sizes here are defaults for loaders that do not size maps; the agent always sets them from
+// its configuration before loading.
+#[map]
+static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(65536, 0);
+#[map]
+static BACKENDS: HashMap<u32, Backend> = HashMap::with_max_entries(65536, 0);
+#[map]
+static CONNTRACK: LruHashMap<ConntrackKey, ConntrackValue> =
+    LruHashMap::with_max_entries(262144, 0);
+#[map]
+static CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
+#[map]
+static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 0);
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const IPV4_HLEN: usize = 20;
+const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+const IP_SADDR_OFF: usize = ETH_HLEN + 12;
+const IP_DADDR_OFF: usize = ETH_HLEN + 16;
+const TCP_CSUM_OFF: usize = 16;
+const UDP_CSUM_OFF: usize = 6;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+
+/// Bytes of the refused packet's transport header quoted in the ICMP error. RFC 792 asks for
+/// 8; 40 also keeps a TCP checksum field inside the packet, which the kernel requires when it
+/// trims a packet whose checksum is still to be completed by offload (CHECKSUM_PARTIAL).
+const REFUSAL_QUOTED_L4: usize = 40;
+const ICMP_HLEN: usize = 8;
+/// Ethernet + outer IPv4 + ICMP + quoted IPv4 header + quoted transport bytes.
+const REFUSAL_LEN: usize = ETH_HLEN + IPV4_HLEN + ICMP_HLEN + IPV4_HLEN + REFUSAL_QUOTED_L4;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hook {
+    Ingress,
+    Egress,
+}
+
+#[classifier]
+pub fn proxy_ingress(ctx: TcContext) -> i32 {
+    run(&ctx, Hook::Ingress)
+}
+
+#[classifier]
+pub fn proxy_egress(ctx: TcContext) -> i32 {
+    run(&ctx, Hook::Egress)
+}
+
+#[inline(always)]
+fn run(ctx: &TcContext, hook: Hook) -> i32 {
+    match try_translate(ctx, hook) {
+        Ok(verdict) => verdict,
+        Err(stat) => {
+            bump(stat);
+            TC_ACT_SHOT as i32
+        }
+    }
+}
+
+/// The fields of a packet the translation needs, read once up front.
+struct Packet {
+    l4_off: usize,
+    key: ConntrackKey,
+    tcp_flags: u8,
+}
+
+#[inline(always)]
+fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
+    let Some(pkt) = parse(ctx) else {
+        return Ok(TC_ACT_UNSPEC);
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+
+    if let Some(ct) = CONNTRACK.get_ptr_mut(pkt.key) {
+        // SAFETY: the pointer is to a map value and valid for this program run.
+        let ct = unsafe { &mut *ct };
+        if ct.flags & CT_FLAG_REPLY != 0 {
+            return translate_reply(ctx, &pkt, ct, now);
+        }
+        if let Some(verdict) = translate_tracked(ctx, &pkt, ct, now)? {
+            return Ok(verdict);
+        }
+    }
+
+    let header_key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
+    let Some(header) = (unsafe { SERVICES.get(header_key) }) else {
+        return Ok(TC_ACT_UNSPEC);
+    };
+    if header.count == 0 {
+        return refuse(ctx, &pkt, hook);
+    }
+    new_flow(ctx, &pkt, header.count, now)
+}
+
+#[inline(always)]
+fn parse(ctx: &TcContext) -> Option<Packet> {
+    let eth_proto: u16 = u16::from_be(read(ctx, 12)?);
+    if eth_proto != ETH_P_IP {
+        return None;
+    }
+    let ver_ihl: u8 = read(ctx, ETH_HLEN)?;
+    let ihl = ((ver_ihl & 0x0f) as usize) * 4;
+    if ver_ihl >> 4 != 4 || ihl < IPV4_HLEN {
+        return None;
+    }
+    // Fragments other than the first carry no ports; they are left to the kernel for now.
+    let frag: u16 = u16::from_be(read(ctx, ETH_HLEN + 6)?);
+    if frag & 0x1fff != 0 {
+        return None;
+    }
+    let proto: u8 = read(ctx, ETH_HLEN + 9)?;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return None;
+    }
+    let saddr: u32 = read(ctx, IP_SADDR_OFF)?;
+    let daddr: u32 = read(ctx, IP_DADDR_OFF)?;
+    let l4_off = ETH_HLEN + ihl;
+    let sport: u16 = read(ctx, l4_off)?;
+    let dport: u16 = read(ctx, l4_off + 2)?;
+    let tcp_flags: u8 = if proto == IPPROTO_TCP {
+        read(ctx, l4_off + 13)?
+    } else {
+        0
+    };
+    Some(Packet {
+        l4_off,
+        key: ConntrackKey::new(saddr, daddr, sport, dport, proto),
+        tcp_flags,
+    })
+}
+
+/// Reads a `T` at `off` after checking it lies inside the packet.
+#[inline(always)]
+fn read<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + off + size_of::<T>() > end {
+        return None;
+    }
+    // SAFETY: bounds checked above; packet data has no alignment guarantee.
+    Some(unsafe { ((start + off) as *const T).read_unaligned() })
+}
+
+#[inline(always)]
+fn bump(stat: Stat) {
+    if let Some(c) = STATS.get_ptr_mut(stat as u32) {
+        // SAFETY: per-CPU slot, no concurrent writer.
+        unsafe { *c += 1 };
+    }
+}
+
+#[inline(always)]
+fn config() -> DatapathConfig {
+    match CONFIG.get(0) {
+        Some(c) if c.layout_version != 0 => *c,
+        _ => DatapathConfig::DEFAULT,
+    }
+}
+
+/// Updates a conntrack entry's state for this packet; refreshes its timestamp at most once a
+/// second so established flows do not dirty a shared cache line on every packet.
+#[inline(always)]
+fn touch(ct: &mut ConntrackValue, pkt: &Packet, now: u64, extra_flags: u8) {
+    let mut flags = ct.flags | extra_flags;
+    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        flags |= CT_FLAG_CLOSING;
+    }
+    if flags != ct.flags {
+        ct.flags = flags;
+    }
+    if now.wrapping_sub(ct.last_seen_ns) > CT_REFRESH_NS {
+        ct.last_seen_ns = now;
+    }
+}
+
+/// A reply from a backend: restore the service address as the source.
+#[inline(always)]
+fn translate_reply(
+    ctx: &TcContext,
+    pkt: &Packet,
+    ct: &mut ConntrackValue,
+    now: u64,
+) -> Result<i32, Stat> {
+    let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
+    let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
+    let (nat_addr, nat_port) = (ct.nat_addr, ct.nat_port);
+    touch(ct, pkt, now, CT_FLAG_SEEN_REPLY);
+    if first_reply || closing {
+        // The original-direction entry decides the flow's timeout: tell it what we saw.
+        let original = ConntrackKey::new(
+            pkt.key.daddr,
+            nat_addr,
+            pkt.key.dport,
+            nat_port,
+            pkt.key.proto,
+        );
+        if let Some(orig) = CONNTRACK.get_ptr_mut(original) {
+            // SAFETY: map value pointer, valid for this run.
+            let orig = unsafe { &mut *orig };
+            touch(orig, pkt, now, CT_FLAG_SEEN_REPLY);
+        }
+    }
+    rewrite(ctx, pkt, Side::Source, pkt.key.saddr, nat_addr, pkt.key.sport, nat_port)?;
+    bump(Stat::ReplyTranslated);
+    Ok(TC_ACT_UNSPEC)
+}
+
+/// A packet of a tracked flow. Returns `None` when the flow must be given a new backend:
+/// it timed out, its TCP connection was closed and a new SYN reuses the tuple, or its backend
+/// left the service (TCP then gets a reset from the new backend instead of hanging, and UDP
+/// moves on instead of black-holing).
+#[inline(always)]
+fn translate_tracked(
+    ctx: &TcContext,
+    pkt: &Packet,
+    ct: &mut ConntrackValue,
+    now: u64,
+) -> Result<Option<i32>, Stat> {
+    let expired = now.wrapping_sub(ct.last_seen_ns)
+        > config().timeout_ns(pkt.key.proto, ct.flags) + CT_REFRESH_NS;
+    let reopened = pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN && ct.flags & CT_FLAG_CLOSING != 0;
+    let backend_alive = match unsafe { BACKENDS.get(ct.backend_id) } {
+        Some(b) => b.addr == ct.nat_addr && b.port == ct.nat_port,
+        None => false,
+    };
+    if expired || reopened || !backend_alive {
+        bump(if backend_alive { Stat::FlowExpired } else { Stat::BackendGone });
+        let reply = ConntrackKey::new(
+            ct.nat_addr,
+            pkt.key.saddr,
+            ct.nat_port,
+            pkt.key.sport,
+            pkt.key.proto,
+        );
+        let _ = CONNTRACK.remove(reply);
+        let _ = CONNTRACK.remove(pkt.key);
+        return Ok(None);
+    }
+    let (nat_addr, nat_port) = (ct.nat_addr, ct.nat_port);
+    touch(ct, pkt, now, 0);
+    rewrite(ctx, pkt, Side::Destination, pkt.key.daddr, nat_addr, pkt.key.dport, nat_port)?;
+    bump(Stat::EstablishedFlow);
+    Ok(Some(TC_ACT_UNSPEC))
+}
+
+/// First packet of a flow to a service with `count` backends.
+#[inline(always)]
+fn new_flow(ctx: &TcContext, pkt: &Packet, count: u16, now: u64) -> Result<i32, Stat> {
+    let slot = random_below(count as u32) as u16 + 1;
+    let (backend_id, backend) = match pick(pkt, slot) {
+        Some(found) => found,
+        // The agent shrinks a service by lowering the header's count before it deletes
+        // slots; a packet that read the old count can land on a deleted slot. Slot 1 always
+        // exists while count > 0.
+        None => pick(pkt, 1).ok_or(Stat::RewriteFailed)?,
+    };
+
+    let original = ConntrackValue {
+        last_seen_ns: now,
+        nat_addr: backend.addr,
+        nat_port: backend.port,
+        flags: 0,
+        _pad0: 0,
+        backend_id,
+        _pad1: [0; 4],
+    };
+    let reply_key = ConntrackKey::new(
+        backend.addr,
+        pkt.key.saddr,
+        backend.port,
+        pkt.key.sport,
+        pkt.key.proto,
+    );
+    let reply = ConntrackValue {
+        last_seen_ns: now,
+        nat_addr: pkt.key.daddr,
+        nat_port: pkt.key.dport,
+        flags: CT_FLAG_REPLY,
+        _pad0: 0,
+        backend_id,
+        _pad1: [0; 4],
+    };
+    if CONNTRACK.insert(reply_key, reply, BPF_ANY as u64).is_err()
+        || CONNTRACK.insert(pkt.key, original, BPF_ANY as u64).is_err()
+    {
+        bump(Stat::ConntrackInsertFailed);
+    }
+    rewrite(
+        ctx,
+        pkt,
+        Side::Destination,
+        pkt.key.daddr,
+        backend.addr,
+        pkt.key.dport,
+        backend.port,
+    )?;
+    bump(Stat::NewFlow);
+    Ok(TC_ACT_UNSPEC)
+}
+
+#[inline(always)]
+fn pick(pkt: &Packet, slot: u16) -> Option<(u32, Backend)> {
+    let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
+    let id = unsafe { SERVICES.get(key) }?.backend_id;
+    let backend = unsafe { BACKENDS.get(id) }?;
+    Some((id, *backend))
+}
+
+/// A uniformly random integer in `0..n` (n > 0), by Lemire's multiply-and-reject method: the
+/// plain `rand % n` favours low values whenever n does not divide 2^32.
+#[inline(always)]
+fn random_below(n: u32) -> u32 {
+    let n64 = n as u64;
+    let mut m = unsafe { bpf_get_prandom_u32() } as u64 * n64;
+    if (m as u32) < n {
+        let threshold = n.wrapping_neg() % n;
+        // Each retry is needed with probability < n / 2^32; the bound keeps the verifier
+        // happy and leaves a bias below 2^-100 for any service size.
+        let mut tries = 0;
+        while (m as u32) < threshold && tries < 4 {
+            m = unsafe { bpf_get_prandom_u32() } as u64 * n64;
+            tries += 1;
+        }
+    }
+    (m >> 32) as u32
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Source,
+    Destination,
+}
+
+/// Rewrites one end of the packet (address and port) and fixes the IPv4 and L4 checksums
+/// with the kernel helpers, which also do the right thing for a checksum still to be
+/// completed by offload (CHECKSUM_PARTIAL) and for a packet-wide CHECKSUM_COMPLETE.
+#[inline(always)]
+fn rewrite(
+    ctx: &TcContext,
+    pkt: &Packet,
+    side: Side,
+    old_addr: u32,
+    new_addr: u32,
+    old_port: u16,
+    new_port: u16,
+) -> Result<(), Stat> {
+    let (addr_off, port_off) = match side {
+        Side::Source => (IP_SADDR_OFF, pkt.l4_off),
+        Side::Destination => (IP_DADDR_OFF, pkt.l4_off + 2),
+    };
+    let (csum_off, mangled) = if pkt.key.proto == IPPROTO_TCP {
+        (pkt.l4_off + TCP_CSUM_OFF, 0)
+    } else {
+        // A UDP checksum of 0 means "none": leave it so, and never produce 0 for a real one.
+        (pkt.l4_off + UDP_CSUM_OFF, BPF_F_MARK_MANGLED_0 as u64)
+    };
+    if old_addr != new_addr {
+        ctx.l4_csum_replace(
+            csum_off,
+            old_addr as u64,
+            new_addr as u64,
+            BPF_F_PSEUDO_HDR as u64 | mangled | 4,
+        )
+        .map_err(|_| Stat::RewriteFailed)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, old_addr as u64, new_addr as u64, 4)
+            .map_err(|_| Stat::RewriteFailed)?;
+        ctx.store(addr_off, &new_addr, 0)
+            .map_err(|_| Stat::RewriteFailed)?;
+    }
+    if old_port != new_port {
+        ctx.l4_csum_replace(csum_off, old_port as u64, new_port as u64, mangled | 2)
+            .map_err(|_| Stat::RewriteFailed)?;
+        ctx.store(port_off, &new_port, 0)
+            .map_err(|_| Stat::RewriteFailed)?;
+    }
+    Ok(())
+}
+
+/// Answers a packet to a service without endpoints with ICMP port unreachable, as
+/// kube-proxy's REJECT rule does: TCP connects fail at once with ECONNREFUSED and UDP
+/// senders get the error on their next call, instead of waiting for a timeout.
+///
+/// The packet is turned into its own answer: trimmed (or zero-padded) to a fixed quote of
+/// its headers, given a new IPv4 + ICMP header in front, and sent back out of the interface
+/// it came from.
+#[inline(always)]
+fn refuse(ctx: &TcContext, pkt: &Packet, hook: Hook) -> Result<i32, Stat> {
+    // IP options would shift the quote; such packets to a ClusterIP are not worth the code.
+    if pkt.l4_off != ETH_HLEN + IPV4_HLEN {
+        return Err(Stat::RefuseFailed);
+    }
+    let quoted_len = (IPV4_HLEN + REFUSAL_QUOTED_L4) as u32;
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, ETH_HLEN as u32 + quoted_len, 0) } != 0 {
+        return Err(Stat::RefuseFailed);
+    }
+    ctx.adjust_room((IPV4_HLEN + ICMP_HLEN) as i32, BPF_ADJ_ROOM_MAC, 0)
+        .map_err(|_| Stat::RefuseFailed)?;
+
+    let start = ctx.data();
+    if start + REFUSAL_LEN > ctx.data_end() {
+        return Err(Stat::RefuseFailed);
+    }
+    let p = start as *mut u8;
+    // SAFETY: all writes below are within the REFUSAL_LEN bytes checked above.
+    unsafe {
+        // Ethernet: back to where it came from.
+        for i in 0..6 {
+            let d = *p.add(i);
+            *p.add(i) = *p.add(6 + i);
+            *p.add(6 + i) = d;
+        }
+        let ip = p.add(ETH_HLEN);
+        let fields: [u8; 12] = [
+            0x45,
+            0xc0, // precedence "internetwork control", as the kernel's own ICMP errors
+            0,
+            (REFUSAL_LEN - ETH_HLEN) as u8,
+            0,
+            0,
+            0x40, // don't fragment
+            0,
+            64,
+            1, // ICMP
+            0,
+            0,
+        ];
+        for (i, b) in fields.iter().enumerate() {
+            *ip.add(i) = *b;
+        }
+        // From the service address the client tried, to the client.
+        (ip.add(12) as *mut u32).write_unaligned(pkt.key.daddr);
+        (ip.add(16) as *mut u32).write_unaligned(pkt.key.saddr);
+        let ip_csum = fold(sum16(ip, IPV4_HLEN));
+        (ip.add(10) as *mut u16).write_unaligned(ip_csum);
+
+        let icmp = ip.add(IPV4_HLEN);
+        for i in 0..ICMP_HLEN {
+            *icmp.add(i) = 0;
+        }
+        *icmp = ICMP_DEST_UNREACH;
+        *icmp.add(1) = ICMP_PORT_UNREACH;
+        let icmp_csum = fold(sum16(icmp, ICMP_HLEN + IPV4_HLEN + REFUSAL_QUOTED_L4));
+        (icmp.add(2) as *mut u16).write_unaligned(icmp_csum);
+    }
+    bump(Stat::Refused);
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let flags = match hook {
+        Hook::Ingress => 0,
+        Hook::Egress => BPF_F_INGRESS as u64,
+    };
+    unsafe { bpf_redirect(ifindex, flags) };
+    Ok(TC_ACT_REDIRECT as i32)
+}
+
+/// One's-complement sum of `len` bytes (even) as 16-bit words in memory order.
+#[inline(always)]
+unsafe fn sum16(p: *const u8, len: usize) -> u32 {
+    let mut sum: u32 = 0;
+    let mut i = 0;
+    while i < len {
+        sum += (p.add(i) as *const u16).read_unaligned() as u32;
+        i += 2;
+    }
+    sum
+}
+
+#[inline(always)]
+fn fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,3 @@
+//! Test support: packet crafting, the in-kernel test harness, and (later) the lab.
+pub mod kernel;
+pub mod packet;
