@@ -279,10 +279,12 @@ mod tests {
 
     #[test]
     fn checksum_matches_rfc1071_example() {
-        // RFC 1071 section 3 example: words 0001 f203 f4f5 f6f7 sum to 0x220d after folding.
+        // RFC 1071 section 3 example: words 0001 f203 f4f5 f6f7 sum to 2ddf0, which folds
+        // to ddf2; the checksum is its complement.
         let data = [0x00, 0x01, 0xf2, 0x03, 0xf4, 0xf5, 0xf6, 0xf7];
-        assert_eq!(fold(ones_complement_sum(&data)), 0x220d);
-        assert_eq!(checksum(&data), !0x220d);
+        assert_eq!(ones_complement_sum(&data), 0x2ddf0);
+        assert_eq!(fold(ones_complement_sum(&data)), 0xddf2);
+        assert_eq!(checksum(&data), 0x220d);
     }
 
     #[test]

@@ -1,0 +1,247 @@
+use std::{fs, net::SocketAddrV4, os::unix::fs::symlink, time::Duration};
+
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::model::{DesiredState, ObjectName, Protocol, ServicePortName};
+
+const MIXED: &str = r#"
+# A Service with a named and a numeric target port, served by two slices.
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+    - {name: http, port: 80, targetPort: http}
+    - {name: metrics, port: 9090, targetPort: 9100}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8080, protocol: TCP}
+  - {name: metrics, port: 9100, protocol: TCP}
+endpoints:
+  - addresses: [10.244.1.1]
+  - addresses: [10.244.1.2]
+    conditions: {ready: false}
+---
+this: is: not: yaml: [
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-2
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8081, protocol: TCP}
+  - {name: metrics, port: 9100, protocol: TCP}
+endpoints:
+  - addresses: [10.244.2.1]
+    conditions: {ready: true}
+  - addresses: [10.244.1.1]
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: shop}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: bad-ip, namespace: shop}
+spec:
+  clusterIP: 10.96.0.300
+  ports: [{port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: port-zero, namespace: shop}
+spec:
+  clusterIP: 10.96.0.11
+  ports: [{port: 0}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: big-port
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports: [{name: http, port: 70000}]
+endpoints: [{addresses: [10.244.9.9]}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: dns, namespace: kube-system}
+spec:
+  clusterIP: 10.96.0.53
+  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 53}]
+"#;
+
+fn parse(text: &str) -> ManifestSet {
+    let mut set = ManifestSet::default();
+    parse_into(text, "cluster.yaml", &mut set);
+    set
+}
+
+fn port(ns: &str, name: &str, port: &str, protocol: Protocol) -> ServicePortName {
+    ServicePortName {
+        service: ObjectName {
+            namespace: ns.into(),
+            name: name.into(),
+        },
+        port: port.into(),
+        protocol,
+    }
+}
+
+fn problem_with(set: &ManifestSet, needle: &str) -> Problem {
+    set.problems
+        .iter()
+        .find(|p| p.to_string().contains(needle))
+        .unwrap_or_else(|| panic!("no problem mentions {needle:?}: {:#?}", set.problems))
+        .clone()
+}
+
+#[test]
+fn one_broken_document_costs_only_itself() {
+    let set = parse(MIXED);
+    assert_eq!(set.store.services.len(), 2, "web and dns survive");
+    assert_eq!(set.store.slices.len(), 2, "web-1 and web-2 survive");
+
+    let yaml = problem_with(&set, "not valid YAML");
+    assert!(yaml.origin.contains("cluster.yaml document 3"), "{yaml}");
+    let kind = problem_with(&set, "unsupported kind Deployment");
+    assert!(kind.to_string().contains("shop/web"), "{kind}");
+    assert!(kind.origin.contains("document 5"), "{kind}");
+    let ip = problem_with(&set, "10.96.0.300");
+    assert!(ip.to_string().contains("Service shop/bad-ip"), "{ip}");
+    assert!(ip.to_string().contains("spec.clusterIP"), "{ip}");
+    let zero = problem_with(&set, "port-zero");
+    assert!(zero.to_string().contains("spec.ports[0].port: 0 is not a port number"), "{zero}");
+    let big = problem_with(&set, "big-port");
+    assert!(big.to_string().contains("ports[0].port: 70000"), "{big}");
+    assert_eq!(set.problems.len(), 5, "{:#?}", set.problems);
+}
+
+#[test]
+fn named_and_numeric_target_ports_resolve_per_slice_and_duplicates_merge() {
+    let set = parse(MIXED);
+    let (state, problems) = DesiredState::build(&set.store);
+    assert!(problems.is_empty(), "{problems:#?}");
+    let http = &state.ports[&port("shop", "web", "http", Protocol::Tcp)];
+    assert_eq!(http.frontend.addr.to_string(), "10.96.0.10");
+    assert_eq!(http.frontend.port, 80);
+    // web-1 resolves `http` to 8080, web-2 to 8081; 10.244.1.2 is not ready; 10.244.1.1
+    // appears in both slices with different ports, so both are distinct backends.
+    let want: Vec<SocketAddrV4> = ["10.244.1.1:8080", "10.244.1.1:8081", "10.244.2.1:8081"]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(http.backends, want);
+    let metrics = &state.ports[&port("shop", "web", "metrics", Protocol::Tcp)];
+    let want: Vec<SocketAddrV4> = ["10.244.1.1:9100", "10.244.2.1:9100"]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(metrics.backends, want, "the same endpoint twice is one backend");
+    let dns = &state.ports[&port("kube-system", "dns", "dns", Protocol::Udp)];
+    assert!(dns.backends.is_empty(), "a Service without slices refuses");
+}
+
+#[test]
+fn lists_and_json_documents_are_read() {
+    let json = r#"{"apiVersion":"v1","kind":"List","items":[
+        {"apiVersion":"v1","kind":"Service","metadata":{"name":"a","namespace":"x"},
+         "spec":{"clusterIP":"10.96.1.1","ports":[{"port":53,"protocol":"UDP"}]}},
+        {"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice",
+         "metadata":{"name":"a-1","namespace":"x","labels":{"kubernetes.io/service-name":"a"}},
+         "addressType":"IPv4","ports":[{"name":"","port":5353,"protocol":"UDP"}],
+         "endpoints":[{"addresses":["10.244.0.7"],"conditions":{}}]},
+        {"apiVersion":"v1","kind":"Node","metadata":{"name":"node-a"}}]}"#;
+    let set = parse(json);
+    assert!(set.problems.is_empty(), "{:#?}", set.problems);
+    assert_eq!(set.nodes, vec!["node-a".to_string()]);
+    let (state, _) = DesiredState::build(&set.store);
+    let a = &state.ports[&port("x", "a", "", Protocol::Udp)];
+    assert_eq!(a.backends, vec!["10.244.0.7:5353".parse().unwrap()], "absent ready = ready");
+}
+
+#[test]
+fn document_numbers_and_lines_point_at_the_document() {
+    let text = "---\n# only a comment\n---\napiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec: {clusterIP: nope, ports: [{port: 1}]}\n";
+    let set = parse(text);
+    let p = problem_with(&set, "nope");
+    assert!(p.origin.contains("document 1 (line 3)"), "{p}");
+}
+
+#[test]
+fn directory_with_configmap_layout_is_read_through_its_symlinks() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("..2026_11_29_01");
+    fs::create_dir(&data).unwrap();
+    fs::write(data.join("services.yaml"), MIXED).unwrap();
+    fs::write(data.join("notes.txt"), "ignored").unwrap();
+    symlink("..2026_11_29_01", dir.path().join("..data")).unwrap();
+    symlink("..data/services.yaml", dir.path().join("services.yaml")).unwrap();
+    let set = load(dir.path()).unwrap();
+    assert_eq!(set.store.services.len(), 2, "read once, through the visible symlink");
+    assert!(set.problems.iter().all(|p| p.origin.contains("services.yaml")));
+}
+
+#[test]
+fn missing_path_is_a_clear_error() {
+    let err = load(Path::new("/nonexistent/manifests")).unwrap_err();
+    assert!(format!("{err:#}").contains("--manifests /nonexistent/manifests"), "{err:#}");
+}
+
+async fn expect_event(rx: &mut mpsc::Receiver<()>, what: &str) {
+    tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("no reload after {what}"))
+        .expect("watcher alive");
+    // Drain what the same burst may still send.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    while rx.try_recv().is_ok() {}
+}
+
+#[tokio::test]
+async fn watch_sees_edits_atomic_renames_and_configmap_symlink_swaps() {
+    let dir = tempfile::tempdir().unwrap();
+    // A single file, replaced by rename as editors and `kubectl cp` do.
+    let file = dir.path().join("cluster.yaml");
+    fs::write(&file, "").unwrap();
+    let (tx, mut rx) = mpsc::channel(1);
+    let _w = watch(&file, tx).unwrap();
+    fs::write(&file, MIXED).unwrap();
+    expect_event(&mut rx, "an in-place write").await;
+    let tmp = dir.path().join(".cluster.yaml.tmp");
+    fs::write(&tmp, "").unwrap();
+    fs::rename(&tmp, &file).unwrap();
+    expect_event(&mut rx, "a replace by rename").await;
+    assert!(load(&file).unwrap().store.services.is_empty());
+
+    // A ConfigMap volume: files are symlinks through ..data, which is swapped atomically.
+    let cm = tempfile::tempdir().unwrap();
+    let v1 = cm.path().join("..v1");
+    fs::create_dir(&v1).unwrap();
+    fs::write(v1.join("cluster.yaml"), "").unwrap();
+    symlink("..v1", cm.path().join("..data")).unwrap();
+    symlink("..data/cluster.yaml", cm.path().join("cluster.yaml")).unwrap();
+    let (tx, mut rx) = mpsc::channel(1);
+    let _w2 = watch(cm.path(), tx).unwrap();
+    let v2 = cm.path().join("..v2");
+    fs::create_dir(&v2).unwrap();
+    fs::write(v2.join("cluster.yaml"), MIXED).unwrap();
+    symlink("..v2", cm.path().join("..data_tmp")).unwrap();
+    fs::rename(cm.path().join("..data_tmp"), cm.path().join("..data")).unwrap();
+    fs::remove_dir_all(&v1).unwrap();
+    expect_event(&mut rx, "a ConfigMap symlink swap").await;
+    assert_eq!(load(cm.path()).unwrap().store.services.len(), 2);
+}

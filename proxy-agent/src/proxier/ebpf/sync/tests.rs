@@ -1,0 +1,204 @@
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use proxy_common::{Backend, ServiceKey, ServiceValue};
+
+use super::*;
+use crate::{
+    model::Protocol,
+    proxier::ebpf::maps::{InMemoryMaps, MapError, ServiceMaps},
+};
+
+fn frontend(last: u8) -> Frontend {
+    Frontend {
+        addr: Ipv4Addr::new(10, 96, 0, last),
+        port: 80,
+        protocol: Protocol::Tcp,
+    }
+}
+
+fn pods(range: std::ops::Range<u8>) -> Vec<SocketAddrV4> {
+    range
+        .map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, i), 8080))
+        .collect()
+}
+
+/// What a packet arriving now would be sent to: `None` if the frontend is unknown, else the
+/// set of backends reachable through the header's slots (panics on a dangling slot or
+/// backend, which a packet would hit).
+fn datapath_view(maps: &InMemoryMaps, f: &Frontend) -> Option<Vec<SocketAddrV4>> {
+    let header = maps.services.get(&service_key(f, 0))?;
+    let mut out = Vec::new();
+    for slot in 1..=header.count {
+        let v = maps
+            .services
+            .get(&service_key(f, slot))
+            .unwrap_or_else(|| panic!("{f}: slot {slot} of {} missing", header.count));
+        let b = maps
+            .backends
+            .get(&v.backend_id)
+            .unwrap_or_else(|| panic!("{f}: slot {slot} names missing backend {}", v.backend_id));
+        out.push(SocketAddrV4::new(
+            Ipv4Addr::from(u32::from_be(b.addr)),
+            u16::from_be(b.port),
+        ));
+    }
+    out.sort();
+    Some(out)
+}
+
+/// Runs the in-memory maps and, after every single write, checks what a packet would see
+/// for `watched`: always a complete service, never zero backends while `nonempty`.
+struct CheckedMaps {
+    inner: InMemoryMaps,
+    watched: Frontend,
+    nonempty: bool,
+    allowed: Vec<SocketAddrV4>,
+    checks: usize,
+}
+
+impl CheckedMaps {
+    fn check(&mut self) {
+        self.checks += 1;
+        if let Some(view) = datapath_view(&self.inner, &self.watched) {
+            if self.nonempty {
+                assert!(!view.is_empty(), "service went through zero backends");
+            }
+            for b in &view {
+                assert!(self.allowed.contains(b), "{b} is neither an old nor a new backend");
+            }
+        }
+    }
+}
+
+impl ServiceMaps for CheckedMaps {
+    fn set_service(&mut self, key: ServiceKey, value: ServiceValue) -> Result<(), MapError> {
+        self.inner.set_service(key, value)?;
+        self.check();
+        Ok(())
+    }
+    fn remove_service(&mut self, key: &ServiceKey) -> Result<(), MapError> {
+        self.inner.remove_service(key)?;
+        self.check();
+        Ok(())
+    }
+    fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError> {
+        self.inner.set_backend(id, backend)?;
+        self.check();
+        Ok(())
+    }
+    fn remove_backend(&mut self, id: u32) -> Result<(), MapError> {
+        self.inner.remove_backend(id)?;
+        self.check();
+        Ok(())
+    }
+}
+
+#[test]
+fn replacing_backends_never_passes_through_zero_or_a_dangling_slot() {
+    let f = frontend(1);
+    let mut sync = MapSync::new(CheckedMaps {
+        inner: InMemoryMaps::default(),
+        watched: f,
+        nonempty: false,
+        allowed: pods(1..200),
+        checks: 0,
+    });
+    sync.set(&f, &pods(1..4)).unwrap();
+    sync.maps.nonempty = true;
+    // Every kind of replacement: all at once, grow, shrink, partial overlap, one swap.
+    let steps = [
+        pods(10..13),
+        pods(10..40),
+        pods(35..37),
+        pods(36..90),
+        pods(1..2),
+        pods(2..3),
+        pods(50..150),
+        pods(100..101),
+    ];
+    for want in steps {
+        sync.set(&f, &want).unwrap();
+        assert_eq!(datapath_view(&sync.maps.inner, &f).unwrap(), want);
+    }
+    assert!(sync.maps.checks > 300, "checked after every write");
+}
+
+#[test]
+fn one_endpoint_change_costs_three_writes_whatever_the_service_size() {
+    let f = frontend(1);
+    let mut sync = MapSync::new(InMemoryMaps::default());
+    let mut backends = pods(1..201);
+    sync.set(&f, &backends).unwrap();
+    backends.retain(|b| b.ip().octets()[3] != 57);
+    backends.push(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 1), 8080));
+    let ops = sync.set(&f, &backends).unwrap();
+    // new backend, the departed one's slot, the departed backend's deletion
+    assert_eq!(ops, 3);
+    assert_eq!(sync.set(&f, &backends).unwrap(), 0, "no change, no write");
+    backends.sort();
+    assert_eq!(datapath_view(sync.maps(), &f).unwrap(), backends);
+}
+
+#[test]
+fn a_service_without_endpoints_keeps_a_header_with_count_zero() {
+    let f = frontend(1);
+    let mut sync = MapSync::new(InMemoryMaps::default());
+    sync.set(&f, &[]).unwrap();
+    assert_eq!(datapath_view(sync.maps(), &f), Some(vec![]));
+    sync.set(&f, &pods(1..3)).unwrap();
+    sync.set(&f, &[]).unwrap();
+    assert_eq!(datapath_view(sync.maps(), &f), Some(vec![]));
+    assert_eq!(sync.maps().services.len(), 1, "only the header is left");
+    assert!(sync.maps().backends.is_empty());
+}
+
+#[test]
+fn removal_leaves_nothing_behind() {
+    let mut sync = MapSync::new(InMemoryMaps::default());
+    for i in 1..5 {
+        sync.set(&frontend(i), &pods(1..(i * 3))).unwrap();
+    }
+    for i in 1..5 {
+        sync.remove(&frontend(i)).unwrap();
+    }
+    assert!(sync.maps().services.is_empty());
+    assert!(sync.maps().backends.is_empty());
+    assert_eq!(sync.remove(&frontend(1)).unwrap(), 0, "removing twice is harmless");
+}
+
+#[test]
+fn full_map_fails_one_service_cleanly_and_the_others_keep_working() {
+    // Room for 2 headers + 8 slots, 8 backends.
+    let mut sync = MapSync::new(InMemoryMaps::with_capacity(10, 8));
+    sync.set(&frontend(1), &pods(1..5)).unwrap(); // 5 service entries, 4 backends
+    let err = sync.set(&frontend(2), &pods(10..16)).unwrap_err(); // needs 6 more backends
+    assert_eq!(
+        err,
+        MapError::Full {
+            map: "BACKENDS",
+            capacity: 8
+        }
+    );
+    assert!(err.to_string().contains("raise its size"), "{err}");
+    assert_eq!(datapath_view(sync.maps(), &frontend(2)), None, "no half-written service");
+    assert_eq!(
+        datapath_view(sync.maps(), &frontend(1)).unwrap(),
+        pods(1..5),
+        "the other service is intact"
+    );
+    // Once room is made, the same call succeeds from scratch.
+    sync.remove(&frontend(1)).unwrap();
+    sync.set(&frontend(2), &pods(10..16)).unwrap();
+    assert_eq!(datapath_view(sync.maps(), &frontend(2)).unwrap(), pods(10..16));
+}
+
+#[test]
+fn backend_ids_are_not_reused_right_away() {
+    let f = frontend(1);
+    let mut sync = MapSync::new(InMemoryMaps::default());
+    sync.set(&f, &pods(1..2)).unwrap();
+    let first: Vec<u32> = sync.maps().backends.keys().copied().collect();
+    sync.set(&f, &pods(2..3)).unwrap();
+    let second: Vec<u32> = sync.maps().backends.keys().copied().collect();
+    assert_ne!(first, second, "a flow pinned to the old id must not follow it to a new pod");
+}
