@@ -5,9 +5,11 @@ use std::{env, fs, path::PathBuf};
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let object = env::var_os("PROXY_EBPF_OBJECT").map(PathBuf::from).unwrap_or_else(|| {
-        manifest_dir.join("../proxy-ebpf/target/bpfel-unknown-none/release/proxy-ebpf")
-    });
+    let object = env::var_os("PROXY_EBPF_OBJECT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            manifest_dir.join("../proxy-ebpf/target/bpfel-unknown-none/release/proxy-ebpf")
+        });
     println!("cargo:rerun-if-env-changed=PROXY_EBPF_OBJECT");
     println!("cargo:rerun-if-changed={}", object.display());
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("proxy-ebpf.o");

@@ -8,7 +8,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, Stat,
+    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, Stat, MAX_BACKENDS,
 };
 
 use crate::proxier::ebpf::maps::KernelMaps;
@@ -22,7 +22,8 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 pub struct DatapathSizes {
     /// `SERVICES`: one entry per service port plus one per (service port, endpoint).
     pub services: u32,
-    /// `BACKENDS`: one entry per (service port, endpoint).
+    /// `BACKENDS`: one entry per (service port, endpoint), plus the unused slot 0; at most
+    /// [`proxy_common::MAX_BACKENDS`].
     pub backends: u32,
     /// `CONNTRACK`: two entries per tracked flow; least recently used entries are evicted.
     pub conntrack: u32,
@@ -64,6 +65,12 @@ impl Datapath {
             bail!(
                 "this proxy-agent was built without its eBPF object: run `cargo xtask build-ebpf` \
                  (or `cargo xtask setup` on a new machine), then build the agent again"
+            );
+        }
+        if sizes.backends < 2 || sizes.backends > MAX_BACKENDS {
+            bail!(
+                "backends map size {} is out of range (2..={MAX_BACKENDS})",
+                sizes.backends
             );
         }
         let mut loader = EbpfLoader::new();
@@ -115,7 +122,9 @@ impl Datapath {
             .map_mut(map_names::CONFIG)
             .context("eBPF object has no CONFIG map")?;
         let mut array: Array<&mut MapData, DatapathConfig> = Array::try_from(map)?;
-        array.set(0, config, 0).context("writing the datapath configuration")?;
+        array
+            .set(0, config, 0)
+            .context("writing the datapath configuration")?;
         Ok(())
     }
 
@@ -131,9 +140,8 @@ impl Datapath {
             .context("eBPF object has no BACKENDS map")?;
         Ok(KernelMaps {
             services: BpfHashMap::try_from(services)?,
-            backends: BpfHashMap::try_from(backends)?,
+            backends: Array::try_from(backends)?,
             services_capacity: self.sizes.services,
-            backends_capacity: self.sizes.backends,
         })
     }
 

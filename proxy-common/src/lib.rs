@@ -71,7 +71,7 @@ impl ServiceKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ServiceValue {
-    /// Backend slots: key into `BACKENDS`.
+    /// Backend slots: the backend's id (see [`Backend`]).
     pub backend_id: u32,
     /// Stable identifier of the service port (for statistics and debugging).
     pub service_id: u32,
@@ -81,12 +81,26 @@ pub struct ServiceValue {
     pub flags: u16,
 }
 
-/// Value of the `BACKENDS` hash map, keyed by a `u32` backend id the agent allocates per
-/// service port, so removing an endpoint from one service never keeps flows of that service
-/// on it because another service shares the same pod address.
+/// Backend ids are `index | generation << 24`: the index selects the `BACKENDS` array slot,
+/// the generation changes each time the agent reuses the slot, so a conntrack entry that
+/// remembers an id never mistakes a later backend in the same slot for its own.
+pub const BACKEND_INDEX_BITS: u32 = 24;
+pub const BACKEND_INDEX_MASK: u32 = (1 << BACKEND_INDEX_BITS) - 1;
+/// Largest `BACKENDS` array the id scheme can address.
+pub const MAX_BACKENDS: u32 = 1 << BACKEND_INDEX_BITS;
+
+/// Value of the `BACKENDS` array, indexed by `id & BACKEND_INDEX_MASK`. An array rather than
+/// a hash: the lookup is an offset computation the verifier inlines, and the entries a
+/// service's flows touch sit together in memory, so checking on every packet that a flow's
+/// backend is still alive costs the same with 1 or 100 000 services.
+///
+/// Ids are allocated per service port, so removing an endpoint from one service never keeps
+/// that service's flows on it because another service shares the same pod address.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Backend {
+    /// The full id this slot currently holds; 0 when the slot is free.
+    pub id: u32,
     /// IPv4 address, network byte order.
     pub addr: u32,
     /// Port, network byte order.
@@ -95,8 +109,16 @@ pub struct Backend {
 }
 
 impl Backend {
-    pub const fn new(addr_be: u32, port_be: u16) -> Self {
+    pub const EMPTY: Self = Self {
+        id: 0,
+        addr: 0,
+        port: 0,
+        _pad0: [0; 2],
+    };
+
+    pub const fn new(id: u32, addr_be: u32, port_be: u16) -> Self {
         Self {
+            id,
             addr: addr_be,
             port: port_be,
             _pad0: [0; 2],
@@ -315,10 +337,11 @@ mod tests {
 
     #[test]
     fn backend_layout() {
-        assert_eq!(size_of::<Backend>(), 8);
-        assert_eq!(offset_of!(Backend, addr), 0);
-        assert_eq!(offset_of!(Backend, port), 4);
-        assert_eq!(offset_of!(Backend, _pad0), 6);
+        assert_eq!(size_of::<Backend>(), 12);
+        assert_eq!(offset_of!(Backend, id), 0);
+        assert_eq!(offset_of!(Backend, addr), 4);
+        assert_eq!(offset_of!(Backend, port), 8);
+        assert_eq!(offset_of!(Backend, _pad0), 10);
     }
 
     #[test]
@@ -353,7 +376,10 @@ mod tests {
     fn reversed_tuple_swaps_ends() {
         let k = ConntrackKey::new(1, 2, 3, 4, IPPROTO_UDP);
         let r = k.reversed();
-        assert_eq!((r.saddr, r.daddr, r.sport, r.dport, r.proto), (2, 1, 4, 3, IPPROTO_UDP));
+        assert_eq!(
+            (r.saddr, r.daddr, r.sport, r.dport, r.proto),
+            (2, 1, 4, 3, IPPROTO_UDP)
+        );
         assert_eq!(r.reversed(), k);
     }
 
@@ -361,13 +387,19 @@ mod tests {
     fn timeouts_follow_flow_state() {
         let c = DatapathConfig::DEFAULT;
         assert_eq!(c.timeout_ns(IPPROTO_TCP, 0), c.tcp_syn_timeout_ns);
-        assert_eq!(c.timeout_ns(IPPROTO_TCP, CT_FLAG_SEEN_REPLY), c.tcp_established_timeout_ns);
+        assert_eq!(
+            c.timeout_ns(IPPROTO_TCP, CT_FLAG_SEEN_REPLY),
+            c.tcp_established_timeout_ns
+        );
         assert_eq!(
             c.timeout_ns(IPPROTO_TCP, CT_FLAG_SEEN_REPLY | CT_FLAG_CLOSING),
             c.tcp_closing_timeout_ns
         );
         assert_eq!(c.timeout_ns(IPPROTO_UDP, 0), c.udp_timeout_ns);
-        assert_eq!(c.timeout_ns(IPPROTO_UDP, CT_FLAG_SEEN_REPLY), c.udp_stream_timeout_ns);
+        assert_eq!(
+            c.timeout_ns(IPPROTO_UDP, CT_FLAG_SEEN_REPLY),
+            c.udp_stream_timeout_ns
+        );
     }
 
     #[test]

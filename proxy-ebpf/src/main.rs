@@ -17,8 +17,8 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR,
-        TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
+        BPF_F_PSEUDO_HDR, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
@@ -27,7 +27,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceValue, Stat,
-    CT_FLAG_CLOSING, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
+    BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_REFRESH_NS,
+    IPPROTO_TCP, IPPROTO_UDP,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -35,7 +36,7 @@ use proxy_common::{
 #[map]
 static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(65536, 0);
 #[map]
-static BACKENDS: HashMap<u32, Backend> = HashMap::with_max_entries(65536, 0);
+static BACKENDS: Array<Backend> = Array::with_max_entries(65536, 0);
 #[map]
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackValue> =
     LruHashMap::with_max_entries(262144, 0);
@@ -106,9 +107,9 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     let Some(pkt) = parse(ctx) else {
         return Ok(TC_ACT_UNSPEC);
     };
-    let now = unsafe { bpf_ktime_get_ns() };
 
     if let Some(ct) = CONNTRACK.get_ptr_mut(pkt.key) {
+        let now = unsafe { bpf_ktime_get_ns() };
         // SAFETY: the pointer is to a map value and valid for this program run.
         let ct = unsafe { &mut *ct };
         if ct.flags & CT_FLAG_REPLY != 0 {
@@ -126,6 +127,7 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     if header.count == 0 {
         return refuse(ctx, &pkt, hook);
     }
+    let now = unsafe { bpf_ktime_get_ns() };
     new_flow(ctx, &pkt, header.count, now)
 }
 
@@ -237,7 +239,15 @@ fn translate_reply(
             touch(orig, pkt, now, CT_FLAG_SEEN_REPLY);
         }
     }
-    rewrite(ctx, pkt, Side::Source, pkt.key.saddr, nat_addr, pkt.key.sport, nat_port)?;
+    rewrite(
+        ctx,
+        pkt,
+        Side::Source,
+        pkt.key.saddr,
+        nat_addr,
+        pkt.key.sport,
+        nat_port,
+    )?;
     bump(Stat::ReplyTranslated);
     Ok(TC_ACT_UNSPEC)
 }
@@ -255,13 +265,15 @@ fn translate_tracked(
 ) -> Result<Option<i32>, Stat> {
     let expired = now.wrapping_sub(ct.last_seen_ns)
         > config().timeout_ns(pkt.key.proto, ct.flags) + CT_REFRESH_NS;
-    let reopened = pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN && ct.flags & CT_FLAG_CLOSING != 0;
-    let backend_alive = match unsafe { BACKENDS.get(ct.backend_id) } {
-        Some(b) => b.addr == ct.nat_addr && b.port == ct.nat_port,
-        None => false,
-    };
+    let reopened =
+        pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN && ct.flags & CT_FLAG_CLOSING != 0;
+    let backend_alive = backend(ct.backend_id).is_some();
     if expired || reopened || !backend_alive {
-        bump(if backend_alive { Stat::FlowExpired } else { Stat::BackendGone });
+        bump(if backend_alive {
+            Stat::FlowExpired
+        } else {
+            Stat::BackendGone
+        });
         let reply = ConntrackKey::new(
             ct.nat_addr,
             pkt.key.saddr,
@@ -275,7 +287,15 @@ fn translate_tracked(
     }
     let (nat_addr, nat_port) = (ct.nat_addr, ct.nat_port);
     touch(ct, pkt, now, 0);
-    rewrite(ctx, pkt, Side::Destination, pkt.key.daddr, nat_addr, pkt.key.dport, nat_port)?;
+    rewrite(
+        ctx,
+        pkt,
+        Side::Destination,
+        pkt.key.daddr,
+        nat_addr,
+        pkt.key.dport,
+        nat_port,
+    )?;
     bump(Stat::EstablishedFlow);
     Ok(Some(TC_ACT_UNSPEC))
 }
@@ -339,8 +359,15 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, count: u16, now: u64) -> Result<i32, 
 fn pick(pkt: &Packet, slot: u16) -> Option<(u32, Backend)> {
     let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
     let id = unsafe { SERVICES.get(key) }?.backend_id;
-    let backend = unsafe { BACKENDS.get(id) }?;
-    Some((id, *backend))
+    Some((id, backend(id)?))
+}
+
+/// The backend holding `id`, if it still does: its slot is freed (id 0) or reused under a
+/// new generation when it leaves its service.
+#[inline(always)]
+fn backend(id: u32) -> Option<Backend> {
+    let b = BACKENDS.get(id & BACKEND_INDEX_MASK)?;
+    (id != 0 && b.id == id).then_some(*b)
 }
 
 /// A uniformly random integer in `0..n` (n > 0), by Lemire's multiply-and-reject method: the

@@ -197,12 +197,19 @@ pub struct Parsed {
 }
 
 pub fn parse(frame: &[u8]) -> Parsed {
-    assert!(frame.len() >= ETH_HLEN + 20, "frame too short: {} bytes", frame.len());
+    assert!(
+        frame.len() >= ETH_HLEN + 20,
+        "frame too short: {} bytes",
+        frame.len()
+    );
     assert_eq!(&frame[12..14], &[0x08, 0x00], "not IPv4");
     let ip = &frame[ETH_HLEN..];
     let ihl = ((ip[0] & 0x0f) as usize) * 4;
     let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
-    assert!(total <= ip.len(), "IPv4 total length {total} beyond the frame");
+    assert!(
+        total <= ip.len(),
+        "IPv4 total length {total} beyond the frame"
+    );
     let l4 = ip[ihl..total].to_vec();
     let (sport, dport) = if l4.len() >= 4 {
         (
@@ -298,13 +305,10 @@ mod tests {
         // What offload hardware does: checksum the segment with the seed in place.
         let full = checksum(&seg);
         seg[16..18].copy_from_slice(&full.to_be_bytes());
-        assert_eq!(
-            full,
-            {
-                let mut s = seg.clone();
-                s[16..18].copy_from_slice(&[0, 0]);
-                l4_checksum(a, b, IPPROTO_TCP, &s)
-            }
-        );
+        assert_eq!(full, {
+            let mut s = seg.clone();
+            s[16..18].copy_from_slice(&[0, 0]);
+            l4_checksum(a, b, IPPROTO_TCP, &s)
+        });
     }
 }

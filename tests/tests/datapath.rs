@@ -71,7 +71,10 @@ fn stat(dp: &TestDatapath, which: Stat) -> u64 {
 /// Sends `spec` as a new flow; asserts a correct DNAT and returns the chosen backend.
 fn assert_dnat(dp: &TestDatapath, spec: &PacketSpec) -> SocketAddrV4 {
     let (verdict, out) = dp.run(Hook::Ingress, &spec.build()).unwrap();
-    assert_eq!(verdict, TC_ACT_UNSPEC, "translated packets continue (TCX next)");
+    assert_eq!(
+        verdict, TC_ACT_UNSPEC,
+        "translated packets continue (TCX next)"
+    );
     let p = parse(&out);
     let chosen = SocketAddrV4::new(p.dst, p.dport);
     assert!(backends().contains(&chosen), "{chosen} is not a backend");
@@ -102,11 +105,17 @@ fn established_flow_stays_on_its_backend_and_replies_are_reverse_translated() {
             };
             let first = assert_dnat(&dp, &spec(TCP_SYN));
             for _ in 0..5 {
-                assert_eq!(assert_dnat(&dp, &spec(TCP_ACK)), first, "{proto} flow moved");
+                assert_eq!(
+                    assert_dnat(&dp, &spec(TCP_ACK)),
+                    first,
+                    "{proto} flow moved"
+                );
             }
             // The backend answers: the client must see the service address.
             let mut reply = match proto {
-                "tcp" => PacketSpec::tcp(*first.ip(), first.port(), CLIENT, sport, TCP_SYN | TCP_ACK),
+                "tcp" => {
+                    PacketSpec::tcp(*first.ip(), first.port(), CLIENT, sport, TCP_SYN | TCP_ACK)
+                }
                 _ => PacketSpec::udp(*first.ip(), first.port(), CLIENT, sport, b"world"),
             };
             reply.payload.extend_from_slice(b"some reply data");
@@ -114,8 +123,15 @@ fn established_flow_stays_on_its_backend_and_replies_are_reverse_translated() {
             assert_eq!(verdict, TC_ACT_UNSPEC);
             let p = parse(&out);
             assert_eq!((p.src, p.sport), (VIP, 80), "{proto} reply source restored");
-            assert_eq!((p.dst, p.dport), (CLIENT, sport), "{proto} reply destination untouched");
-            assert!(p.ip_checksum_ok() && p.l4_checksum_ok(), "{proto} reply checksums");
+            assert_eq!(
+                (p.dst, p.dport),
+                (CLIENT, sport),
+                "{proto} reply destination untouched"
+            );
+            assert!(
+                p.ip_checksum_ok() && p.l4_checksum_ok(),
+                "{proto} reply checksums"
+            );
         }
     }
     assert_eq!(stat(&dp, Stat::NewFlow), 40);
@@ -143,7 +159,7 @@ fn packets_not_for_a_service_leave_byte_identical_with_next_verdict() {
     let cases = [
         PacketSpec::tcp(CLIENT, 40000, Ipv4Addr::new(10, 96, 0, 11), 80, TCP_SYN), // other IP
         PacketSpec::tcp(CLIENT, 40000, VIP, 81, TCP_SYN),                          // other port
-        PacketSpec::udp(CLIENT, 40000, VIP, 443, b"x"),                            // other port, UDP
+        PacketSpec::udp(CLIENT, 40000, VIP, 443, b"x"), // other port, UDP
         PacketSpec::tcp(Ipv4Addr::new(10, 244, 1, 11), 8080, CLIENT, 40000, TCP_ACK), // untracked reply
     ];
     for spec in cases {
@@ -171,13 +187,28 @@ fn service_without_endpoints_is_refused_with_icmp_port_unreachable() {
     ] {
         let frame = spec.build();
         let (verdict, out) = dp.run(Hook::Ingress, &frame).unwrap();
-        assert_eq!(verdict, TC_ACT_REDIRECT, "the refusal goes back out of the interface");
+        assert_eq!(
+            verdict, TC_ACT_REDIRECT,
+            "the refusal goes back out of the interface"
+        );
         let p = parse(&out);
         assert_eq!(p.proto, IPPROTO_ICMP);
-        assert_eq!((p.src, p.dst), (DEAD_VIP, CLIENT), "from the service to the client");
-        assert_eq!(&out[0..6], &frame[6..12], "Ethernet destination is the sender");
+        assert_eq!(
+            (p.src, p.dst),
+            (DEAD_VIP, CLIENT),
+            "from the service to the client"
+        );
+        assert_eq!(
+            &out[0..6],
+            &frame[6..12],
+            "Ethernet destination is the sender"
+        );
         assert_eq!(&out[6..12], &frame[0..6]);
-        assert_eq!((p.l4[0], p.l4[1]), (3, 3), "destination unreachable / port unreachable");
+        assert_eq!(
+            (p.l4[0], p.l4[1]),
+            (3, 3),
+            "destination unreachable / port unreachable"
+        );
         assert!(p.ip_checksum_ok(), "IPv4 checksum of the refusal");
         assert!(p.l4_checksum_ok(), "ICMP checksum of the refusal");
         // The quote: the original IPv4 header and the start of its transport header, which
@@ -185,7 +216,11 @@ fn service_without_endpoints_is_refused_with_icmp_port_unreachable() {
         let quoted = &p.l4[8..];
         let original_ip = &frame[ETH_HLEN..ETH_HLEN + 20];
         assert_eq!(&quoted[..20], original_ip, "quoted IPv4 header");
-        assert_eq!(&quoted[20..28], &frame[ETH_HLEN + 20..ETH_HLEN + 28], "quoted ports");
+        assert_eq!(
+            &quoted[20..28],
+            &frame[ETH_HLEN + 20..ETH_HLEN + 28],
+            "quoted ports"
+        );
     }
     assert_eq!(stat(&dp, Stat::Refused), 3);
 }
@@ -199,7 +234,11 @@ fn udp_without_checksum_stays_without_checksum() {
     let (_, out) = dp.run(Hook::Ingress, &spec.build()).unwrap();
     let p = parse(&out);
     assert!(backends().contains(&SocketAddrV4::new(p.dst, p.dport)));
-    assert_eq!(p.udp_checksum_field(), 0, "0 means no checksum and must stay 0");
+    assert_eq!(
+        p.udp_checksum_field(),
+        0,
+        "0 means no checksum and must stay 0"
+    );
     assert!(p.ip_checksum_ok());
 }
 
@@ -244,7 +283,10 @@ fn removed_backend_moves_its_flows_and_kept_backends_keep_theirs() {
         let (_, out) = dp.run(Hook::Ingress, &spec.build()).unwrap();
         let p = parse(&out);
         let now = SocketAddrV4::new(p.dst, p.dport);
-        assert!(remaining.contains(&now), "flow still sent to removed backend {now}");
+        assert!(
+            remaining.contains(&now),
+            "flow still sent to removed backend {now}"
+        );
         if *before == gone {
             moved += 1;
         } else {
@@ -264,8 +306,14 @@ fn closed_tcp_flow_reopened_with_syn_gets_a_fresh_choice() {
     // vary, i.e. the closed flow was not pinned to its old backend.
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..30 {
-        seen.insert(assert_dnat(&dp, &PacketSpec::tcp(CLIENT, 46000, VIP, 80, TCP_SYN)));
-        assert_dnat(&dp, &PacketSpec::tcp(CLIENT, 46000, VIP, 80, TCP_FIN | TCP_ACK));
+        seen.insert(assert_dnat(
+            &dp,
+            &PacketSpec::tcp(CLIENT, 46000, VIP, 80, TCP_SYN),
+        ));
+        assert_dnat(
+            &dp,
+            &PacketSpec::tcp(CLIENT, 46000, VIP, 80, TCP_FIN | TCP_ACK),
+        );
     }
     assert!(seen.len() > 1, "reopened flows always went to {seen:?}");
     assert!(stat(&dp, Stat::FlowExpired) >= 29);

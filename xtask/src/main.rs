@@ -1,1 +1,274 @@
-fn main() {}
+//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench`.
+//!
+//! Everything is installed from Debian's packages and crates.io only (see README): Debian's
+//! `rustc-web` ships a precompiled `core` for `bpfel-unknown-none`, so the eBPF crate builds
+//! without rust-src or `-Z build-std`, and `bpf-linker` is built against Debian's LLVM 22.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+const APT_PACKAGES: &[&str] = &[
+    // eBPF toolchain
+    "rustc-web",
+    "libstd-rust-web-dev-bpf",
+    "llvm-22-dev",
+    // the lab and its checks
+    "iproute2",
+    "ethtool",
+    "bpftool",
+    "util-linux",
+];
+const BPF_LINKER_VERSION: &str = "0.13.0";
+const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
+const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+
+#[derive(Parser)]
+#[command(about = "Project tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install the eBPF toolchain and lab tools (idempotent).
+    Setup,
+    /// Build the eBPF object (proxy-ebpf) with Debian's rustc and bpf-linker.
+    BuildEbpf,
+    /// Everything CI checks: formatting, clippy, unit tests and in-kernel tests.
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Run the agent on the demo manifests and show where traffic goes.
+    Demo,
+    /// Datapath benchmarks (ns/packet via BPF_PROG_TEST_RUN); prints a report.
+    Bench {
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.task {
+        Task::Setup => setup(),
+        Task::BuildEbpf => build_ebpf(),
+        Task::Test { args } => test(&args),
+        Task::Demo => demo(),
+        Task::Bench { args } => bench(&args),
+    };
+    if let Err(e) = result {
+        eprintln!("xtask: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn step(msg: &str) {
+    println!("==> {msg}");
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}");
+    let status = cmd.status().with_context(|| format!("starting {shown}"))?;
+    if !status.success() {
+        bail!("{shown} failed ({status})");
+    }
+    Ok(())
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn missing_apt_packages() -> Vec<&'static str> {
+    APT_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            !Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+fn bpf_linker() -> Option<PathBuf> {
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))?;
+    let p = cargo_home.join("bin/bpf-linker");
+    p.exists().then_some(p)
+}
+
+fn toolchain_ready() -> bool {
+    missing_apt_packages().is_empty() && bpf_linker().is_some()
+}
+
+fn setup() -> Result<()> {
+    let missing = missing_apt_packages();
+    if missing.is_empty() {
+        step("setup: Debian packages already installed");
+    } else {
+        if !is_root() {
+            bail!(
+                "Debian packages missing: {}; run `sudo apt-get install -y {}` or run this as root",
+                missing.join(" "),
+                missing.join(" ")
+            );
+        }
+        step(&format!(
+            "setup: installing Debian packages: {}",
+            missing.join(" ")
+        ));
+        run(Command::new("apt-get").args(["update", "-qq"]))?;
+        run(Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    match bpf_linker() {
+        Some(p) => step(&format!("setup: bpf-linker present ({})", p.display())),
+        None => {
+            step(&format!(
+                "setup: building bpf-linker {BPF_LINKER_VERSION} from crates.io against LLVM 22 (a few minutes)"
+            ));
+            run(Command::new("cargo")
+                .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])
+                .args(["--no-default-features", "--features", "llvm-22"])
+                .env("LLVM_PREFIX", LLVM_PREFIX))?;
+        }
+    }
+    step("setup: done");
+    Ok(())
+}
+
+fn ensure_setup() -> Result<()> {
+    if !toolchain_ready() {
+        setup()?;
+    }
+    Ok(())
+}
+
+fn build_ebpf() -> Result<()> {
+    ensure_setup()?;
+    step("build-ebpf: proxy-ebpf for bpfel-unknown-none (Debian rustc + bpf-linker)");
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root().join("proxy-ebpf"))
+        .args(["build", "--release", "--locked"])
+        .env("RUSTC", DEBIAN_RUSTC)
+        // aya-ebpf uses asm_experimental_arch; allowed for this build only.
+        .env("RUSTC_BOOTSTRAP", "1");
+    for var in [
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+        "CARGO_BUILD_TARGET",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+    ] {
+        cmd.env_remove(var);
+    }
+    if let Some(home) = bpf_linker().and_then(|p| p.parent().map(Path::to_path_buf)) {
+        let path = std::env::var("PATH").unwrap_or_default();
+        cmd.env("PATH", format!("{}:{path}", home.display()));
+    }
+    run(&mut cmd)?;
+    let object = ebpf_object();
+    if !object.exists() {
+        bail!("build-ebpf finished but {} is missing", object.display());
+    }
+    step(&format!("build-ebpf: {}", object.display()));
+    Ok(())
+}
+
+fn ebpf_object() -> PathBuf {
+    root().join("proxy-ebpf/target/bpfel-unknown-none/release/proxy-ebpf")
+}
+
+fn cargo(args: &[&str]) -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root()).args(args);
+    cmd
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    build_ebpf()?;
+    step("test: cargo fmt --check");
+    run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
+    step("test: cargo clippy -D warnings");
+    run(&mut cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--quiet",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    step("test: unit, in-kernel and lab tests");
+    let mut cmd = cargo(&["test", "--workspace"]);
+    cmd.args(extra)
+        // Kernel tests must run, not skip, when this command runs them.
+        .env("PROXY_REQUIRE_KERNEL_TESTS", "1");
+    run(&mut cmd)
+}
+
+fn demo() -> Result<()> {
+    build_ebpf()?;
+    step("demo: building the agent and the lab");
+    run(&mut cargo(&[
+        "build",
+        "--quiet",
+        "-p",
+        "proxy-agent",
+        "-p",
+        "proxy-tests",
+        "--bins",
+    ]))?;
+    run(&mut cargo(&[
+        "run",
+        "--quiet",
+        "-p",
+        "proxy-tests",
+        "--bin",
+        "demo",
+        "--",
+    ]))
+}
+
+fn bench(extra: &[String]) -> Result<()> {
+    build_ebpf()?;
+    step("bench: datapath ns/packet (BPF_PROG_TEST_RUN)");
+    let mut cmd = cargo(&[
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "proxy-tests",
+        "--bin",
+        "bench",
+        "--",
+    ]);
+    cmd.args(extra);
+    run(&mut cmd)
+}

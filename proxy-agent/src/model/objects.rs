@@ -28,7 +28,9 @@ impl Protocol {
             "TCP" => Ok(Protocol::Tcp),
             "UDP" => Ok(Protocol::Udp),
             "SCTP" => Ok(Protocol::Sctp),
-            other => Err(format!("unknown protocol {other:?} (expected TCP, UDP or SCTP)")),
+            other => Err(format!(
+                "unknown protocol {other:?} (expected TCP, UDP or SCTP)"
+            )),
         }
     }
 
@@ -141,7 +143,9 @@ pub struct SliceInfo {
     pub endpoints: Vec<EndpointInfo>,
 }
 
-fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<ObjectName, FieldError> {
+fn object_name(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Result<ObjectName, FieldError> {
     let name = meta
         .name
         .clone()
@@ -189,10 +193,9 @@ impl ServiceInfo {
                 }
                 Some(IntOrString::String(s)) if s.is_empty() => TargetPort::Number(port),
                 Some(IntOrString::String(s)) => match s.parse::<i32>() {
-                    Ok(n) => TargetPort::Number(port_number(
-                        n,
-                        &format!("spec.ports[{i}].targetPort"),
-                    )?),
+                    Ok(n) => {
+                        TargetPort::Number(port_number(n, &format!("spec.ports[{i}].targetPort"))?)
+                    }
                     Err(_) => TargetPort::Name(s.clone()),
                 },
             };

@@ -84,7 +84,11 @@ fn addrs(list: &[&str]) -> Vec<SocketAddrV4> {
 #[test]
 fn only_ready_endpoints_serve() {
     let st = store(
-        vec![service("a", "10.96.0.1", vec![port("", 80, TargetPort::Number(8080))])],
+        vec![service(
+            "a",
+            "10.96.0.1",
+            vec![port("", 80, TargetPort::Number(8080))],
+        )],
         vec![slice(
             "a-1",
             "a",
@@ -94,18 +98,31 @@ fn only_ready_endpoints_serve() {
     );
     let (state, problems) = DesiredState::build(&st);
     assert!(problems.is_empty());
-    assert_eq!(state.ports[&spn("a", "")].backends, addrs(&["10.0.0.1:8080"]));
+    assert_eq!(
+        state.ports[&spn("a", "")].backends,
+        addrs(&["10.0.0.1:8080"])
+    );
 }
 
 #[test]
 fn named_target_port_without_slice_ports_is_reported_not_guessed() {
     let st = store(
-        vec![service("a", "10.96.0.1", vec![port("web", 80, TargetPort::Name("http".into()))])],
+        vec![service(
+            "a",
+            "10.96.0.1",
+            vec![port("web", 80, TargetPort::Name("http".into()))],
+        )],
         vec![slice("a-1", "a", None, vec![endpoint("10.0.0.1", true)])],
     );
     let (state, problems) = DesiredState::build(&st);
     assert_eq!(problems.len(), 1);
-    assert!(problems[0].to_string().contains("EndpointSlice default/a-1"), "{}", problems[0]);
+    assert!(
+        problems[0]
+            .to_string()
+            .contains("EndpointSlice default/a-1"),
+        "{}",
+        problems[0]
+    );
     assert!(problems[0].message.contains("\"http\""));
     assert!(state.ports[&spn("a", "web")].backends.is_empty());
 }
@@ -113,11 +130,18 @@ fn named_target_port_without_slice_ports_is_reported_not_guessed() {
 #[test]
 fn numeric_target_port_applies_to_slices_without_ports() {
     let st = store(
-        vec![service("a", "10.96.0.1", vec![port("", 80, TargetPort::Number(9000))])],
+        vec![service(
+            "a",
+            "10.96.0.1",
+            vec![port("", 80, TargetPort::Number(9000))],
+        )],
         vec![slice("a-1", "a", None, vec![endpoint("10.0.0.1", true)])],
     );
     let (state, _) = DesiredState::build(&st);
-    assert_eq!(state.ports[&spn("a", "")].backends, addrs(&["10.0.0.1:9000"]));
+    assert_eq!(
+        state.ports[&spn("a", "")].backends,
+        addrs(&["10.0.0.1:9000"])
+    );
 }
 
 #[test]
@@ -129,11 +153,25 @@ fn slices_of_other_services_and_families_are_ignored() {
         ..endpoint("10.0.0.9", true)
     });
     let st = store(
-        vec![service("a", "10.96.0.1", vec![port("", 80, TargetPort::Number(80))])],
+        vec![service(
+            "a",
+            "10.96.0.1",
+            vec![port("", 80, TargetPort::Number(80))],
+        )],
         vec![
             v6,
-            slice("b-1", "b", Some(vec![("", 80)]), vec![endpoint("10.0.0.2", true)]),
-            slice("a-1", "a", Some(vec![("", 80)]), vec![endpoint("10.0.0.1", true)]),
+            slice(
+                "b-1",
+                "b",
+                Some(vec![("", 80)]),
+                vec![endpoint("10.0.0.2", true)],
+            ),
+            slice(
+                "a-1",
+                "a",
+                Some(vec![("", 80)]),
+                vec![endpoint("10.0.0.1", true)],
+            ),
         ],
     );
     let (state, _) = DesiredState::build(&st);
@@ -144,7 +182,11 @@ fn slices_of_other_services_and_families_are_ignored() {
 fn headless_and_ipv6_only_services_are_not_proxied() {
     let mut headless = service("h", "10.96.0.1", vec![port("", 80, TargetPort::Number(80))]);
     headless.cluster_ips.clear();
-    let mut v6 = service("v6", "10.96.0.2", vec![port("", 80, TargetPort::Number(80))]);
+    let mut v6 = service(
+        "v6",
+        "10.96.0.2",
+        vec![port("", 80, TargetPort::Number(80))],
+    );
     v6.cluster_ips = vec!["fd00::10".parse::<IpAddr>().unwrap()];
     let (state, problems) = DesiredState::build(&store(vec![headless, v6], vec![]));
     assert!(state.ports.is_empty());
@@ -176,7 +218,12 @@ fn diff_reports_exactly_what_changed() {
                 service("a", "10.96.0.1", vec![port("", 80, TargetPort::Number(80))]),
                 service("b", "10.96.0.2", vec![port("", 80, TargetPort::Number(80))]),
             ],
-            vec![slice("a-1", "a", Some(vec![("", 80)]), vec![endpoint("10.0.0.1", true)])],
+            vec![slice(
+                "a-1",
+                "a",
+                Some(vec![("", 80)]),
+                vec![endpoint("10.0.0.1", true)],
+            )],
         )
     };
     let mut tracker = ChangeTracker::default();
@@ -184,7 +231,10 @@ fn diff_reports_exactly_what_changed() {
     assert_eq!(first.len(), 2);
     assert!(first.iter().all(|c| matches!(c, ServiceChange::Added(_))));
 
-    assert!(tracker.update(DesiredState::build(&base()).0).is_empty(), "no change, no diff");
+    assert!(
+        tracker.update(DesiredState::build(&base()).0).is_empty(),
+        "no change, no diff"
+    );
 
     let mut next = base();
     next.services.remove(&name("default", "b"));
@@ -195,8 +245,11 @@ fn diff_reports_exactly_what_changed() {
             "t".into(),
         ),
     );
-    next.slices.get_mut(&name("default", "a-1")).unwrap().0.endpoints =
-        vec![endpoint("10.0.0.1", true), endpoint("10.0.0.5", true)];
+    next.slices
+        .get_mut(&name("default", "a-1"))
+        .unwrap()
+        .0
+        .endpoints = vec![endpoint("10.0.0.1", true), endpoint("10.0.0.5", true)];
     let changes = tracker.update(DesiredState::build(&next).0);
     let summary: Vec<(String, &str, usize)> = changes
         .iter()

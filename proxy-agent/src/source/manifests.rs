@@ -18,9 +18,7 @@ use notify::{RecursiveMode, Watcher};
 use serde_yaml::Value;
 use tokio::sync::mpsc;
 
-use crate::model::{
-    objects::display_name, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
-};
+use crate::model::{objects::display_name, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo};
 
 /// Everything read from the manifests: the objects that passed validation and the problems
 /// with the rest.
@@ -102,11 +100,8 @@ fn split_documents(text: &str) -> Vec<(usize, String)> {
     let mut current = String::new();
     let mut start = 1;
     for (i, line) in text.lines().enumerate() {
-        let is_separator = line.starts_with("---")
-            && line[3..]
-                .chars()
-                .next()
-                .is_none_or(|c| c.is_whitespace());
+        let is_separator =
+            line.starts_with("---") && line[3..].chars().next().is_none_or(|c| c.is_whitespace());
         if is_separator {
             docs.push((start, std::mem::take(&mut current)));
             start = i + 1;
@@ -182,7 +177,9 @@ fn add_object(value: Value, origin: &Origin, set: &mut ManifestSet) {
             }
         }
         ("v1", "Service") => match serde_yaml::from_value::<Service>(value) {
-            Err(e) => set.problems.push(problem(format!("not a valid Service: {e}"))),
+            Err(e) => set
+                .problems
+                .push(problem(format!("not a valid Service: {e}"))),
             Ok(svc) => match ServiceInfo::from_api(&svc) {
                 Err(e) => set.problems.push(Problem {
                     object: format!("Service {}", display_name(&svc.metadata)),

@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use aya::maps::{HashMap as BpfHashMap, MapData, MapError as AyaMapError};
-use proxy_common::{Backend, ServiceKey, ServiceValue};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError as AyaMapError};
+use proxy_common::{Backend, ServiceKey, ServiceValue, BACKEND_INDEX_MASK};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MapError {
@@ -15,31 +15,50 @@ pub enum MapError {
     Other { map: &'static str, message: String },
 }
 
+/// `BACKENDS` is an array: the agent allocates its slots (see `sync::BackendIds`), so only
+/// `SERVICES` can be full at write time.
 pub trait ServiceMaps {
     fn set_service(&mut self, key: ServiceKey, value: ServiceValue) -> Result<(), MapError>;
     fn remove_service(&mut self, key: &ServiceKey) -> Result<(), MapError>;
     fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError>;
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError>;
+    /// Number of `BACKENDS` slots (slot 0 is never used).
+    fn backend_slots(&self) -> u32;
 }
 
 /// A map-shaped model of the kernel maps, with the same capacity behaviour (an insert of a
-/// new key into a full map fails; overwriting an existing key does not).
-#[derive(Debug, Clone, Default)]
+/// new key into a full hash map fails; overwriting an existing key does not). Backends are
+/// keyed by their full id; a removed backend is absent, as an emptied array slot is to the
+/// datapath.
+#[derive(Debug, Clone)]
 pub struct InMemoryMaps {
     pub services: BTreeMap<ServiceKey, ServiceValue>,
     pub backends: BTreeMap<u32, Backend>,
     pub services_capacity: Option<usize>,
-    pub backends_capacity: Option<usize>,
+    /// Size of the modelled `BACKENDS` array.
+    pub backend_slots: u32,
     /// Number of write/delete operations performed, to check that syncs write only the
     /// difference.
     pub operations: usize,
 }
 
+impl Default for InMemoryMaps {
+    fn default() -> Self {
+        Self {
+            services: BTreeMap::new(),
+            backends: BTreeMap::new(),
+            services_capacity: None,
+            backend_slots: 65536,
+            operations: 0,
+        }
+    }
+}
+
 impl InMemoryMaps {
-    pub fn with_capacity(services: usize, backends: usize) -> Self {
+    pub fn with_capacity(services: usize, backend_slots: u32) -> Self {
         Self {
             services_capacity: Some(services),
-            backends_capacity: Some(backends),
+            backend_slots,
             ..Self::default()
         }
     }
@@ -75,7 +94,6 @@ impl ServiceMaps for InMemoryMaps {
     }
 
     fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError> {
-        check_capacity(&self.backends, &id, self.backends_capacity, "BACKENDS")?;
         self.operations += 1;
         self.backends.insert(id, backend);
         Ok(())
@@ -86,14 +104,17 @@ impl ServiceMaps for InMemoryMaps {
         self.backends.remove(&id);
         Ok(())
     }
+
+    fn backend_slots(&self) -> u32 {
+        self.backend_slots
+    }
 }
 
 /// The kernel's maps, through aya.
 pub struct KernelMaps {
     pub services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
-    pub backends: BpfHashMap<MapData, u32, Backend>,
+    pub backends: Array<MapData, Backend>,
     pub services_capacity: u32,
-    pub backends_capacity: u32,
 }
 
 fn classify(map: &'static str, capacity: u32, err: AyaMapError) -> MapError {
@@ -133,14 +154,20 @@ impl ServiceMaps for KernelMaps {
     }
 
     fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError> {
+        let capacity = self.backends.len();
         self.backends
-            .insert(id, backend, 0)
-            .map_err(|e| classify("BACKENDS", self.backends_capacity, e))
+            .set(id & BACKEND_INDEX_MASK, backend, 0)
+            .map_err(|e| classify("BACKENDS", capacity, e))
     }
 
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError> {
+        let capacity = self.backends.len();
         self.backends
-            .remove(&id)
-            .or_else(|e| ignore_missing("BACKENDS", self.backends_capacity, e))
+            .set(id & BACKEND_INDEX_MASK, Backend::EMPTY, 0)
+            .map_err(|e| classify("BACKENDS", capacity, e))
+    }
+
+    fn backend_slots(&self) -> u32 {
+        self.backends.len()
     }
 }

@@ -14,7 +14,9 @@ use std::{
     net::SocketAddrV4,
 };
 
-use proxy_common::{Backend, ServiceKey, ServiceValue};
+use proxy_common::{
+    Backend, ServiceKey, ServiceValue, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK, MAX_BACKENDS,
+};
 
 use super::maps::{MapError, ServiceMaps};
 use crate::model::Frontend;
@@ -36,19 +38,75 @@ pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
     )
 }
 
-pub fn backend_value(addr: &SocketAddrV4) -> Backend {
-    Backend::new(u32::from(*addr.ip()).to_be(), addr.port().to_be())
+pub fn backend_value(id: u32, addr: &SocketAddrV4) -> Backend {
+    Backend::new(id, u32::from(*addr.ip()).to_be(), addr.port().to_be())
 }
 
-/// Hands out backend ids. Ids are not reused until the counter wraps, so a conntrack entry
-/// that still names a deleted id cannot silently follow it to another service's backend.
+/// Hands out backend ids: a free `BACKENDS` slot (next-fit, so a freed slot is the last to be
+/// taken again) combined with a per-slot generation that changes on every reuse. A
+/// conntrack entry that still names an old id can therefore never follow it to whatever
+/// backend takes the slot later.
+#[derive(Debug)]
+struct BackendIds {
+    /// Generation last handed out per slot; slot 0 is never used, so no id is 0.
+    generations: Vec<u8>,
+    in_use: Vec<bool>,
+    free: u32,
+    next: u32,
+}
+
+impl BackendIds {
+    fn new(slots: u32) -> Self {
+        let slots = slots.clamp(2, MAX_BACKENDS);
+        Self {
+            generations: vec![0; slots as usize],
+            in_use: vec![false; slots as usize],
+            free: slots - 1,
+            next: 0,
+        }
+    }
+
+    fn allocate(&mut self) -> Result<u32, MapError> {
+        let slots = self.in_use.len() as u32;
+        if self.free == 0 {
+            return Err(MapError::Full {
+                map: "BACKENDS",
+                capacity: slots - 1,
+            });
+        }
+        loop {
+            self.next = if self.next + 1 >= slots {
+                1
+            } else {
+                self.next + 1
+            };
+            let i = self.next as usize;
+            if !self.in_use[i] {
+                self.in_use[i] = true;
+                self.free -= 1;
+                self.generations[i] = self.generations[i].wrapping_add(1);
+                return Ok(self.next | (self.generations[i] as u32) << BACKEND_INDEX_BITS);
+            }
+        }
+    }
+
+    fn release(&mut self, id: u32) {
+        let i = (id & BACKEND_INDEX_MASK) as usize;
+        if i < self.in_use.len() && self.in_use[i] {
+            self.in_use[i] = false;
+            self.free += 1;
+        }
+    }
+}
+
+/// Service ids (for statistics): never 0, not reused until the counter wraps.
 #[derive(Debug, Default)]
-struct IdAllocator {
+struct ServiceIds {
     next: u32,
     in_use: HashSet<u32>,
 }
 
-impl IdAllocator {
+impl ServiceIds {
     fn allocate(&mut self) -> u32 {
         loop {
             self.next = self.next.wrapping_add(1);
@@ -66,17 +124,17 @@ impl IdAllocator {
 pub struct MapSync<M: ServiceMaps> {
     maps: M,
     written: HashMap<Frontend, Written>,
-    backend_ids: IdAllocator,
-    service_ids: IdAllocator,
+    backend_ids: BackendIds,
+    service_ids: ServiceIds,
 }
 
 impl<M: ServiceMaps> MapSync<M> {
     pub fn new(maps: M) -> Self {
         Self {
+            backend_ids: BackendIds::new(maps.backend_slots()),
             maps,
             written: HashMap::new(),
-            backend_ids: IdAllocator::default(),
-            service_ids: IdAllocator::default(),
+            service_ids: ServiceIds::default(),
         }
     }
 
@@ -100,13 +158,36 @@ impl<M: ServiceMaps> MapSync<M> {
         frontend: &Frontend,
         backends: &[SocketAddrV4],
     ) -> Result<usize, MapError> {
+        if backends.len() > u16::MAX as usize {
+            return Err(MapError::Other {
+                map: "SERVICES",
+                message: format!(
+                    "{} endpoints for {frontend}; a service port can have at most {}",
+                    backends.len(),
+                    u16::MAX
+                ),
+            });
+        }
         let old = self.written.remove(frontend);
         let service_id = old
             .as_ref()
             .map(|w| w.service_id)
             .unwrap_or_else(|| self.service_ids.allocate());
         let old_slots = old.as_ref().map(|w| w.slots.clone()).unwrap_or_default();
-        let new_slots = self.assign_slots(&old_slots, backends);
+        let new_slots = match self.assign_slots(&old_slots, backends) {
+            Ok(slots) => slots,
+            Err((e, allocated)) => {
+                for id in allocated {
+                    self.backend_ids.release(id);
+                }
+                if let Some(old) = old {
+                    self.written.insert(*frontend, old);
+                } else {
+                    self.service_ids.release(service_id);
+                }
+                return Err(e);
+            }
+        };
         match self.write(frontend, service_id, old.is_none(), &old_slots, &new_slots) {
             Ok(ops) => {
                 self.written.insert(
@@ -131,23 +212,26 @@ impl<M: ServiceMaps> MapSync<M> {
     /// The new slot list: surviving backends keep their slots, new ones fill the holes of
     /// departed ones (then go at the end), and remaining holes are closed by moving
     /// backends down from the tail. So a change of one backend costs one slot write.
+    #[allow(clippy::type_complexity)]
     fn assign_slots(
         &mut self,
         old: &[(u32, SocketAddrV4)],
         backends: &[SocketAddrV4],
-    ) -> Vec<(u32, SocketAddrV4)> {
+    ) -> Result<Vec<(u32, SocketAddrV4)>, (MapError, Vec<u32>)> {
         let wanted: BTreeSet<SocketAddrV4> = backends.iter().copied().collect();
         let mut slots: Vec<Option<(u32, SocketAddrV4)>> = old
             .iter()
             .map(|s| wanted.contains(&s.1).then_some(*s))
             .collect();
         let present: HashSet<SocketAddrV4> = slots.iter().flatten().map(|s| s.1).collect();
-        let mut fresh = wanted
-            .iter()
-            .filter(|a| !present.contains(a))
-            .map(|a| (self.backend_ids.allocate(), *a))
-            .collect::<Vec<_>>()
-            .into_iter();
+        let mut allocated = Vec::new();
+        for addr in wanted.iter().filter(|a| !present.contains(a)) {
+            match self.backend_ids.allocate() {
+                Ok(id) => allocated.push((id, *addr)),
+                Err(e) => return Err((e, allocated.iter().map(|a| a.0).collect())),
+            }
+        }
+        let mut fresh = allocated.into_iter();
         for slot in slots.iter_mut().filter(|s| s.is_none()) {
             match fresh.next() {
                 Some(f) => *slot = Some(f),
@@ -168,7 +252,7 @@ impl<M: ServiceMaps> MapSync<M> {
             }
             i += 1;
         }
-        slots.into_iter().flatten().collect()
+        Ok(slots.into_iter().flatten().collect())
     }
 
     fn write(
@@ -184,7 +268,7 @@ impl<M: ServiceMaps> MapSync<M> {
         let new_ids: HashSet<u32> = new.iter().map(|s| s.0).collect();
         // 1. new backends first
         for (id, addr) in new.iter().filter(|s| !old_ids.contains(&s.0)) {
-            self.maps.set_backend(*id, backend_value(addr))?;
+            self.maps.set_backend(*id, backend_value(*id, addr))?;
             ops += 1;
         }
         // 2. slots that changed
@@ -196,7 +280,8 @@ impl<M: ServiceMaps> MapSync<M> {
                     count: 0,
                     flags: 0,
                 };
-                self.maps.set_service(service_key(frontend, i as u16 + 1), value)?;
+                self.maps
+                    .set_service(service_key(frontend, i as u16 + 1), value)?;
                 ops += 1;
             }
         }
@@ -213,7 +298,8 @@ impl<M: ServiceMaps> MapSync<M> {
         }
         // 4. shrink: slots beyond the new count, then departed backends
         for i in new.len()..old.len() {
-            self.maps.remove_service(&service_key(frontend, i as u16 + 1))?;
+            self.maps
+                .remove_service(&service_key(frontend, i as u16 + 1))?;
             ops += 1;
         }
         for (id, _) in old.iter().filter(|s| !new_ids.contains(&s.0)) {
@@ -254,7 +340,10 @@ impl<M: ServiceMaps> MapSync<M> {
         };
         note(self.maps.remove_service(&service_key(frontend, 0)));
         for i in 0..slot_count {
-            note(self.maps.remove_service(&service_key(frontend, i as u16 + 1)));
+            note(
+                self.maps
+                    .remove_service(&service_key(frontend, i as u16 + 1)),
+            );
         }
         for id in backend_ids {
             note(self.maps.remove_backend(id));

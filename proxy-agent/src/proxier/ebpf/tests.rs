@@ -1,9 +1,7 @@
 use std::{net::Ipv4Addr, sync::Arc};
 
 use super::{maps::InMemoryMaps, sync::service_key, *};
-use crate::model::{
-    diff, Frontend, ObjectName, Protocol, ServicePortName, ServicePortState,
-};
+use crate::model::{diff, Frontend, ObjectName, Protocol, ServicePortName, ServicePortState};
 
 fn state(name: &str, vip: [u8; 4], backends: &[&str]) -> Arc<ServicePortState> {
     Arc::new(ServicePortState {
@@ -31,19 +29,31 @@ fn desired(states: &[Arc<ServicePortState>]) -> DesiredState {
 }
 
 fn header_count(p: &EbpfProxier<InMemoryMaps>, f: &Frontend) -> Option<u16> {
-    p.map_sync().maps().services.get(&service_key(f, 0)).map(|v| v.count)
+    p.map_sync()
+        .maps()
+        .services
+        .get(&service_key(f, 0))
+        .map(|v| v.count)
 }
 
 #[test]
 fn a_cluster_ip_change_moves_the_service_to_its_new_frontend() {
     let mut proxier = EbpfProxier::new(InMemoryMaps::default());
     let before = desired(&[state("a", [10, 96, 0, 1], &["10.0.0.1:80"])]);
-    proxier.sync(&before, &diff(&DesiredState::default(), &before)).unwrap();
+    proxier
+        .sync(&before, &diff(&DesiredState::default(), &before))
+        .unwrap();
     let after = desired(&[state("a", [10, 96, 0, 2], &["10.0.0.1:80"])]);
     let report = proxier.sync(&after, &diff(&before, &after)).unwrap();
     assert_eq!(report.services_written, 1);
-    assert_eq!(header_count(&proxier, &before.ports.values().next().unwrap().frontend), None);
-    assert_eq!(header_count(&proxier, &after.ports.values().next().unwrap().frontend), Some(1));
+    assert_eq!(
+        header_count(&proxier, &before.ports.values().next().unwrap().frontend),
+        None
+    );
+    assert_eq!(
+        header_count(&proxier, &after.ports.values().next().unwrap().frontend),
+        Some(1)
+    );
     assert_eq!(proxier.map_sync().maps().backends.len(), 1);
 }
 
@@ -54,14 +64,16 @@ fn a_service_that_did_not_fit_is_retried_on_later_syncs() {
     let a = state("a", [10, 96, 0, 1], &["10.0.0.1:80"]);
     let b = state("b", [10, 96, 0, 2], &["10.0.0.2:80"]);
     let both = desired(&[a.clone(), b.clone()]);
-    let report = proxier.sync(&both, &diff(&DesiredState::default(), &both)).unwrap();
+    let report = proxier
+        .sync(&both, &diff(&DesiredState::default(), &both))
+        .unwrap();
     assert_eq!((report.services_written, report.services_failed), (1, 1));
     // Service ports are written in name order: `a` fits, `b` does not.
     assert_eq!(proxier.failed().keys().collect::<Vec<_>>(), vec![&b.name]);
     assert!(proxier.failed()[&b.name].contains("SERVICES is full"));
 
     // `a` goes away; nothing about `b` changes, yet it gets its turn.
-    let only_b = desired(&[b.clone()]);
+    let only_b = desired(std::slice::from_ref(&b));
     let report = proxier.sync(&only_b, &diff(&both, &only_b)).unwrap();
     assert_eq!((report.services_written, report.services_failed), (1, 0));
     assert!(proxier.failed().is_empty());

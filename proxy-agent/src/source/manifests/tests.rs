@@ -124,7 +124,11 @@ fn one_broken_document_costs_only_itself() {
     assert!(ip.to_string().contains("Service shop/bad-ip"), "{ip}");
     assert!(ip.to_string().contains("spec.clusterIP"), "{ip}");
     let zero = problem_with(&set, "port-zero");
-    assert!(zero.to_string().contains("spec.ports[0].port: 0 is not a port number"), "{zero}");
+    assert!(
+        zero.to_string()
+            .contains("spec.ports[0].port: 0 is not a port number"),
+        "{zero}"
+    );
     let big = problem_with(&set, "big-port");
     assert!(big.to_string().contains("ports[0].port: 70000"), "{big}");
     assert_eq!(set.problems.len(), 5, "{:#?}", set.problems);
@@ -150,7 +154,10 @@ fn named_and_numeric_target_ports_resolve_per_slice_and_duplicates_merge() {
         .iter()
         .map(|s| s.parse().unwrap())
         .collect();
-    assert_eq!(metrics.backends, want, "the same endpoint twice is one backend");
+    assert_eq!(
+        metrics.backends, want,
+        "the same endpoint twice is one backend"
+    );
     let dns = &state.ports[&port("kube-system", "dns", "dns", Protocol::Udp)];
     assert!(dns.backends.is_empty(), "a Service without slices refuses");
 }
@@ -170,7 +177,11 @@ fn lists_and_json_documents_are_read() {
     assert_eq!(set.nodes, vec!["node-a".to_string()]);
     let (state, _) = DesiredState::build(&set.store);
     let a = &state.ports[&port("x", "a", "", Protocol::Udp)];
-    assert_eq!(a.backends, vec!["10.244.0.7:5353".parse().unwrap()], "absent ready = ready");
+    assert_eq!(
+        a.backends,
+        vec!["10.244.0.7:5353".parse().unwrap()],
+        "absent ready = ready"
+    );
 }
 
 #[test]
@@ -191,14 +202,24 @@ fn directory_with_configmap_layout_is_read_through_its_symlinks() {
     symlink("..2026_11_29_01", dir.path().join("..data")).unwrap();
     symlink("..data/services.yaml", dir.path().join("services.yaml")).unwrap();
     let set = load(dir.path()).unwrap();
-    assert_eq!(set.store.services.len(), 2, "read once, through the visible symlink");
-    assert!(set.problems.iter().all(|p| p.origin.contains("services.yaml")));
+    assert_eq!(
+        set.store.services.len(),
+        2,
+        "read once, through the visible symlink"
+    );
+    assert!(set
+        .problems
+        .iter()
+        .all(|p| p.origin.contains("services.yaml")));
 }
 
 #[test]
 fn missing_path_is_a_clear_error() {
     let err = load(Path::new("/nonexistent/manifests")).unwrap_err();
-    assert!(format!("{err:#}").contains("--manifests /nonexistent/manifests"), "{err:#}");
+    assert!(
+        format!("{err:#}").contains("--manifests /nonexistent/manifests"),
+        "{err:#}"
+    );
 }
 
 async fn expect_event(rx: &mut mpsc::Receiver<()>, what: &str) {

@@ -64,7 +64,10 @@ impl CheckedMaps {
                 assert!(!view.is_empty(), "service went through zero backends");
             }
             for b in &view {
-                assert!(self.allowed.contains(b), "{b} is neither an old nor a new backend");
+                assert!(
+                    self.allowed.contains(b),
+                    "{b} is neither an old nor a new backend"
+                );
             }
         }
     }
@@ -90,6 +93,9 @@ impl ServiceMaps for CheckedMaps {
         self.inner.remove_backend(id)?;
         self.check();
         Ok(())
+    }
+    fn backend_slots(&self) -> u32 {
+        self.inner.backend_slots()
     }
 }
 
@@ -163,13 +169,17 @@ fn removal_leaves_nothing_behind() {
     }
     assert!(sync.maps().services.is_empty());
     assert!(sync.maps().backends.is_empty());
-    assert_eq!(sync.remove(&frontend(1)).unwrap(), 0, "removing twice is harmless");
+    assert_eq!(
+        sync.remove(&frontend(1)).unwrap(),
+        0,
+        "removing twice is harmless"
+    );
 }
 
 #[test]
 fn full_map_fails_one_service_cleanly_and_the_others_keep_working() {
-    // Room for 2 headers + 8 slots, 8 backends.
-    let mut sync = MapSync::new(InMemoryMaps::with_capacity(10, 8));
+    // Room for 2 headers + 8 slots, and 8 backends (slot 0 of BACKENDS is never used).
+    let mut sync = MapSync::new(InMemoryMaps::with_capacity(10, 9));
     sync.set(&frontend(1), &pods(1..5)).unwrap(); // 5 service entries, 4 backends
     let err = sync.set(&frontend(2), &pods(10..16)).unwrap_err(); // needs 6 more backends
     assert_eq!(
@@ -180,7 +190,11 @@ fn full_map_fails_one_service_cleanly_and_the_others_keep_working() {
         }
     );
     assert!(err.to_string().contains("raise its size"), "{err}");
-    assert_eq!(datapath_view(sync.maps(), &frontend(2)), None, "no half-written service");
+    assert_eq!(
+        datapath_view(sync.maps(), &frontend(2)),
+        None,
+        "no half-written service"
+    );
     assert_eq!(
         datapath_view(sync.maps(), &frontend(1)).unwrap(),
         pods(1..5),
@@ -189,7 +203,10 @@ fn full_map_fails_one_service_cleanly_and_the_others_keep_working() {
     // Once room is made, the same call succeeds from scratch.
     sync.remove(&frontend(1)).unwrap();
     sync.set(&frontend(2), &pods(10..16)).unwrap();
-    assert_eq!(datapath_view(sync.maps(), &frontend(2)).unwrap(), pods(10..16));
+    assert_eq!(
+        datapath_view(sync.maps(), &frontend(2)).unwrap(),
+        pods(10..16)
+    );
 }
 
 #[test]
@@ -200,5 +217,8 @@ fn backend_ids_are_not_reused_right_away() {
     let first: Vec<u32> = sync.maps().backends.keys().copied().collect();
     sync.set(&f, &pods(2..3)).unwrap();
     let second: Vec<u32> = sync.maps().backends.keys().copied().collect();
-    assert_ne!(first, second, "a flow pinned to the old id must not follow it to a new pod");
+    assert_ne!(
+        first, second,
+        "a flow pinned to the old id must not follow it to a new pod"
+    );
 }

@@ -1,0 +1,212 @@
+//! Datapath cost per packet, measured by the kernel (`BPF_PROG_TEST_RUN` duration), for new and
+//! established flows with 1 to 100 000 services in the maps.
+//!
+//! Every packet is a different flow, and the flows are spread over all the services, so the
+//! figure is the cost of real lookups across the maps, not of one cached entry repeated.
+//! Each run is timed on its own (repeat = 1: a repeated run would see its own rewritten
+//! packet) and the median and mean over all runs are reported. The whole series is measured
+//! twice, in opposite orders, and averaged, because a datapath measured right after a
+//! larger one was torn down runs measurably slower while the kernel frees the old maps.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use anyhow::{bail, Result};
+use proxy_agent::{
+    datapath::DatapathSizes,
+    model::{Frontend, Protocol},
+};
+use proxy_tests::{
+    kernel::{kernel_tests_unavailable, Hook, TestDatapath, TC_ACT_UNSPEC},
+    packet::{PacketSpec, TCP_ACK, TCP_SYN},
+};
+
+struct Args {
+    services: Vec<u32>,
+    flows: u32,
+    rounds: u32,
+    backends: u32,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        services: vec![1, 1_000, 10_000, 100_000],
+        flows: 10_000,
+        rounds: 5,
+        backends: 2,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_default();
+        match flag.as_str() {
+            "--services" => {
+                args.services = value
+                    .split(',')
+                    .map(|s| s.trim().parse())
+                    .collect::<Result<_, _>>()?
+            }
+            "--flows" => args.flows = value.parse()?,
+            "--rounds" => args.rounds = value.parse()?,
+            "--backends" => args.backends = value.parse()?,
+            other => {
+                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N)")
+            }
+        }
+    }
+    Ok(args)
+}
+
+fn vip(i: u32) -> Ipv4Addr {
+    // 10.96.0.0/12 holds a million addresses.
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i)
+}
+
+fn client(flow: u32, round: u32) -> (Ipv4Addr, u16) {
+    let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 244, 0, 0)) + (flow >> 8) + (round << 12));
+    (ip, 20_000 + (flow & 0xff) as u16)
+}
+
+struct Stats {
+    mean: f64,
+    p50: f64,
+}
+
+fn summarise(mut v: Vec<f64>) -> Stats {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Stats {
+        mean: v.iter().sum::<f64>() / v.len() as f64,
+        p50: v[v.len() / 2],
+    }
+}
+
+struct Measurement {
+    other: Stats,
+    new: Stats,
+    established: Stats,
+    program_ms: f64,
+}
+
+fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
+    let per_service = 1 + args.backends;
+    let sizes = DatapathSizes {
+        services: (n_services * per_service).max(1024),
+        backends: (n_services * args.backends + 1).max(1024),
+        // Two entries per flow; new-flow rounds each open `flows` more.
+        conntrack: (args.flows * 2 * (args.rounds + 2)).max(4096),
+    };
+    let mut dp = TestDatapath::load(sizes)?;
+    let started = std::time::Instant::now();
+    for s in 0..n_services {
+        let backends: Vec<SocketAddrV4> = (0..args.backends)
+            .map(|b| {
+                let ip =
+                    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + s * args.backends + b);
+                SocketAddrV4::new(ip, 8080)
+            })
+            .collect();
+        dp.set_service(
+            Frontend {
+                addr: vip(s),
+                port: 80,
+                protocol: Protocol::Tcp,
+            },
+            &backends,
+        )?;
+    }
+    let program_ms = started.elapsed().as_secs_f64() * 1000.0;
+
+    let frames = |round: u32, flags: u8| -> Vec<Vec<u8>> {
+        (0..args.flows)
+            .map(|f| {
+                let (ip, port) = client(f, round);
+                PacketSpec::tcp(ip, port, vip(f % n_services), 80, flags).build()
+            })
+            .collect()
+    };
+
+    let mut new_ns = Vec::new();
+    let mut est_ns = Vec::new();
+    let mut other_ns = Vec::new();
+    for round in 0..args.rounds {
+        // Not for a service: parse, conntrack miss, service miss.
+        for f in 0..args.flows {
+            let (ip, port) = client(f, round);
+            let frame =
+                PacketSpec::tcp(ip, port, Ipv4Addr::new(10, 112, 0, 1), 80, TCP_SYN).build();
+            other_ns.push(dp.time(Hook::Ingress, &frame, 1)?);
+        }
+        // New flows: tuples never seen before.
+        for frame in frames(round, TCP_SYN) {
+            let t = dp.time(Hook::Ingress, &frame, 1)?;
+            new_ns.push(t);
+        }
+        // Established: the same flows again.
+        for frame in frames(round, TCP_ACK) {
+            est_ns.push(dp.time(Hook::Ingress, &frame, 1)?);
+        }
+    }
+    // A sanity check that the measured path is the translating one.
+    let (verdict, _) = dp.run(Hook::Ingress, &frames(0, TCP_ACK)[0])?;
+    if verdict != TC_ACT_UNSPEC {
+        bail!("unexpected verdict {verdict}");
+    }
+    Ok(Measurement {
+        other: summarise(other_ns),
+        new: summarise(new_ns),
+        established: summarise(est_ns),
+        program_ms,
+    })
+}
+
+fn average(a: &Measurement, b: &Measurement) -> Measurement {
+    let avg = |x: &Stats, y: &Stats| Stats {
+        mean: (x.mean + y.mean) / 2.0,
+        p50: (x.p50 + y.p50) / 2.0,
+    };
+    Measurement {
+        other: avg(&a.other, &b.other),
+        new: avg(&a.new, &b.new),
+        established: avg(&a.established, &b.established),
+        program_ms: (a.program_ms + b.program_ms) / 2.0,
+    }
+}
+
+fn main() -> Result<()> {
+    if let Some(reason) = kernel_tests_unavailable() {
+        bail!("cannot benchmark: {reason}");
+    }
+    let args = parse_args()?;
+    println!(
+        "BPF_PROG_TEST_RUN, tc ingress, IPv4 TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet",
+        args.backends, args.flows, args.rounds
+    );
+    let mut forward = Vec::new();
+    for &n in &args.services {
+        forward.push(measure(n, &args)?);
+    }
+    let mut backward = Vec::new();
+    for &n in args.services.iter().rev() {
+        backward.push(measure(n, &args)?);
+    }
+    backward.reverse();
+    println!(
+        "| services | not a service p50 (mean) ns | new flow p50 (mean) ns | established p50 (mean) ns | established vs first row (p50) | programming the maps |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let mut baseline = None;
+    for (i, &n) in args.services.iter().enumerate() {
+        let m = average(&forward[i], &backward[i]);
+        let base = *baseline.get_or_insert(m.established.p50);
+        println!(
+            "| {n} | {:.0} ({:.0}) | {:.0} ({:.0}) | {:.0} ({:.0}) | {:.2}x | {:.0} ms |",
+            m.other.p50,
+            m.other.mean,
+            m.new.p50,
+            m.new.mean,
+            m.established.p50,
+            m.established.mean,
+            m.established.p50 / base,
+            m.program_ms
+        );
+    }
+    Ok(())
+}
