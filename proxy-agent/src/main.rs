@@ -3,6 +3,7 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use proxy_agent::{
+    attach::{self, AttachMode, Attacher, InterfacePatterns},
     datapath::{Datapath, DatapathSizes},
     model::{ChangeTracker, DesiredState},
     proxier::{ebpf::EbpfProxier, Proxier, ProxyMode},
@@ -24,6 +25,15 @@ struct Cli {
     /// instead of an API server; edits are applied while the agent runs.
     #[arg(long)]
     manifests: Option<PathBuf>,
+
+    /// Attach the datapath to the interfaces whose names match these comma-separated globs
+    /// (e.g. `lxc*,eth0`), including interfaces created later.
+    #[arg(long)]
+    interfaces: Option<InterfacePatterns>,
+
+    /// How to attach: tcx (kernel 6.6+), netlink (clsact qdisc + filter) or auto.
+    #[arg(long = "tc-attach", default_value = "auto")]
+    tc_attach: AttachMode,
 
     /// Log verbosity, as kube-proxy's -v: 0-1 info, 2-3 debug, 4+ trace.
     #[arg(short = 'v', long = "v", default_value_t = 0)]
@@ -98,6 +108,19 @@ async fn run(cli: Cli) -> Result<()> {
     let mut proxier = EbpfProxier::new(maps);
     let mut tracker = ChangeTracker::default();
 
+    let mut attacher = cli
+        .interfaces
+        .clone()
+        .map(|p| Attacher::new(p, cli.tc_attach));
+    let (link_tx, mut link_rx) = mpsc::channel(64);
+    if attacher.is_some() {
+        tokio::spawn(async move {
+            if let Err(e) = attach::watch_links(link_tx).await {
+                warn!("interface watch stopped: {e:#}");
+            }
+        });
+    }
+
     let (reload_tx, mut reload_rx) = mpsc::channel(1);
     let _watcher = manifests::watch(&path, reload_tx)?;
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
@@ -110,6 +133,11 @@ async fn run(cli: Cli) -> Result<()> {
             Some(()) = reload_rx.recv() => {
                 if let Err(e) = sync_from_manifests(&path, &mut tracker, &mut proxier) {
                     warn!("manifests not reloaded: {e:#}");
+                }
+            }
+            Some(event) = link_rx.recv() => {
+                if let Some(attacher) = attacher.as_mut() {
+                    attacher.handle(&mut datapath, event);
                 }
             }
             _ = stats_tick.tick() => {

@@ -1,0 +1,99 @@
+//! `cargo xtask demo`: the agent on the demo manifests, in a lab of network namespaces,
+//! serving real TCP and UDP from a client pod, and where the traffic went.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use proxy_tests::{
+    kernel::kernel_tests_unavailable,
+    lab::{client, Lab, LabOptions},
+};
+
+const CONNECTIONS: usize = 150;
+
+fn spread(results: Vec<std::io::Result<String>>) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &results {
+        let key = match r {
+            Ok(pod) => pod.clone(),
+            Err(e) => format!("error: {e}"),
+        };
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
+        .iter()
+        .map(|(k, n)| format!("{k} {n} ({:.0}%)", 100.0 * *n as f64 / results.len() as f64))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn main() -> Result<()> {
+    if let Some(reason) = kernel_tests_unavailable() {
+        bail!("the demo needs the kernel datapath: {reason}");
+    }
+    let manifests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/demo/demo.yaml");
+    let manifests = manifests.canonicalize().context("deploy/demo/demo.yaml")?;
+
+    println!("lab: node namespace, client pod 10.244.0.2, backend pods 10.244.1.11-13 (TCP 8080, UDP 5353)");
+    let mut lab = Lab::new(LabOptions::default())?;
+    println!("     namespaces {}-*", lab.id);
+    println!(
+        "agent: proxy-agent --manifests {} --interfaces 'lxc*'",
+        manifests.display()
+    );
+    lab.start_agent(&manifests, &[])?;
+    let log = lab.agent().unwrap().log_text();
+    for line in log
+        .lines()
+        .filter(|l| l.contains("Using") || l.contains("attached") || l.contains("synced"))
+    {
+        println!(
+            "     | {}",
+            line.split_once("Z ").map(|x| x.1).unwrap_or(line).trim()
+        );
+    }
+
+    let web = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+    let tcp = lab.client.ns.run(move || {
+        (0..CONNECTIONS)
+            .map(|_| client::tcp_hello(web, Duration::from_secs(2)))
+            .collect::<Vec<_>>()
+    })?;
+    println!(
+        "TCP {web} (demo/web), {CONNECTIONS} connections: {}",
+        spread(tcp)
+    );
+
+    let dns = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 53), 53);
+    let udp = lab.client.ns.run(move || {
+        (0..CONNECTIONS)
+            .map(|_| client::udp_hello(dns, Duration::from_secs(2)))
+            .collect::<Vec<_>>()
+    })?;
+    println!(
+        "UDP {dns} (demo/dns), {CONNECTIONS} queries: {}",
+        spread(udp)
+    );
+
+    let dead = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 99), 80);
+    let (took, result) = lab.client.ns.run(move || {
+        let started = Instant::now();
+        let r = client::tcp_hello(dead, Duration::from_secs(2));
+        (started.elapsed(), r)
+    })?;
+    match result {
+        Err(e) => println!(
+            "TCP {dead} (demo/not-ready, no ready endpoint): {e} after {:.1} ms",
+            took.as_secs_f64() * 1000.0
+        ),
+        Ok(pod) => println!("TCP {dead}: unexpectedly answered by {pod}"),
+    }
+    lab.stop_agent()?;
+    println!("cleaning up the lab");
+    Ok(())
+}

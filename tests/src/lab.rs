@@ -1,0 +1,530 @@
+//! The lab: a node network namespace with pods in their own namespaces, wired as a
+//! Calico-style CNI does it (a veth per pod, a /32 route per pod on the node, proxy ARP for
+//! the pods' gateway 169.254.1.1), an external client namespace on the node's external
+//! interface, and the real agent running as a child process inside the node namespace.
+//!
+//! Rules it keeps: nothing is created or changed outside the namespaces it creates; every
+//! route it adds ends inside the lab (the node's default route points at the external
+//! namespace, whose default route points back); names are unique per lab so tests run in
+//! parallel; namespaces left by killed runs are swept at start; everything is torn down on
+//! drop, panics included.
+
+use std::{
+    fs::File,
+    io::{BufRead, BufReader, Read, Write},
+    net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+const PREFIX: &str = "kpl";
+static LAB_COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs a command, failing with its stderr.
+pub fn sh(program: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A network namespace this lab created; deleted on drop.
+#[derive(Debug)]
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn create(name: &str) -> Result<Self> {
+        sh("ip", &["netns", "add", name])?;
+        let ns = Netns { name: name.into() };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// `ip -n NS ARGS`.
+    pub fn ip(&self, args: &[&str]) -> Result<String> {
+        let mut all = vec!["-n", &self.name];
+        all.extend_from_slice(args);
+        sh("ip", &all)
+    }
+
+    /// Runs a program inside the namespace (`ip netns exec`).
+    pub fn exec(&self, program: &str, args: &[&str]) -> Result<String> {
+        let mut all = vec!["netns", "exec", &self.name, program];
+        all.extend_from_slice(args);
+        sh("ip", &all)
+    }
+
+    pub fn sysctl(&self, setting: &str) -> Result<()> {
+        self.exec("sysctl", &["-qw", setting]).map(|_| ())
+    }
+
+    /// Runs `f` on a fresh thread that has entered this namespace, so sockets it opens live
+    /// there. (Threads of an async runtime must never be moved between namespaces.)
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> JoinHandle<Result<T>> {
+        let path = format!("/var/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let file = File::open(&path).with_context(|| format!("opening {path}"))?;
+            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                bail!("setns {path}: {}", std::io::Error::last_os_error());
+            }
+            Ok(f())
+        })
+    }
+
+    /// Runs `f` inside the namespace and waits for it.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+        match self.spawn(f).join() {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = sh("ip", &["netns", "del", &self.name]);
+    }
+}
+
+/// Deletes lab namespaces whose creating process is gone (a run killed before its drop).
+pub fn sweep_stale_namespaces() {
+    let Ok(list) = sh("ip", &["netns", "list"]) else {
+        return;
+    };
+    for line in list.lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let mut parts = name.split('-');
+        if parts.next() != Some(PREFIX) {
+            continue;
+        }
+        let Some(pid) = parts.next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = sh("ip", &["netns", "del", name]);
+        }
+    }
+}
+
+/// A pod: its namespace, its address, and the node-side end of its veth.
+#[derive(Debug)]
+pub struct Pod {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    /// Interface name on the node.
+    pub host_if: String,
+    pub ns: Netns,
+}
+
+#[derive(Clone, Debug)]
+pub struct LabOptions {
+    /// Backend pod addresses (each also serves TCP 8080 and UDP 5353).
+    pub backends: Vec<Ipv4Addr>,
+    /// Client pod address.
+    pub client: Ipv4Addr,
+    /// Checksum offload on every lab interface; off makes every receiver verify checksums
+    /// in software, so a wrong checksum is a dropped packet, not a silent pass.
+    pub offload: bool,
+}
+
+impl Default for LabOptions {
+    fn default() -> Self {
+        Self {
+            backends: (11..=13).map(|i| Ipv4Addr::new(10, 244, 1, i)).collect(),
+            client: Ipv4Addr::new(10, 244, 0, 2),
+            offload: true,
+        }
+    }
+}
+
+pub const NODE_EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 1);
+pub const EXTERNAL_CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 2);
+pub const TCP_PORT: u16 = 8080;
+pub const UDP_PORT: u16 = 5353;
+
+pub struct Lab {
+    pub id: String,
+    pub client: Pod,
+    pub backends: Vec<Pod>,
+    pub external: Netns,
+    pub dir: tempfile::TempDir,
+    servers: Vec<(Arc<AtomicBool>, JoinHandle<Result<Result<()>>>)>,
+    agent: Option<Agent>,
+    // Dropped last: deleting it removes every veth of the lab.
+    pub node: Netns,
+}
+
+impl Lab {
+    pub fn new(options: LabOptions) -> Result<Self> {
+        sweep_stale_namespaces();
+        let id = format!(
+            "{PREFIX}-{}-{}",
+            std::process::id(),
+            LAB_COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        let node = Netns::create(&format!("{id}-node"))?;
+        node.sysctl("net.ipv4.ip_forward=1")?;
+        let external = Netns::create(&format!("{id}-ext"))?;
+        // The node's external link; its default route ends in the external namespace.
+        node.ip(&[
+            "link",
+            "add",
+            "ext0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &external.name,
+        ])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{NODE_EXTERNAL_IP}/24"),
+            "dev",
+            "ext0",
+        ])?;
+        node.ip(&["link", "set", "ext0", "up"])?;
+        node.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &EXTERNAL_CLIENT_IP.to_string(),
+        ])?;
+        external.ip(&[
+            "addr",
+            "add",
+            &format!("{EXTERNAL_CLIENT_IP}/24"),
+            "dev",
+            "eth0",
+        ])?;
+        external.ip(&["link", "set", "eth0", "up"])?;
+        external.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &NODE_EXTERNAL_IP.to_string(),
+        ])?;
+
+        let client = Self::add_pod(&id, &node, "client", options.client, 0)?;
+        let mut backends = Vec::new();
+        for (i, ip) in options.backends.iter().enumerate() {
+            backends.push(Self::add_pod(
+                &id,
+                &node,
+                &format!("pod{}", i + 1),
+                *ip,
+                i + 1,
+            )?);
+        }
+        if !options.offload {
+            node.exec("ethtool", &["-K", "ext0", "rx", "off", "tx", "off"])?;
+            external.exec("ethtool", &["-K", "eth0", "rx", "off", "tx", "off"])?;
+            for pod in std::iter::once(&client).chain(&backends) {
+                node.exec("ethtool", &["-K", &pod.host_if, "rx", "off", "tx", "off"])?;
+                pod.ns
+                    .exec("ethtool", &["-K", "eth0", "rx", "off", "tx", "off"])?;
+            }
+        }
+        let mut lab = Lab {
+            id,
+            client,
+            backends,
+            external,
+            dir: tempfile::tempdir()?,
+            servers: Vec::new(),
+            agent: None,
+            node,
+        };
+        for i in 0..lab.backends.len() {
+            lab.start_servers(i)?;
+        }
+        Ok(lab)
+    }
+
+    fn add_pod(id: &str, node: &Netns, name: &str, ip: Ipv4Addr, index: usize) -> Result<Pod> {
+        let ns = Netns::create(&format!("{id}-{name}"))?;
+        let host_if = format!("lxc{index}");
+        node.ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+        ])?;
+        node.ip(&["link", "set", &host_if, "up"])?;
+        node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
+        node.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp=1"))?;
+        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        ns.ip(&[
+            "route",
+            "add",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ])?;
+        ns.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+        ])?;
+        Ok(Pod {
+            name: name.into(),
+            ip,
+            host_if,
+            ns,
+        })
+    }
+
+    /// TCP :8080 answers each connection with the pod's name, then echoes; UDP :5353
+    /// answers each datagram with the pod's name.
+    fn start_servers(&mut self, index: usize) -> Result<()> {
+        let pod = &self.backends[index];
+        let name = pod.name.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let stop2 = stop.clone();
+        let handle = pod.ns.spawn(move || -> Result<()> {
+            let tcp = TcpListener::bind(("0.0.0.0", TCP_PORT))?;
+            tcp.set_nonblocking(true)?;
+            let udp = UdpSocket::bind(("0.0.0.0", UDP_PORT))?;
+            udp.set_read_timeout(Some(Duration::from_millis(5)))?;
+            ready_tx.send(()).ok();
+            let mut buf = [0u8; 2048];
+            while !stop2.load(Ordering::Relaxed) {
+                match tcp.accept() {
+                    Ok((stream, _)) => {
+                        let name = name.clone();
+                        std::thread::spawn(move || serve_tcp(stream, &name));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e.into()),
+                }
+                if let Ok((_, from)) = udp.recv_from(&mut buf) {
+                    let _ = udp.send_to(name.as_bytes(), from);
+                }
+            }
+            Ok(())
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(5))
+            .context("backend servers did not start")?;
+        self.servers.push((stop, handle));
+        Ok(())
+    }
+
+    /// Writes `yaml` as the agent's manifest file and returns its path.
+    pub fn write_manifests(&self, yaml: &str) -> Result<PathBuf> {
+        let path = self.dir.path().join("cluster.yaml");
+        let tmp = self.dir.path().join(".cluster.yaml.tmp");
+        std::fs::write(&tmp, yaml)?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(path)
+    }
+
+    /// Starts the agent inside the node namespace and waits until it has attached to every
+    /// pod interface and synced the manifests.
+    pub fn start_agent(&mut self, manifests: &Path, extra: &[&str]) -> Result<&mut Agent> {
+        let pods = 1 + self.backends.len();
+        let agent = Agent::start(
+            &self.node,
+            manifests,
+            &self.dir.path().join("agent.log"),
+            extra,
+        )?;
+        self.agent = Some(agent);
+        let agent = self.agent.as_mut().unwrap();
+        agent.wait_for_log(|log| {
+            log.matches(" attached").count() >= pods && log.contains("synced")
+        })?;
+        Ok(agent)
+    }
+
+    pub fn agent(&mut self) -> Option<&mut Agent> {
+        self.agent.as_mut()
+    }
+
+    pub fn stop_agent(&mut self) -> Result<()> {
+        if let Some(mut a) = self.agent.take() {
+            a.stop()?;
+        }
+        Ok(())
+    }
+}
+
+fn serve_tcp(mut stream: TcpStream, name: &str) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    if stream.write_all(format!("{name}\n").as_bytes()).is_err() {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if stream.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = a.stop();
+        }
+        for (stop, _) in &self.servers {
+            stop.store(true, Ordering::Relaxed);
+        }
+        for (_, h) in self.servers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The agent binary built next to the test binaries.
+pub fn agent_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("PROXY_AGENT_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    for dir in exe.ancestors().skip(1).take(3) {
+        let candidate = dir.join("proxy-agent");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!("proxy-agent binary not found next to {}: run `cargo build -p proxy-agent` (cargo xtask test does)", exe.display())
+}
+
+/// The agent as a child process in the node namespace.
+pub struct Agent {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    pub fn start(node: &Netns, manifests: &Path, log: &Path, extra: &[&str]) -> Result<Self> {
+        let bin = agent_binary()?;
+        let logfile = File::create(log)?;
+        let child = Command::new("ip")
+            .args(["netns", "exec", &node.name])
+            .arg(&bin)
+            .arg("--manifests")
+            .arg(manifests)
+            .args(["--interfaces", "lxc*", "-v", "2"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(logfile.try_clone()?)
+            .stderr(logfile)
+            .env("NO_COLOR", "1")
+            .spawn()
+            .context("starting the agent")?;
+        Ok(Agent {
+            child,
+            log: log.to_path_buf(),
+        })
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until `ready(log)` holds, failing if the agent exits or 15 s pass.
+    pub fn wait_for_log(&mut self, ready: impl Fn(&str) -> bool) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let log = self.log_text();
+            if ready(&log) {
+                return Ok(());
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!("agent exited ({status}):\n{log}");
+            }
+            if Instant::now() > deadline {
+                bail!("agent not ready after 15 s:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM, then wait (kill after 5 s).
+    pub fn stop(&mut self) -> Result<()> {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if self.child.try_wait()?.is_some() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Client helpers; call them inside a namespace (`Netns::run`).
+pub mod client {
+    use super::*;
+
+    /// Connects, reads the backend's greeting line (its pod name).
+    pub fn tcp_hello(to: SocketAddrV4, timeout: Duration) -> std::io::Result<String> {
+        let mut s = TcpStream::connect_timeout(&to.into(), timeout)?;
+        s.set_read_timeout(Some(timeout))?;
+        let mut line = String::new();
+        BufReader::new(&mut s).read_line(&mut line)?;
+        Ok(line.trim().to_string())
+    }
+
+    /// Sends one datagram, returns the answer (the backend's pod name).
+    pub fn udp_hello(to: SocketAddrV4, timeout: Duration) -> std::io::Result<String> {
+        let s = UdpSocket::bind("0.0.0.0:0")?;
+        s.connect(to)?;
+        s.set_read_timeout(Some(timeout))?;
+        s.send(b"hello")?;
+        let mut buf = [0u8; 512];
+        let n = s.recv(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+}
