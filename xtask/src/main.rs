@@ -225,6 +225,8 @@ fn test(extra: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    // Lab tests start the agent binary as a child process in a network namespace.
+    run(&mut cargo(&["build", "--quiet", "-p", "proxy-agent"]))?;
     step("test: unit, in-kernel and lab tests");
     let mut cmd = cargo(&["test", "--workspace"]);
     cmd.args(extra)
