@@ -503,6 +503,21 @@ fn refuse(ctx: &TcContext, pkt: &Packet, hook: Hook) -> Result<i32, Stat> {
         }
         *icmp = ICMP_DEST_UNREACH;
         *icmp.add(1) = ICMP_PORT_UNREACH;
+
+        // If the refused packet still had its checksum to be completed by offload
+        // (CHECKSUM_PARTIAL), the kernel may complete it on the way out: it sums the bytes
+        // from the old transport header (now the quoted one) to the end and stores the
+        // result in the quoted checksum field, behind the ICMP checksum's back. Give that
+        // field the one value such a completion leaves unchanged, so the ICMP checksum holds
+        // either way. Receivers of the error read only the quote's first 8 bytes.
+        let quoted_l4 = icmp.add(ICMP_HLEN + IPV4_HLEN);
+        let field = quoted_l4.add(if pkt.key.proto == IPPROTO_TCP {
+            TCP_CSUM_OFF
+        } else {
+            UDP_CSUM_OFF
+        }) as *mut u16;
+        field.write_unaligned(0);
+        field.write_unaligned(completion_fixed_point(sum16(quoted_l4, REFUSAL_QUOTED_L4)));
         let icmp_csum = fold(sum16(icmp, ICMP_HLEN + IPV4_HLEN + REFUSAL_QUOTED_L4));
         (icmp.add(2) as *mut u16).write_unaligned(icmp_csum);
     }
@@ -526,6 +541,16 @@ unsafe fn sum16(p: *const u8, len: usize) -> u32 {
         i += 2;
     }
     sum
+}
+
+/// The 16-bit value F with `!fold(rest + F) == F`: a checksum field holding it is unchanged
+/// when the kernel completes a partial checksum over a region whose other words sum to `rest`.
+/// In one's-complement arithmetic (mod 0xffff) that is 2F = -rest, and 2 has the inverse
+/// 0x8000 (2 * 0x8000 = 0x10000 = 1).
+#[inline(always)]
+fn completion_fixed_point(rest: u32) -> u16 {
+    let rest = !fold(rest) as u64; // folded sum of the other words
+    (((0xffff - rest) * 0x8000) % 0xffff) as u16
 }
 
 #[inline(always)]

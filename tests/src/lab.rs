@@ -144,9 +144,23 @@ pub struct LabOptions {
     pub backends: Vec<Ipv4Addr>,
     /// Client pod address.
     pub client: Ipv4Addr,
-    /// Checksum offload on every lab interface; off makes every receiver verify checksums
-    /// in software, so a wrong checksum is a dropped packet, not a silent pass.
-    pub offload: bool,
+    pub checksums: Checksums,
+}
+
+/// How checksums are handled on the lab's veths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Checksums {
+    /// Offload on everywhere (veth default): senders leave partial checksums and receivers
+    /// trust them, so a wrong checksum can go unnoticed.
+    Offloaded,
+    /// Offload off everywhere (`ethtool -K rx off tx off`): full checksums are computed by
+    /// the senders and verified in software by every receiver.
+    Software,
+    /// Pods send partial checksums (tx on), so the datapath rewrites CHECKSUM_PARTIAL
+    /// packets; the node completes checksums in software when it forwards (tx off on the node
+    /// side) and the receiving pod verifies them (rx off). A wrong partial update is a
+    /// dropped packet.
+    PartialCompletedByNode,
 }
 
 impl Default for LabOptions {
@@ -154,7 +168,7 @@ impl Default for LabOptions {
         Self {
             backends: (11..=13).map(|i| Ipv4Addr::new(10, 244, 1, i)).collect(),
             client: Ipv4Addr::new(10, 244, 0, 2),
-            offload: true,
+            checksums: Checksums::Offloaded,
         }
     }
 }
@@ -164,13 +178,18 @@ pub const EXTERNAL_CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 2);
 pub const TCP_PORT: u16 = 8080;
 pub const UDP_PORT: u16 = 5353;
 
+/// A backend pod's server loop: stops when its flag is set.
+type ServerThread = JoinHandle<Result<Result<()>>>;
+
 pub struct Lab {
     pub id: String,
     pub client: Pod,
     pub backends: Vec<Pod>,
+    /// Pods added after the lab was built (see [`Lab::add_pod_later`]).
+    pub extra_pods: Vec<Pod>,
     pub external: Netns,
     pub dir: tempfile::TempDir,
-    servers: Vec<(Arc<AtomicBool>, JoinHandle<Result<Result<()>>>)>,
+    servers: Vec<(Arc<AtomicBool>, ServerThread)>,
     agent: Option<Agent>,
     // Dropped last: deleting it removes every veth of the lab.
     pub node: Netns,
@@ -242,19 +261,29 @@ impl Lab {
                 i + 1,
             )?);
         }
-        if !options.offload {
-            node.exec("ethtool", &["-K", "ext0", "rx", "off", "tx", "off"])?;
-            external.exec("ethtool", &["-K", "eth0", "rx", "off", "tx", "off"])?;
+        let (node_side, pod_side): (&[&str], &[&str]) = match options.checksums {
+            Checksums::Offloaded => (&[], &[]),
+            Checksums::Software => (&["rx", "off", "tx", "off"], &["rx", "off", "tx", "off"]),
+            Checksums::PartialCompletedByNode => (&["tx", "off"], &["rx", "off"]),
+        };
+        if !node_side.is_empty() {
+            let ethtool = |ns: &Netns, dev: &str, settings: &[&str]| {
+                let mut args = vec!["-K", dev];
+                args.extend_from_slice(settings);
+                ns.exec("ethtool", &args).map(|_| ())
+            };
+            ethtool(&node, "ext0", node_side)?;
+            ethtool(&external, "eth0", pod_side)?;
             for pod in std::iter::once(&client).chain(&backends) {
-                node.exec("ethtool", &["-K", &pod.host_if, "rx", "off", "tx", "off"])?;
-                pod.ns
-                    .exec("ethtool", &["-K", "eth0", "rx", "off", "tx", "off"])?;
+                ethtool(&node, &pod.host_if, node_side)?;
+                ethtool(&pod.ns, "eth0", pod_side)?;
             }
         }
         let mut lab = Lab {
             id,
             client,
             backends,
+            extra_pods: Vec::new(),
             external,
             dir: tempfile::tempdir()?,
             servers: Vec::new(),
@@ -339,6 +368,18 @@ impl Lab {
             .context("backend servers did not start")?;
         self.servers.push((stop, handle));
         Ok(())
+    }
+
+    /// Adds a pod (as a client) while the agent runs, on node interface `lxc<index>`.
+    pub fn add_pod_later(&mut self, name: &str, ip: Ipv4Addr, index: usize) -> Result<&Pod> {
+        let pod = Self::add_pod(&self.id, &self.node, name, ip, index)?;
+        self.extra_pods.push(pod);
+        Ok(self.extra_pods.last().unwrap())
+    }
+
+    /// Deletes a pod added with [`Lab::add_pod_later`] (its veth goes with its namespace).
+    pub fn remove_extra_pod(&mut self, name: &str) {
+        self.extra_pods.retain(|p| p.name != name);
     }
 
     /// Writes `yaml` as the agent's manifest file and returns its path.
