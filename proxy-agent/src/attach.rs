@@ -2,11 +2,16 @@
 //! `--interfaces`, including those created later (rtnetlink link events, not polling), and
 //! again when an interface is re-created under the same name.
 
-use std::{collections::HashMap, str::FromStr};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    str::FromStr,
+};
 
 use anyhow::{bail, Context, Result};
 use aya::programs::{
-    tc::{self, NlOptions, TcAttachOptions},
+    links::{FdLink, PinnedLink},
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
     LinkOrder, SchedClassifier, TcAttachType,
 };
 use futures::TryStreamExt;
@@ -19,7 +24,7 @@ use proxy_common::program_names;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::datapath::Datapath;
+use crate::{datapath::Datapath, pins::BpffsRoot};
 
 /// How the classifier is attached: TCX links (kernel 6.6+, ordered with other programs, "next"
 /// passes to them) or a clsact qdisc with a direct-action filter (older kernels).
@@ -92,7 +97,7 @@ pub enum LinkEvent {
     Gone { name: String, ifindex: u32 },
 }
 
-fn link_event(msg: &LinkMessage, present: bool) -> Option<LinkEvent> {
+pub fn link_event(msg: &LinkMessage, present: bool) -> Option<LinkEvent> {
     let name = msg.attributes.iter().find_map(|a| match a {
         LinkAttribute::IfName(n) => Some(n.clone()),
         _ => None,
@@ -143,19 +148,42 @@ pub async fn watch_links(tx: mpsc::Sender<LinkEvent>) -> Result<()> {
     Ok(())
 }
 
+/// Priority and handle of our filter in netlink (clsact) mode. Fixed, so a restarted agent
+/// finds the filter its predecessor left and replaces its program in place.
+pub const NETLINK_PRIORITY: u16 = 1;
+pub const NETLINK_HANDLE: TcHandle = TcHandle::new(0, 0x4b50);
+
 /// Keeps the classifier attached to every matching interface.
+///
+/// Attachments outlive the agent: TCX links are pinned under `links_dir`, netlink filters
+/// persist in the kernel by themselves. An agent that finds its predecessor's attachment
+/// swaps the program in it atomically (`bpf_link_update`, or a filter replace at the same
+/// priority and handle), so no packet meets an interface without the classifier.
 pub struct Attacher {
     patterns: InterfacePatterns,
     mode: AttachMode,
+    links_dir: Option<PathBuf>,
+    /// Where clsact qdiscs this agent added are recorded (as `<name>@<ifindex>` directories).
+    qdiscs_dir: Option<PathBuf>,
     /// name -> ifindex the program is attached to.
     attached: HashMap<String, u32>,
 }
 
+/// What attaching to one interface did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attached {
+    New,
+    /// A previous agent's attachment now runs this agent's program.
+    Replaced,
+}
+
 impl Attacher {
-    pub fn new(patterns: InterfacePatterns, mode: AttachMode) -> Self {
+    pub fn new(patterns: InterfacePatterns, mode: AttachMode, root: Option<&BpffsRoot>) -> Self {
         Self {
             patterns,
             mode: mode.resolve(),
+            links_dir: root.map(BpffsRoot::links_dir),
+            qdiscs_dir: root.map(BpffsRoot::qdiscs_dir),
             attached: HashMap::new(),
         }
     }
@@ -176,9 +204,9 @@ impl Attacher {
                 }
                 // A new ifindex under a known name: the interface was re-created and the
                 // old attachment died with it.
-                match self.attach(datapath, &name) {
-                    Ok(()) => {
-                        info!(interface = %name, ifindex, mode = ?self.mode, "attached");
+                match self.attach(datapath, &name, ifindex) {
+                    Ok(how) => {
+                        info!(interface = %name, ifindex, mode = ?self.mode, ?how, "attached");
                         self.attached.insert(name, ifindex);
                     }
                     Err(e) => warn!(interface = %name, "not attached: {e:#}"),
@@ -189,31 +217,165 @@ impl Attacher {
                     info!(interface = %name, "interface gone");
                     self.attached.remove(&name);
                 }
+                if let Some(dir) = &self.links_dir {
+                    let _ = std::fs::remove_file(link_pin(dir, &name, ifindex));
+                }
             }
         }
     }
 
-    fn attach(&self, datapath: &mut Datapath, name: &str) -> Result<()> {
+    fn attach(&self, datapath: &mut Datapath, name: &str, ifindex: u32) -> Result<Attached> {
         let prog: &mut SchedClassifier = datapath
             .ebpf
             .program_mut(program_names::TC_INGRESS)
             .context("eBPF object has no ingress program")?
             .try_into()?;
-        let options = match self.mode {
-            AttachMode::Tcx => TcAttachOptions::TcxOrder(LinkOrder::default()),
-            AttachMode::Netlink => {
-                if let Err(e) = tc::qdisc_add_clsact(name) {
-                    // EEXIST: the qdisc is already there (ours from before, or a CNI's).
-                    if !e.to_string().contains("exists") {
-                        bail!("adding the clsact qdisc: {e}");
-                    }
+        match self.mode {
+            AttachMode::Tcx => {
+                let pin = self.links_dir.as_ref().map(|d| link_pin(d, name, ifindex));
+                if let Some(pin) = pin.as_ref().filter(|p| p.exists()) {
+                    let link = PinnedLink::from_pin(pin)
+                        .with_context(|| format!("opening {}", pin.display()))?;
+                    let link = SchedClassifierLink::try_from(FdLink::from(link))?;
+                    let id = prog
+                        .attach_to_link(link)
+                        .with_context(|| format!("replacing the program on {name}"))?;
+                    // The pin keeps the link; dropping our handle only closes an fd.
+                    drop(prog.take_link(id)?);
+                    return Ok(Attached::Replaced);
                 }
-                TcAttachOptions::Netlink(NlOptions::default())
+                if let Some(dir) = &self.links_dir {
+                    remove_stale_pins(dir, name);
+                }
+                let id = prog
+                    .attach_with_options(
+                        name,
+                        TcAttachType::Ingress,
+                        TcAttachOptions::TcxOrder(LinkOrder::default()),
+                    )
+                    .with_context(|| format!("attaching to {name} ingress (TCX)"))?;
+                let link = FdLink::try_from(prog.take_link(id)?)?;
+                match pin {
+                    Some(pin) => {
+                        link.pin(&pin)
+                            .with_context(|| format!("pinning the link at {}", pin.display()))?;
+                    }
+                    // Without a bpffs root the attachment lives as long as the agent.
+                    None => std::mem::forget(link),
+                }
+                Ok(Attached::New)
+            }
+            AttachMode::Netlink => {
+                match tc::qdisc_add_clsact(name) {
+                    // Remember that the qdisc is ours, so --cleanup removes it (and only it).
+                    Ok(()) => {
+                        if let Some(dir) = &self.qdiscs_dir {
+                            let _ =
+                                std::fs::create_dir_all(dir.join(interface_record(name, ifindex)));
+                        }
+                    }
+                    // EEXIST: there already is one (a CNI's, or ours from before).
+                    Err(tc::TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    }
+                    Err(e) => bail!("adding the clsact qdisc to {name}: {e}"),
+                }
+                let existing = SchedClassifierLink::attached(
+                    name,
+                    TcAttachType::Ingress,
+                    NETLINK_PRIORITY,
+                    NETLINK_HANDLE,
+                    None,
+                )?;
+                let (id, how) = match prog.attach_to_link(existing) {
+                    Ok(id) => (id, Attached::Replaced),
+                    Err(_) => {
+                        let options = NlOptions {
+                            priority: NETLINK_PRIORITY,
+                            handle: NETLINK_HANDLE,
+                            classid: None,
+                        };
+                        let id = prog
+                            .attach_with_options(
+                                name,
+                                TcAttachType::Ingress,
+                                TcAttachOptions::Netlink(options),
+                            )
+                            .with_context(|| format!("attaching to {name} ingress (netlink)"))?;
+                        (id, Attached::New)
+                    }
+                };
+                // Filters stay in the kernel after the agent exits; dropping the link would
+                // detach it.
+                std::mem::forget(prog.take_link(id)?);
+                Ok(how)
             }
             AttachMode::Auto => unreachable!("resolved in new()"),
-        };
-        prog.attach_with_options(name, TcAttachType::Ingress, options)
-            .with_context(|| format!("attaching to {name} ingress"))?;
-        Ok(())
+        }
+    }
+}
+
+/// `<links>/<interface>@<ifindex>-ingress`: the ifindex tells a live attachment from one that
+/// died with a deleted interface of the same name.
+pub fn link_pin(dir: &Path, name: &str, ifindex: u32) -> PathBuf {
+    dir.join(format!("{}-ingress", interface_record(name, ifindex)))
+}
+
+/// `<interface>@<ifindex>` as a bpffs file name: bpffs refuses names with dots (reserved by
+/// the kernel), which interface names may have (`eth0.100`).
+pub fn interface_record(name: &str, ifindex: u32) -> String {
+    format!("{}@{ifindex}", name.replace('.', "%2e"))
+}
+
+/// The inverse of [`interface_record`] (ignoring any `-suffix`).
+pub fn parse_interface_record(record: &str) -> Option<(String, u32)> {
+    let (name, rest) = record.rsplit_once('@')?;
+    let index = rest.split('-').next()?.parse().ok()?;
+    Some((name.replace("%2e", "."), index))
+}
+
+fn remove_stale_pins(dir: &Path, name: &str) {
+    let prefix = format!("{}@", name.replace('.', "%2e"));
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interface_records_are_valid_bpffs_names_and_round_trip() {
+        for (name, index) in [("lxc0", 3), ("eth0.100", 17), ("a.b.c", 1)] {
+            let record = interface_record(name, index);
+            assert!(!record.contains('.'), "{record}");
+            assert_eq!(
+                parse_interface_record(&record),
+                Some((name.to_string(), index))
+            );
+            let pin = link_pin(Path::new("/x"), name, index);
+            let file = pin.file_name().unwrap().to_str().unwrap();
+            assert!(!file.contains('.'), "{file}");
+            assert_eq!(
+                parse_interface_record(file),
+                Some((name.to_string(), index))
+            );
+        }
+    }
+
+    #[test]
+    fn interface_patterns_are_comma_separated_globs() {
+        let p: InterfacePatterns = "lxc*, eth0".parse().unwrap();
+        assert!(p.matches("lxc12") && p.matches("eth0"));
+        assert!(!p.matches("eth1") && !p.matches("veth0"));
+        assert!("".parse::<InterfacePatterns>().is_err());
+        assert!("["
+            .parse::<InterfacePatterns>()
+            .unwrap_err()
+            .contains("not a valid glob"));
     }
 }

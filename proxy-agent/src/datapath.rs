@@ -11,7 +11,7 @@ use proxy_common::{
     map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, Stat, MAX_BACKENDS,
 };
 
-use crate::proxier::ebpf::maps::KernelMaps;
+use crate::{pins::BpffsRoot, proxier::ebpf::maps::KernelMaps};
 
 /// The object `cargo xtask build-ebpf` produced, or empty when the agent was built first.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
@@ -60,13 +60,37 @@ impl Datapath {
         !EBPF_OBJECT.is_empty()
     }
 
-    pub fn load(sizes: DatapathSizes) -> Result<Self> {
+    /// Loads the programs and creates the maps; with `pins`, maps are pinned there, or
+    /// reused from there when a previous agent left them (see [`crate::pins`]).
+    pub fn load(sizes: DatapathSizes, pins: Option<&BpffsRoot>) -> Result<Self> {
         if !Self::object_available() {
             bail!(
                 "this proxy-agent was built without its eBPF object: run `cargo xtask build-ebpf` \
                  (or `cargo xtask setup` on a new machine), then build the agent again"
             );
         }
+        Self::load_object(EBPF_OBJECT, sizes, pins)
+    }
+
+    /// Like [`Datapath::load`], with an object from a file (a different build of the
+    /// datapath, to test upgrades).
+    pub fn load_file(
+        path: &std::path::Path,
+        sizes: DatapathSizes,
+        pins: Option<&BpffsRoot>,
+    ) -> Result<Self> {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        // ELF parsing wants the object 8-byte aligned; copy it into u64s.
+        let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
+        // SAFETY: the u64 buffer has at least bytes.len() bytes.
+        let view = unsafe {
+            std::slice::from_raw_parts_mut(aligned.as_mut_ptr().cast::<u8>(), bytes.len())
+        };
+        view.copy_from_slice(&bytes);
+        Self::load_object(view, sizes, pins)
+    }
+
+    fn load_object(object: &[u8], sizes: DatapathSizes, pins: Option<&BpffsRoot>) -> Result<Self> {
         if sizes.backends < 2 || sizes.backends > MAX_BACKENDS {
             bail!(
                 "backends map size {} is out of range (2..={MAX_BACKENDS})",
@@ -78,7 +102,18 @@ impl Datapath {
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
             .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
-        let mut ebpf = loader.load(EBPF_OBJECT).map_err(|e| {
+        if let Some(root) = pins {
+            for name in [
+                map_names::SERVICES,
+                map_names::BACKENDS,
+                map_names::CONNTRACK,
+                map_names::CONFIG,
+                map_names::STATS,
+            ] {
+                loader.map_pin_path(name, root.map_pin(name));
+            }
+        }
+        let mut ebpf = loader.load(object).map_err(|e| {
             let hint = privilege_hint(&e);
             let err = anyhow::Error::new(e).context("creating the eBPF maps");
             match hint {

@@ -1,7 +1,10 @@
 //! The proxy agent: sources (manifests, later the API server) feed one service model, which
 //! drives one proxier per mode.
 pub mod attach;
+pub mod cleanup;
 pub mod datapath;
 pub mod model;
+pub mod pins;
+pub mod privileges;
 pub mod proxier;
 pub mod source;

@@ -4,8 +4,11 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use proxy_agent::{
     attach::{self, AttachMode, Attacher, InterfacePatterns},
+    cleanup::cleanup,
     datapath::{Datapath, DatapathSizes},
     model::{ChangeTracker, DesiredState},
+    pins::{self, Adoption, BpffsRoot, DEFAULT_BPFFS_ROOT},
+    privileges::{self, Capabilities},
     proxier::{ebpf::EbpfProxier, Proxier, ProxyMode},
     source::manifests,
 };
@@ -34,6 +37,20 @@ struct Cli {
     /// How to attach: tcx (kernel 6.6+), netlink (clsact qdisc + filter) or auto.
     #[arg(long = "tc-attach", default_value = "auto")]
     tc_attach: AttachMode,
+
+    /// bpffs directory for the pinned maps and links that keep the datapath serving while
+    /// the agent restarts or upgrades (mounted if absent).
+    #[arg(long = "bpffs-root", default_value = DEFAULT_BPFFS_ROOT)]
+    bpffs_root: PathBuf,
+
+    /// Remove everything this agent installed on the node (programs, links, filters, the
+    /// qdiscs it added, pins, maps) and exit.
+    #[arg(long)]
+    cleanup: bool,
+
+    /// Load the eBPF object from this file instead of the embedded one.
+    #[arg(long = "ebpf-object", hide = true)]
+    ebpf_object: Option<PathBuf>,
 
     /// Log verbosity, as kube-proxy's -v: 0-1 info, 2-3 debug, 4+ trace.
     #[arg(short = 'v', long = "v", default_value_t = 0)]
@@ -94,24 +111,54 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<()> {
+    let caps = Capabilities::current().context("reading the process capabilities")?;
+    privileges::check_datapath(caps)?;
+    if cli.cleanup {
+        let report = cleanup(&cli.bpffs_root).await?;
+        info!(
+            links = report.links_unpinned,
+            filters = report.filters_removed,
+            qdiscs = report.qdiscs_removed,
+            maps = report.maps_unpinned,
+            "cleanup done"
+        );
+        return Ok(());
+    }
     let Some(path) = cli.manifests.clone() else {
         bail!("no service source: pass --manifests PATH (API-server mode is not built yet)");
     };
     info!("Using {} Proxier", cli.proxy_mode);
-    let sizes = DatapathSizes {
+    let root = BpffsRoot::prepare(&cli.bpffs_root)?;
+    let mut sizes = DatapathSizes {
         services: cli.services_map_size,
         backends: cli.backends_map_size,
         conntrack: cli.conntrack_map_size,
     };
-    let mut datapath = Datapath::load(sizes)?;
+    let adoption = pins::adopt_or_rebuild(&root, &mut sizes)?;
+    match &adoption {
+        Adoption::Fresh => info!(root = %root.path.display(), "creating the datapath"),
+        Adoption::Adopted => info!(root = %root.path.display(), "adopting the pinned datapath"),
+        Adoption::Rebuilt { reason } => warn!(
+            root = %root.path.display(),
+            "rebuilding the datapath maps: {reason}; tracked connections are re-balanced"
+        ),
+    }
+    let mut datapath = match &cli.ebpf_object {
+        Some(object) => Datapath::load_file(object, sizes, Some(&root))?,
+        None => Datapath::load(sizes, Some(&root))?,
+    };
     let maps = datapath.take_service_maps()?;
     let mut proxier = EbpfProxier::new(maps);
+    if adoption == Adoption::Adopted {
+        let services = proxier.adopt()?;
+        info!(frontends = services, "took over the pinned service maps");
+    }
     let mut tracker = ChangeTracker::default();
 
     let mut attacher = cli
         .interfaces
         .clone()
-        .map(|p| Attacher::new(p, cli.tc_attach));
+        .map(|p| Attacher::new(p, cli.tc_attach, Some(&root)));
     let (link_tx, mut link_rx) = mpsc::channel(64);
     if attacher.is_some() {
         tokio::spawn(async move {
@@ -150,7 +197,7 @@ async fn run(cli: Cli) -> Result<()> {
             _ = tokio::signal::ctrl_c() => break,
         }
     }
-    info!("stopping");
+    info!("stopping; the datapath keeps serving from the pinned state");
     Ok(())
 }
 

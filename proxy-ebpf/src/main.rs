@@ -45,6 +45,13 @@ static CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 0);
 
+/// How often a tracked flow's timestamp is refreshed. The upgrade-test variant differs here
+/// only, which changes the program without changing its behaviour.
+#[cfg(not(feature = "upgrade-test-variant"))]
+const REFRESH_NS: u64 = CT_REFRESH_NS;
+#[cfg(feature = "upgrade-test-variant")]
+const REFRESH_NS: u64 = CT_REFRESH_NS / 2;
+
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const IPV4_HLEN: usize = 20;
@@ -207,7 +214,7 @@ fn touch(ct: &mut ConntrackValue, pkt: &Packet, now: u64, extra_flags: u8) {
     if flags != ct.flags {
         ct.flags = flags;
     }
-    if now.wrapping_sub(ct.last_seen_ns) > CT_REFRESH_NS {
+    if now.wrapping_sub(ct.last_seen_ns) > REFRESH_NS {
         ct.last_seen_ns = now;
     }
 }

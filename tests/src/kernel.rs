@@ -70,7 +70,7 @@ pub struct TestDatapath {
 
 impl TestDatapath {
     pub fn load(sizes: DatapathSizes) -> Result<Self> {
-        let mut datapath = Datapath::load(sizes)?;
+        let mut datapath = Datapath::load(sizes, None)?;
         let maps = datapath.take_service_maps()?;
         Ok(Self {
             datapath,

@@ -128,6 +128,58 @@ pub fn sweep_stale_namespaces() {
     }
 }
 
+/// Unmounts bpffs instances that labs of killed runs left mounted.
+fn sweep_stale_mounts() {
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else {
+        return;
+    };
+    for line in mounts.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(_), Some(point), Some(fstype)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        if fstype != "bpf" {
+            continue;
+        }
+        let Some(rest) = point.split(&format!("/{PREFIX}-")).nth(1) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = sh("umount", &["-l", point]);
+        }
+    }
+}
+
+/// A bpffs mounted for one lab: pins must outlive each agent process, and `ip netns exec`
+/// gives every process its own /sys (a bpffs mounted there dies with the process).
+#[derive(Debug)]
+pub struct LabBpffs {
+    pub path: PathBuf,
+}
+
+impl LabBpffs {
+    fn mount(dir: &Path) -> Result<Self> {
+        let path = dir.join("bpffs");
+        std::fs::create_dir_all(&path)?;
+        sh("mount", &["-t", "bpf", "bpf", &path.to_string_lossy()])?;
+        Ok(LabBpffs { path })
+    }
+
+    /// The agent's `--bpffs-root`.
+    pub fn root(&self) -> PathBuf {
+        self.path.join("proxy-agent")
+    }
+}
+
+impl Drop for LabBpffs {
+    fn drop(&mut self) {
+        let _ = sh("umount", &["-l", &self.path.to_string_lossy()]);
+    }
+}
+
 /// A pod: its namespace, its address, and the node-side end of its veth.
 #[derive(Debug)]
 pub struct Pod {
@@ -188,6 +240,7 @@ pub struct Lab {
     /// Pods added after the lab was built (see [`Lab::add_pod_later`]).
     pub extra_pods: Vec<Pod>,
     pub external: Netns,
+    pub bpffs: LabBpffs,
     pub dir: tempfile::TempDir,
     servers: Vec<(Arc<AtomicBool>, ServerThread)>,
     agent: Option<Agent>,
@@ -198,11 +251,16 @@ pub struct Lab {
 impl Lab {
     pub fn new(options: LabOptions) -> Result<Self> {
         sweep_stale_namespaces();
+        sweep_stale_mounts();
         let id = format!(
             "{PREFIX}-{}-{}",
             std::process::id(),
             LAB_COUNTER.fetch_add(1, Ordering::SeqCst)
         );
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{id}-"))
+            .tempdir()?;
+        let bpffs = LabBpffs::mount(dir.path())?;
         let node = Netns::create(&format!("{id}-node"))?;
         node.sysctl("net.ipv4.ip_forward=1")?;
         let external = Netns::create(&format!("{id}-ext"))?;
@@ -285,7 +343,8 @@ impl Lab {
             backends,
             extra_pods: Vec::new(),
             external,
-            dir: tempfile::tempdir()?,
+            bpffs,
+            dir,
             servers: Vec::new(),
             agent: None,
             node,
@@ -395,18 +454,48 @@ impl Lab {
     /// pod interface and synced the manifests.
     pub fn start_agent(&mut self, manifests: &Path, extra: &[&str]) -> Result<&mut Agent> {
         let pods = 1 + self.backends.len();
-        let agent = Agent::start(
-            &self.node,
-            manifests,
-            &self.dir.path().join("agent.log"),
-            extra,
-        )?;
+        let root = self.bpffs.root();
+        let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let log = self.next_log();
+        let agent = Agent::start(&self.node, manifests, &log, &args)?;
         self.agent = Some(agent);
         let agent = self.agent.as_mut().unwrap();
         agent.wait_for_log(|log| {
-            log.matches(" attached").count() >= pods && log.contains("synced")
+            log.matches("attached interface=").count() >= pods && log.contains("synced")
         })?;
         Ok(agent)
+    }
+
+    fn next_log(&self) -> PathBuf {
+        let n = std::fs::read_dir(self.dir.path())
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("agent"))
+                    .count()
+            })
+            .unwrap_or(0);
+        self.dir.path().join(format!("agent-{n}.log"))
+    }
+
+    /// Runs the agent binary in the node namespace with `args` (plus this lab's
+    /// `--bpffs-root`) to completion; returns (success, combined output).
+    pub fn run_agent_once(&self, args: &[&str]) -> Result<(bool, String)> {
+        let bin = agent_binary()?;
+        let root = self.bpffs.root();
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.node.name])
+            .arg(&bin)
+            .args(["--bpffs-root", root.to_str().unwrap()])
+            .args(args)
+            .env("NO_COLOR", "1")
+            .output()?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok((out.status.success(), text))
     }
 
     pub fn agent(&mut self) -> Option<&mut Agent> {
@@ -445,6 +534,8 @@ impl Drop for Lab {
         if let Some(mut a) = self.agent.take() {
             let _ = a.stop();
         }
+        // What the agent left attached and pinned goes with the lab.
+        let _ = self.run_agent_once(&["--cleanup"]);
         for (stop, _) in &self.servers {
             stop.store(true, Ordering::Relaxed);
         }
@@ -567,5 +658,124 @@ pub mod client {
         let mut buf = [0u8; 512];
         let n = s.recv(&mut buf)?;
         Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+}
+
+/// A TCP connection held open from a pod, on its own thread inside the pod's namespace.
+pub struct Session {
+    /// The pod that accepted it (from its greeting).
+    pub backend: String,
+    requests: std::sync::mpsc::Sender<String>,
+    replies: std::sync::mpsc::Receiver<std::io::Result<String>>,
+    thread: Option<JoinHandle<Result<()>>>,
+}
+
+impl Session {
+    pub fn open(ns: &Netns, to: SocketAddrV4) -> Result<Self> {
+        let (req_tx, req_rx) = std::sync::mpsc::channel::<String>();
+        let (rep_tx, rep_rx) = std::sync::mpsc::channel::<std::io::Result<String>>();
+        let thread = ns.spawn(move || {
+            let mut stream = match TcpStream::connect_timeout(&to.into(), Duration::from_secs(2)) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = rep_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+            let mut line = String::new();
+            let greeting = reader.read_line(&mut line).map(|_| line.trim().to_string());
+            let _ = rep_tx.send(greeting);
+            while let Ok(msg) = req_rx.recv() {
+                let reply = (|| {
+                    stream.write_all(format!("{msg}\n").as_bytes())?;
+                    let mut echo = String::new();
+                    reader.read_line(&mut echo)?;
+                    Ok(echo.trim().to_string())
+                })();
+                if rep_tx.send(reply).is_err() {
+                    return;
+                }
+            }
+        });
+        let backend = rep_rx
+            .recv_timeout(Duration::from_secs(5))
+            .context("session did not start")?
+            .context("opening the session")?;
+        Ok(Session {
+            backend,
+            requests: req_tx,
+            replies: rep_rx,
+            thread: Some(thread),
+        })
+    }
+
+    /// Sends a line and returns what comes back (the backends echo).
+    pub fn exchange(&self, msg: &str) -> Result<String> {
+        self.requests.send(msg.to_string())?;
+        Ok(self
+            .replies
+            .recv_timeout(Duration::from_secs(5))
+            .context("no reply")??)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let (tx, _) = std::sync::mpsc::channel();
+        drop(std::mem::replace(&mut self.requests, tx));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Connections that worked, and the errors of those that failed.
+pub type LoopOutcome = (usize, Vec<String>);
+
+/// Opens connections from a pod in a loop until stopped; counts what failed.
+pub struct ConnectLoop {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<Result<LoopOutcome>>>,
+}
+
+impl ConnectLoop {
+    pub fn start(ns: &Netns, to: SocketAddrV4) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = ns.spawn(move || {
+            let mut ok = 0;
+            let mut failures = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                match client::tcp_hello(to, Duration::from_secs(1)) {
+                    Ok(_) => ok += 1,
+                    Err(e) => failures.push(e.to_string()),
+                }
+            }
+            (ok, failures)
+        });
+        ConnectLoop {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops the loop; returns (connections that worked, errors of those that failed).
+    pub fn finish(mut self) -> Result<LoopOutcome> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.take().unwrap().join() {
+            Ok(r) => r,
+            Err(_) => bail!("connect loop panicked"),
+        }
+    }
+}
+
+impl Drop for ConnectLoop {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }

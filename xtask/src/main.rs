@@ -142,7 +142,7 @@ fn setup() -> Result<()> {
         ));
         run(Command::new("apt-get").args(["update", "-qq"]))?;
         run(Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(["install", "-y", "-qq"])
             .args(&missing)
             .env("DEBIAN_FRONTEND", "noninteractive"))?;
     }
@@ -192,6 +192,14 @@ fn build_ebpf() -> Result<()> {
         let path = std::env::var("PATH").unwrap_or_default();
         cmd.env("PATH", format!("{}:{path}", home.display()));
     }
+    run(&mut cmd)?;
+    // A second, deliberately different build for the upgrade test.
+    cmd.args([
+        "--features",
+        "upgrade-test-variant",
+        "--target-dir",
+        "target/upgrade-test-variant",
+    ]);
     run(&mut cmd)?;
     let object = ebpf_object();
     if !object.exists() {

@@ -34,6 +34,15 @@ impl Protocol {
         }
     }
 
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            proxy_common::IPPROTO_TCP => Some(Protocol::Tcp),
+            proxy_common::IPPROTO_UDP => Some(Protocol::Udp),
+            proxy_common::IPPROTO_SCTP => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+
     /// IANA protocol number, as in the IPv4 header.
     pub fn number(self) -> u8 {
         match self {

@@ -24,6 +24,15 @@ pub trait ServiceMaps {
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError>;
     /// Number of `BACKENDS` slots (slot 0 is never used).
     fn backend_slots(&self) -> u32;
+    /// Everything in the maps, for adopting maps a previous agent left pinned: `SERVICES`
+    /// entries, and the `BACKENDS` slots in use.
+    fn entries(&self) -> Result<MapContents, MapError>;
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct MapContents {
+    pub services: Vec<(ServiceKey, ServiceValue)>,
+    pub backends: Vec<Backend>,
 }
 
 /// A map-shaped model of the kernel maps, with the same capacity behaviour (an insert of a
@@ -108,6 +117,13 @@ impl ServiceMaps for InMemoryMaps {
     fn backend_slots(&self) -> u32 {
         self.backend_slots
     }
+
+    fn entries(&self) -> Result<MapContents, MapError> {
+        Ok(MapContents {
+            services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
+            backends: self.backends.values().copied().collect(),
+        })
+    }
 }
 
 /// The kernel's maps, through aya.
@@ -169,5 +185,25 @@ impl ServiceMaps for KernelMaps {
 
     fn backend_slots(&self) -> u32 {
         self.backends.len()
+    }
+
+    fn entries(&self) -> Result<MapContents, MapError> {
+        let other = |map: &'static str| {
+            move |e: AyaMapError| MapError::Other {
+                map,
+                message: e.to_string(),
+            }
+        };
+        let mut contents = MapContents::default();
+        for entry in self.services.iter() {
+            contents.services.push(entry.map_err(other("SERVICES"))?);
+        }
+        for b in self.backends.iter() {
+            let b = b.map_err(other("BACKENDS"))?;
+            if b.id != 0 {
+                contents.backends.push(b);
+            }
+        }
+        Ok(contents)
     }
 }

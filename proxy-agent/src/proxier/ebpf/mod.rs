@@ -3,19 +3,22 @@
 pub mod maps;
 pub mod sync;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use anyhow::Result;
 use tracing::{debug, error};
 
 use self::{maps::ServiceMaps, sync::MapSync};
 use super::{Proxier, ProxyMode, SyncReport};
-use crate::model::{DesiredState, ServiceChange, ServicePortName};
+use crate::model::{DesiredState, Frontend, ServiceChange, ServicePortName};
 
 pub struct EbpfProxier<M: ServiceMaps> {
     sync: MapSync<M>,
     /// Service ports whose last write failed (map full, ...): retried on every sync.
     failed: BTreeMap<ServicePortName, String>,
+    /// Set after adopting pinned maps: the next sync also removes what the previous agent
+    /// programmed that is no longer desired.
+    prune_on_next_sync: bool,
 }
 
 impl<M: ServiceMaps> EbpfProxier<M> {
@@ -23,7 +26,16 @@ impl<M: ServiceMaps> EbpfProxier<M> {
         Self {
             sync: MapSync::new(maps),
             failed: BTreeMap::new(),
+            prune_on_next_sync: false,
         }
+    }
+
+    /// Takes over the services a previous agent left in pinned maps (see
+    /// [`MapSync::adopt`]); returns how many frontends were taken over.
+    pub fn adopt(&mut self) -> Result<usize> {
+        let n = self.sync.adopt()?;
+        self.prune_on_next_sync = true;
+        Ok(n)
     }
 
     pub fn map_sync(&self) -> &MapSync<M> {
@@ -43,6 +55,21 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
 
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
         let mut report = SyncReport::default();
+        if std::mem::take(&mut self.prune_on_next_sync) {
+            let wanted: HashSet<Frontend> = desired.ports.values().map(|s| s.frontend).collect();
+            let stale: Vec<Frontend> = self
+                .sync
+                .frontends()
+                .filter(|f| !wanted.contains(f))
+                .copied()
+                .collect();
+            for f in stale {
+                debug!(frontend = %f, "removing what the previous agent programmed");
+                if let Err(e) = self.sync.remove(&f) {
+                    error!(frontend = %f, "removing from the datapath: {e}");
+                }
+            }
+        }
         // Removals first: a frontend that moves from one Service to another is freed
         // before it is claimed again.
         for change in changes {

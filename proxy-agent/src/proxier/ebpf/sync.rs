@@ -11,7 +11,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
-    net::SocketAddrV4,
+    net::{Ipv4Addr, SocketAddrV4},
 };
 
 use proxy_common::{
@@ -19,7 +19,7 @@ use proxy_common::{
 };
 
 use super::maps::{MapError, ServiceMaps};
-use crate::model::Frontend;
+use crate::model::{Frontend, Protocol};
 
 /// What the agent last wrote for one frontend.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +36,18 @@ pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
         frontend.protocol.number(),
         slot,
     )
+}
+
+fn frontend_of(key: &ServiceKey) -> Option<Frontend> {
+    Some(Frontend {
+        addr: Ipv4Addr::from(u32::from_be(key.addr)),
+        port: u16::from_be(key.port),
+        protocol: Protocol::from_number(key.proto)?,
+    })
+}
+
+fn backend_addr(b: &Backend) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
 }
 
 pub fn backend_value(id: u32, addr: &SocketAddrV4) -> Backend {
@@ -90,6 +102,18 @@ impl BackendIds {
         }
     }
 
+    /// Records an id found in adopted maps as in use.
+    fn mark_used(&mut self, id: u32) -> bool {
+        let i = (id & BACKEND_INDEX_MASK) as usize;
+        if i == 0 || i >= self.in_use.len() || self.in_use[i] {
+            return false;
+        }
+        self.in_use[i] = true;
+        self.free -= 1;
+        self.generations[i] = (id >> BACKEND_INDEX_BITS) as u8;
+        true
+    }
+
     fn release(&mut self, id: u32) {
         let i = (id & BACKEND_INDEX_MASK) as usize;
         if i < self.in_use.len() && self.in_use[i] {
@@ -107,6 +131,11 @@ struct ServiceIds {
 }
 
 impl ServiceIds {
+    fn mark_used(&mut self, id: u32) {
+        self.in_use.insert(id);
+        self.next = self.next.max(id);
+    }
+
     fn allocate(&mut self) -> u32 {
         loop {
             self.next = self.next.wrapping_add(1);
@@ -148,6 +177,80 @@ impl<M: ServiceMaps> MapSync<M> {
 
     pub fn frontends(&self) -> impl Iterator<Item = &Frontend> {
         self.written.keys()
+    }
+
+    /// Takes over maps a previous agent left pinned: rebuilds the record of what is written
+    /// from the maps themselves, keeping backend ids (conntrack entries refer to them) and
+    /// removing whatever is inconsistent. Returns the number of frontends taken over.
+    pub fn adopt(&mut self) -> Result<usize, MapError> {
+        let contents = self.maps.entries()?;
+        let backends: HashMap<u32, Backend> =
+            contents.backends.iter().map(|b| (b.id, *b)).collect();
+        let mut headers: HashMap<Frontend, ServiceValue> = HashMap::new();
+        let mut slots: HashMap<Frontend, HashMap<u16, u32>> = HashMap::new();
+        let mut stray = Vec::new();
+        for (key, value) in contents.services {
+            match frontend_of(&key) {
+                Some(f) if key.slot == 0 => {
+                    headers.insert(f, value);
+                }
+                Some(f) => {
+                    slots
+                        .entry(f)
+                        .or_default()
+                        .insert(key.slot, value.backend_id);
+                }
+                None => stray.push(key),
+            }
+        }
+        let mut referenced = HashSet::new();
+        for (frontend, header) in headers {
+            let mut found = slots.remove(&frontend).unwrap_or_default();
+            let list: Option<Vec<(u32, SocketAddrV4)>> = (1..=header.count)
+                .map(|slot| {
+                    let id = found.remove(&slot)?;
+                    let b = backends.get(&id)?;
+                    Some((id, backend_addr(b)))
+                })
+                .collect();
+            // Slots beyond the count are leftovers of an interrupted shrink.
+            for slot in found.keys() {
+                stray.push(service_key(&frontend, *slot));
+            }
+            match list {
+                Some(list) if list.iter().all(|(id, _)| self.backend_ids.mark_used(*id)) => {
+                    referenced.extend(list.iter().map(|s| s.0));
+                    self.service_ids.mark_used(header.service_id);
+                    self.written.insert(
+                        frontend,
+                        Written {
+                            service_id: header.service_id,
+                            slots: list,
+                        },
+                    );
+                }
+                broken => {
+                    // A slot leads nowhere, or two slots share an id: start this one over.
+                    let count = header.count as usize;
+                    let _ = self.purge(&frontend, count, BTreeSet::new());
+                    for (id, _) in broken.into_iter().flatten() {
+                        if !referenced.contains(&id) {
+                            self.backend_ids.release(id);
+                        }
+                    }
+                }
+            }
+        }
+        for (frontend, found) in slots {
+            stray.extend(found.keys().map(|slot| service_key(&frontend, *slot)));
+        }
+        for key in stray {
+            self.maps.remove_service(&key)?;
+        }
+        for id in backends.keys().filter(|id| !referenced.contains(id)) {
+            self.maps.remove_backend(*id)?;
+        }
+        Ok(self.written.len())
     }
 
     /// Makes `frontend` select among `backends` (empty: refuse connections). Returns the

@@ -1,4 +1,7 @@
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddrV4},
+};
 
 use proxy_common::{Backend, ServiceKey, ServiceValue};
 
@@ -96,6 +99,9 @@ impl ServiceMaps for CheckedMaps {
     }
     fn backend_slots(&self) -> u32 {
         self.inner.backend_slots()
+    }
+    fn entries(&self) -> Result<crate::proxier::ebpf::maps::MapContents, MapError> {
+        self.inner.entries()
     }
 }
 
@@ -220,5 +226,90 @@ fn backend_ids_are_not_reused_right_away() {
     assert_ne!(
         first, second,
         "a flow pinned to the old id must not follow it to a new pod"
+    );
+}
+
+#[test]
+fn a_new_agent_adopts_the_maps_keeping_ids_and_writing_nothing_that_is_right() {
+    let mut first = MapSync::new(InMemoryMaps::default());
+    for i in 1..4 {
+        first.set(&frontend(i), &pods(1..(i * 4))).unwrap();
+    }
+    first.set(&frontend(9), &[]).unwrap();
+    let maps = first.maps().clone();
+
+    let mut second = MapSync::new(maps.clone());
+    assert_eq!(second.adopt().unwrap(), 4);
+    assert_eq!(
+        second.maps().services,
+        maps.services,
+        "adopting consistent maps changes nothing"
+    );
+    assert_eq!(second.maps().backends, maps.backends);
+    for i in 1..4 {
+        assert_eq!(
+            second.set(&frontend(i), &pods(1..(i * 4))).unwrap(),
+            0,
+            "already right"
+        );
+    }
+    assert_eq!(second.set(&frontend(9), &[]).unwrap(), 0);
+    // Conntrack entries name backend ids: a changed service keeps the ids of kept backends
+    // and never hands a new backend an id that is still in use.
+    let before: BTreeMap<u32, Backend> = second.maps().backends.clone();
+    second.set(&frontend(3), &pods(1..20)).unwrap();
+    for (id, b) in &before {
+        assert_eq!(
+            second.maps().backends.get(id),
+            Some(b),
+            "id {id} changed meaning"
+        );
+    }
+    assert_eq!(
+        datapath_view(second.maps(), &frontend(3)).unwrap(),
+        pods(1..20)
+    );
+}
+
+#[test]
+fn adoption_repairs_what_an_interrupted_agent_left_half_written() {
+    let mut first = MapSync::new(InMemoryMaps::default());
+    first.set(&frontend(1), &pods(1..4)).unwrap();
+    first.set(&frontend(2), &pods(4..7)).unwrap();
+    let mut maps = first.maps().clone();
+    // frontend 1 lost a slot; frontend 2 has a leftover slot beyond its count; an orphan
+    // backend and a slot without a header exist.
+    maps.services.remove(&service_key(&frontend(1), 2));
+    let v = maps.services[&service_key(&frontend(2), 1)];
+    maps.services.insert(service_key(&frontend(2), 7), v);
+    maps.backends.insert(4242, Backend::new(4242, 1, 1));
+    maps.services.insert(service_key(&frontend(5), 1), v);
+
+    let mut second = MapSync::new(maps);
+    assert_eq!(second.adopt().unwrap(), 1, "only frontend 2 is consistent");
+    assert_eq!(
+        datapath_view(second.maps(), &frontend(1)),
+        None,
+        "broken frontend removed"
+    );
+    assert_eq!(
+        datapath_view(second.maps(), &frontend(2)).unwrap(),
+        pods(4..7)
+    );
+    assert!(!second
+        .maps()
+        .services
+        .contains_key(&service_key(&frontend(2), 7)));
+    assert!(!second
+        .maps()
+        .services
+        .contains_key(&service_key(&frontend(5), 1)));
+    assert!(!second.maps().backends.contains_key(&4242));
+    assert_eq!(second.maps().backends.len(), 3);
+    // And the sync that follows rebuilds frontend 1 from scratch.
+    second.set(&frontend(1), &pods(1..4)).unwrap();
+    assert_eq!(
+        datapath_view(second.maps(), &frontend(1)).unwrap(),
+        pods(1..4)
     );
 }

@@ -1,0 +1,308 @@
+//! The agent's life cycle on a node: restart and upgrade without dropping connections,
+//! explicit handling of a map-layout change, `--cleanup`, missing privileges.
+
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use aya::{
+    maps::{Array, Map, MapData, MapInfo},
+    programs::links::{FdLink, PinnedLink},
+};
+use proxy_common::{map_names, DatapathConfig};
+use proxy_tests::{
+    lab::{agent_binary, ConnectLoop, Lab, LabOptions, Session},
+    require_kernel,
+};
+
+const WEB: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+
+fn manifest(lab: &Lab) -> String {
+    let endpoints: String = lab
+        .backends
+        .iter()
+        .map(|p| format!("  - addresses: [\"{}\"]\n", p.ip))
+        .collect();
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: lab}}
+spec:
+  clusterIP: {}
+  ports: [{{name: http, port: 80, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: lab, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+endpoints:
+{endpoints}"#,
+        WEB.ip()
+    )
+}
+
+fn started_lab(extra: &[&str]) -> (Lab, PathBuf) {
+    let mut lab = Lab::new(LabOptions::default()).expect("lab");
+    let path = lab.write_manifests(&manifest(&lab)).unwrap();
+    lab.start_agent(&path, extra).expect("agent");
+    (lab, path)
+}
+
+fn upgrade_object() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../proxy-ebpf/target/upgrade-test-variant/bpfel-unknown-none/release/proxy-ebpf")
+}
+
+/// Program id behind the TCX link pinned for `lxc0`.
+fn tcx_program_on_lxc0(lab: &Lab) -> u32 {
+    let links = lab.bpffs.root().join("links");
+    let pin = std::fs::read_dir(&links)
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with("lxc0@"))
+        .unwrap_or_else(|| panic!("no link pinned for lxc0 in {}", links.display()))
+        .path();
+    let link = FdLink::from(PinnedLink::from_pin(pin).unwrap());
+    link.info().unwrap().program_id()
+}
+
+/// Stops the agent and starts another while a connection stays open and a client keeps
+/// opening new ones; returns the new agent's log.
+fn replace_agent_under_load(lab: &mut Lab, manifests: &Path, extra: &[&str]) -> String {
+    let session = Session::open(&lab.client.ns, WEB).unwrap();
+    assert_eq!(session.exchange("before").unwrap(), "before");
+    let connects = ConnectLoop::start(&lab.client.ns, WEB);
+    std::thread::sleep(Duration::from_millis(300));
+    lab.stop_agent().unwrap();
+    // No agent at all for a while: the pinned datapath serves alone.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(session.exchange("between").unwrap(), "between");
+    lab.start_agent(manifests, extra).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let (ok, failed) = connects.finish().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of {} new connections failed: {:?}",
+        failed.len(),
+        ok + failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    assert!(ok > 20, "the client loop made only {ok} connections");
+    assert_eq!(
+        session.exchange("after").unwrap(),
+        "after",
+        "the open connection broke"
+    );
+    lab.agent().unwrap().log_text()
+}
+
+#[test]
+fn restart_keeps_open_connections_and_new_ones_working() {
+    require_kernel!();
+    let (mut lab, manifests) = started_lab(&[]);
+    let before = tcx_program_on_lxc0(&lab);
+    let log = replace_agent_under_load(&mut lab, &manifests, &[]);
+    assert!(log.contains("adopting the pinned datapath"), "{log}");
+    assert!(
+        log.contains("took over the pinned service maps frontends=1"),
+        "{log}"
+    );
+    assert!(
+        log.contains("how=Replaced"),
+        "the new agent must reuse the attachments: {log}"
+    );
+    assert_ne!(
+        tcx_program_on_lxc0(&lab),
+        before,
+        "the new agent's program runs"
+    );
+}
+
+#[test]
+fn upgrade_to_a_different_program_keeps_connections() {
+    require_kernel!();
+    let variant = upgrade_object();
+    assert!(
+        variant.exists(),
+        "{} missing: run `cargo xtask build-ebpf`",
+        variant.display()
+    );
+    let (mut lab, manifests) = started_lab(&[]);
+    let variant = variant.to_str().unwrap().to_string();
+    let log = replace_agent_under_load(&mut lab, &manifests, &["--ebpf-object", &variant]);
+    assert!(log.contains("how=Replaced"), "{log}");
+    // And back again, the way a rollback would go.
+    let log = replace_agent_under_load(&mut lab, &manifests, &[]);
+    assert!(log.contains("how=Replaced"), "{log}");
+}
+
+#[test]
+fn netlink_attachments_are_replaced_in_place_on_restart() {
+    require_kernel!();
+    let (mut lab, manifests) = started_lab(&["--tc-attach", "netlink"]);
+    let log = replace_agent_under_load(&mut lab, &manifests, &["--tc-attach", "netlink"]);
+    assert!(log.contains("how=Replaced"), "{log}");
+    let filters = lab
+        .node
+        .exec("tc", &["filter", "show", "dev", "lxc0", "ingress"])
+        .unwrap();
+    assert_eq!(
+        filters.lines().filter(|l| l.contains(" handle ")).count(),
+        1,
+        "exactly one filter after the restart: {filters}"
+    );
+}
+
+#[test]
+fn a_map_layout_change_is_detected_and_the_maps_rebuilt() {
+    require_kernel!();
+    let (mut lab, manifests) = started_lab(&[]);
+    lab.stop_agent().unwrap();
+    // Pretend the pinned maps were written by an agent with another layout.
+    let pin = lab.bpffs.root().join("maps").join(map_names::CONFIG);
+    let mut config: Array<MapData, DatapathConfig> =
+        Array::try_from(Map::Array(MapData::from_pin(&pin).unwrap())).unwrap();
+    let mut value = config.get(&0, 0).unwrap();
+    let old_id = MapInfo::from_pin(&pin).unwrap().id();
+    value.layout_version = 999;
+    config.set(0, value, 0).unwrap();
+    drop(config);
+
+    lab.start_agent(&manifests, &[]).unwrap();
+    let log = lab.agent().unwrap().log_text();
+    assert!(
+        log.contains("rebuilding the datapath maps: the pinned maps have layout version 999; this agent uses 1"),
+        "{log}"
+    );
+    assert_ne!(
+        MapInfo::from_pin(&pin).unwrap().id(),
+        old_id,
+        "new maps were created"
+    );
+    let answer = lab
+        .client
+        .ns
+        .run(|| proxy_tests::lab::client::tcp_hello(WEB, Duration::from_secs(2)))
+        .unwrap();
+    assert!(
+        answer.unwrap().starts_with("pod"),
+        "served after the rebuild"
+    );
+}
+
+fn program_exists(id: u32) -> bool {
+    aya::programs::loaded_programs()
+        .flatten()
+        .any(|p| p.id() == id)
+}
+
+fn map_exists(id: u32) -> bool {
+    aya::maps::loaded_maps().flatten().any(|m| m.id() == id)
+}
+
+/// Objects are freed after an RCU grace period: wait for them to go.
+fn eventually_gone(what: &str, exists: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} still exists 5 s after --cleanup"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn cleanup_removes_everything(mode: &str) {
+    let (mut lab, _) = started_lab(&["--tc-attach", mode]);
+    let root = lab.bpffs.root();
+    let map_ids: Vec<u32> = std::fs::read_dir(root.join("maps"))
+        .unwrap()
+        .flatten()
+        .map(|e| MapInfo::from_pin(e.path()).unwrap().id())
+        .collect();
+    assert_eq!(map_ids.len(), 5);
+    let prog_id = if mode == "tcx" {
+        tcx_program_on_lxc0(&lab)
+    } else {
+        let filters = lab
+            .node
+            .exec("tc", &["filter", "show", "dev", "lxc0", "ingress"])
+            .unwrap();
+        filters
+            .split_whitespace()
+            .skip_while(|w| *w != "id")
+            .nth(1)
+            .and_then(|id| id.parse().ok())
+            .unwrap_or_else(|| panic!("no program id in {filters}"))
+    };
+    lab.stop_agent().unwrap();
+    assert!(
+        program_exists(prog_id),
+        "the stopped agent's program keeps serving"
+    );
+
+    for run in 0..2 {
+        let (ok, out) = lab.run_agent_once(&["--cleanup"]).unwrap();
+        assert!(ok, "--cleanup run {run} failed: {out}");
+    }
+    for dev in ["lxc0", "lxc1", "lxc2", "lxc3"] {
+        let filters = lab
+            .node
+            .exec("tc", &["filter", "show", "dev", dev, "ingress"])
+            .unwrap();
+        assert!(filters.trim().is_empty(), "{dev}: {filters}");
+        let qdiscs = lab.node.exec("tc", &["qdisc", "show", "dev", dev]).unwrap();
+        assert!(
+            !qdiscs.contains("clsact"),
+            "{dev}: the clsact qdisc we added stays: {qdiscs}"
+        );
+    }
+    assert!(!root.exists(), "{} still exists", root.display());
+    eventually_gone("the program", || program_exists(prog_id));
+    for id in map_ids {
+        eventually_gone("a map", || map_exists(id));
+    }
+}
+
+#[test]
+fn cleanup_removes_everything_tcx_installed_and_is_idempotent() {
+    require_kernel!();
+    cleanup_removes_everything("tcx");
+}
+
+#[test]
+fn cleanup_removes_everything_netlink_installed_and_is_idempotent() {
+    require_kernel!();
+    cleanup_removes_everything("netlink");
+}
+
+#[test]
+fn missing_privileges_get_a_one_line_explanation() {
+    require_kernel!();
+    let out = Command::new("setpriv")
+        .args([
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+            "--ambient-caps=-all",
+            "--",
+        ])
+        .arg(agent_binary().unwrap())
+        .args(["--manifests", "/nonexistent"])
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("setpriv (util-linux)");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line, no backtrace: {stderr}");
+    assert!(
+        lines[0].starts_with(
+            "error: missing CAP_BPF and CAP_NET_ADMIN: run proxy-agent as root, or grant them"
+        ),
+        "{stderr}"
+    );
+}
