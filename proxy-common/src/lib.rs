@@ -264,10 +264,13 @@ pub enum Stat {
     ConntrackInsertFailed = 7,
     /// A header could not be rewritten (helper failure): the packet was dropped.
     RewriteFailed = 8,
+    /// A new non-service flow had the reply tuple of an earlier service flow, whose
+    /// conntrack entries were dropped so the new flow's replies pass untranslated.
+    ClashResolved = 9,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 9;
+    pub const COUNT: u32 = 10;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -278,6 +281,7 @@ impl Stat {
         Stat::FlowExpired,
         Stat::ConntrackInsertFailed,
         Stat::RewriteFailed,
+        Stat::ClashResolved,
     ];
 
     /// Label used for the metric.
@@ -292,6 +296,7 @@ impl Stat {
             Stat::FlowExpired => "flow_expired",
             Stat::ConntrackInsertFailed => "conntrack_insert_failed",
             Stat::RewriteFailed => "rewrite_failed",
+            Stat::ClashResolved => "clash_resolved",
         }
     }
 }

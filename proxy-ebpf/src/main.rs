@@ -129,6 +129,7 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
 
     let header_key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
     let Some(header) = (unsafe { SERVICES.get(header_key) }) else {
+        forget_clashing_flow(&pkt);
         return Ok(TC_ACT_UNSPEC);
     };
     if header.count == 0 {
@@ -305,6 +306,41 @@ fn translate_tracked(
     )?;
     bump(Stat::EstablishedFlow);
     Ok(Some(TC_ACT_UNSPEC))
+}
+
+/// A new flow that is not for a service (a pod talking to another pod directly) may have
+/// the same reply tuple as an earlier flow through a service: same client port, and the
+/// backend the service flow went to. The earlier flow's reply entry would then rewrite this
+/// flow's replies to the service address and break it. As netfilter lets a new connection
+/// replace a closed one with a clashing tuple, the new flow wins: the old entries go.
+/// Checked on TCP SYNs and on UDP (which has no handshake), so established non-service
+/// traffic pays nothing.
+#[inline(always)]
+fn forget_clashing_flow(pkt: &Packet) {
+    let opens = match pkt.key.proto {
+        IPPROTO_TCP => pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN,
+        _ => true,
+    };
+    if !opens {
+        return;
+    }
+    let reply = pkt.key.reversed();
+    let Some(ct) = (unsafe { CONNTRACK.get(reply) }) else {
+        return;
+    };
+    if ct.flags & CT_FLAG_REPLY == 0 {
+        return;
+    }
+    let original = ConntrackKey::new(
+        pkt.key.saddr,
+        ct.nat_addr,
+        pkt.key.sport,
+        ct.nat_port,
+        pkt.key.proto,
+    );
+    let _ = CONNTRACK.remove(original);
+    let _ = CONNTRACK.remove(reply);
+    bump(Stat::ClashResolved);
 }
 
 /// First packet of a flow to a service with `count` backends.

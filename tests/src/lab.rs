@@ -404,19 +404,32 @@ impl Lab {
             let tcp = TcpListener::bind(("0.0.0.0", TCP_PORT))?;
             tcp.set_nonblocking(true)?;
             let udp = UdpSocket::bind(("0.0.0.0", UDP_PORT))?;
-            udp.set_read_timeout(Some(Duration::from_millis(5)))?;
+            udp.set_nonblocking(true)?;
             ready_tx.send(()).ok();
             let mut buf = [0u8; 2048];
+            // Wait on both sockets at once; the timeout only bounds how late a stop is seen.
+            let mut fds = [
+                libc::pollfd {
+                    fd: tcp.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: udp.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
             while !stop2.load(Ordering::Relaxed) {
-                match tcp.accept() {
-                    Ok((stream, _)) => {
-                        let name = name.clone();
-                        std::thread::spawn(move || serve_tcp(stream, &name));
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Err(e.into()),
+                // SAFETY: two valid pollfd entries.
+                if unsafe { libc::poll(fds.as_mut_ptr(), 2, 50) } <= 0 {
+                    continue;
                 }
-                if let Ok((_, from)) = udp.recv_from(&mut buf) {
+                while let Ok((stream, _)) = tcp.accept() {
+                    let name = name.clone();
+                    std::thread::spawn(move || serve_tcp(stream, &name));
+                }
+                while let Ok((_, from)) = udp.recv_from(&mut buf) {
                     let _ = udp.send_to(name.as_bytes(), from);
                 }
             }

@@ -321,3 +321,42 @@ fn closed_tcp_flow_reopened_with_syn_gets_a_fresh_choice() {
     assert!(seen.len() > 1, "reopened flows always went to {seen:?}");
     assert!(stat(&dp, Stat::FlowExpired) >= 29);
 }
+
+#[test]
+fn a_direct_flow_reusing_a_service_flows_reply_tuple_is_not_rewritten() {
+    require_kernel!();
+    let dp = datapath();
+    for (open, label) in [
+        (PacketSpec::tcp(CLIENT, 47000, VIP, 80, TCP_SYN), "tcp"),
+        (PacketSpec::udp(CLIENT, 47001, VIP, 80, b"x"), "udp"),
+    ] {
+        let backend = assert_dnat(&dp, &open);
+        // The same client port now talks to that backend directly (no service involved).
+        let direct = match label {
+            "tcp" => PacketSpec::tcp(CLIENT, open.sport, *backend.ip(), backend.port(), TCP_SYN),
+            _ => PacketSpec::udp(CLIENT, open.sport, *backend.ip(), backend.port(), b"y"),
+        };
+        let frame = direct.build();
+        let (verdict, out) = dp.run(Hook::Ingress, &frame).unwrap();
+        assert_eq!(
+            (verdict, &out),
+            (TC_ACT_UNSPEC, &frame),
+            "{label}: direct packet untouched"
+        );
+        // Its reply must reach the client as it was sent, not as the service.
+        let reply = match label {
+            "tcp" => PacketSpec::tcp(
+                *backend.ip(),
+                backend.port(),
+                CLIENT,
+                open.sport,
+                TCP_SYN | TCP_ACK,
+            ),
+            _ => PacketSpec::udp(*backend.ip(), backend.port(), CLIENT, open.sport, b"z"),
+        };
+        let frame = reply.build();
+        let (_, out) = dp.run(Hook::Ingress, &frame).unwrap();
+        assert_eq!(out, frame, "{label}: the direct flow's reply was rewritten");
+    }
+    assert_eq!(stat(&dp, Stat::ClashResolved), 2);
+}

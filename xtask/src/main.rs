@@ -280,5 +280,22 @@ fn bench(extra: &[String]) -> Result<()> {
         "--",
     ]);
     cmd.args(extra);
-    run(&mut cmd)
+    run(&mut cmd)?;
+    step("bench: new connections per second, ClusterIP vs direct (namespace lab)");
+    run(&mut cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "proxy-agent",
+    ]))?;
+    run(&mut cargo(&[
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "proxy-tests",
+        "--bin",
+        "connbench",
+    ]))
 }

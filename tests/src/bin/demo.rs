@@ -94,6 +94,23 @@ fn main() -> Result<()> {
         Ok(pod) => println!("TCP {dead}: unexpectedly answered by {pod}"),
     }
     lab.stop_agent()?;
+    println!(
+        "agent stopped (SIGTERM): the pinned datapath keeps serving, as kube-proxy's rules do"
+    );
+    let after_stop = lab.client.ns.run(move || {
+        (0..30)
+            .map(|_| client::tcp_hello(web, Duration::from_secs(2)))
+            .collect::<Vec<_>>()
+    })?;
+    println!(
+        "TCP {web} with no agent running, 30 connections: {}",
+        spread(after_stop)
+    );
+    let (ok, out) = lab.run_agent_once(&["--cleanup"])?;
+    if !ok {
+        bail!("proxy-agent --cleanup failed: {out}");
+    }
+    println!("proxy-agent --cleanup: links, filters, pins and maps removed");
     println!("cleaning up the lab");
     Ok(())
 }

@@ -1,0 +1,115 @@
+//! New TCP connections per second from a pod, through a ClusterIP (the eBPF datapath) and
+//! straight to a backend pod, in the same lab and the same run, with connect-latency
+//! percentiles. Each connection: connect, read the backend's one-line greeting, close.
+//! The two targets are measured in alternating rounds so drift affects both alike.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::{Ipv4Addr, SocketAddrV4, TcpStream},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use proxy_tests::{
+    kernel::kernel_tests_unavailable,
+    lab::{Lab, LabOptions, TCP_PORT},
+};
+
+const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+
+#[derive(Default)]
+struct Series {
+    connect_us: Vec<f64>,
+    seconds: f64,
+    connections: usize,
+}
+
+fn one_round(to: SocketAddrV4, n: usize) -> Result<Series> {
+    let mut s = Series::default();
+    let started = Instant::now();
+    for _ in 0..n {
+        let t = Instant::now();
+        let stream = TcpStream::connect_timeout(&to.into(), Duration::from_secs(2))
+            .with_context(|| format!("connecting to {to}"))?;
+        s.connect_us.push(t.elapsed().as_secs_f64() * 1e6);
+        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+        let mut line = String::new();
+        BufReader::new(&stream).read_line(&mut line)?;
+        s.connections += 1;
+    }
+    s.seconds = started.elapsed().as_secs_f64();
+    Ok(s)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn main() -> Result<()> {
+    if let Some(reason) = kernel_tests_unavailable() {
+        bail!("cannot benchmark: {reason}");
+    }
+    let per_round: usize = std::env::args()
+        .nth(1)
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(1000);
+    let rounds = 4;
+
+    let mut lab = Lab::new(LabOptions::default())?;
+    let endpoints: String = lab
+        .backends
+        .iter()
+        .map(|p| format!("  - addresses: [\"{}\"]\n", p.ip))
+        .collect();
+    let manifest = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: bench}}\nspec:\n  clusterIP: {}\n  ports: [{{port: 80, targetPort: {TCP_PORT}}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, namespace: bench, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: \"\", port: {TCP_PORT}, protocol: TCP}}]\nendpoints:\n{endpoints}",
+        VIP.ip()
+    );
+    let path = lab.write_manifests(&manifest)?;
+    lab.start_agent(&path, &[])?;
+    let direct = SocketAddrV4::new(lab.backends[0].ip, TCP_PORT);
+
+    let (vip, pod) = lab.client.ns.run(move || -> Result<(Series, Series)> {
+        // Warm up both paths (ARP, caches).
+        one_round(VIP, 50)?;
+        one_round(direct, 50)?;
+        let mut vip = Series::default();
+        let mut pod = Series::default();
+        for _ in 0..rounds {
+            for (target, acc) in [(VIP, &mut vip), (direct, &mut pod)] {
+                let r = one_round(target, per_round)?;
+                acc.connect_us.extend(r.connect_us);
+                acc.seconds += r.seconds;
+                acc.connections += r.connections;
+            }
+        }
+        Ok((vip, pod))
+    })??;
+
+    println!(
+        "TCP connect + greeting + close from a pod, sequential, {} connections per target in {rounds} alternating rounds",
+        per_round * rounds
+    );
+    println!("| target | connections/s | connect p50 µs | connect p99 µs |");
+    println!("|---|---:|---:|---:|");
+    let mut rates = Vec::new();
+    for (name, mut s) in [
+        (format!("ClusterIP {VIP} (eBPF, 3 backends)"), vip),
+        (format!("pod {direct} directly"), pod),
+    ] {
+        s.connect_us.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let rate = s.connections as f64 / s.seconds;
+        rates.push(rate);
+        println!(
+            "| {name} | {rate:.0} | {:.0} | {:.0} |",
+            percentile(&s.connect_us, 0.5),
+            percentile(&s.connect_us, 0.99)
+        );
+    }
+    println!(
+        "ClusterIP / direct connection rate: {:.2}",
+        rates[0] / rates[1]
+    );
+    Ok(())
+}
