@@ -174,11 +174,12 @@ async fn run(cli: Cli) -> Result<()> {
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(Duration::from_secs(30));
 
-    sync_from_manifests(&path, &mut tracker, &mut proxier)?;
+    let mut reported = Vec::new();
+    sync_from_manifests(&path, &mut tracker, &mut proxier, &mut reported)?;
     loop {
         tokio::select! {
             Some(()) = reload_rx.recv() => {
-                if let Err(e) = sync_from_manifests(&path, &mut tracker, &mut proxier) {
+                if let Err(e) = sync_from_manifests(&path, &mut tracker, &mut proxier, &mut reported) {
                     warn!("manifests not reloaded: {e:#}");
                 }
             }
@@ -205,15 +206,21 @@ fn sync_from_manifests(
     path: &std::path::Path,
     tracker: &mut ChangeTracker,
     proxier: &mut impl Proxier,
+    reported: &mut Vec<String>,
 ) -> Result<()> {
     let set = manifests::load(path)?;
-    for p in &set.problems {
+    let (desired, model_problems) = DesiredState::build(&set.store);
+    // Problems are reported when they appear, not again on every reload.
+    let problems: Vec<String> = set
+        .problems
+        .iter()
+        .chain(&model_problems)
+        .map(ToString::to_string)
+        .collect();
+    for p in problems.iter().filter(|p| !reported.contains(p)) {
         warn!("{p}");
     }
-    let (desired, problems) = DesiredState::build(&set.store);
-    for p in &problems {
-        warn!("{p}");
-    }
+    *reported = problems;
     let changes = tracker.update(desired);
     if changes.is_empty() {
         return Ok(());

@@ -235,6 +235,16 @@ fn add_object(value: Value, origin: &Origin, set: &mut ManifestSet) {
     }
 }
 
+fn is_change(kind: &notify::EventKind) -> bool {
+    use notify::{event::ModifyKind, EventKind};
+    match kind {
+        EventKind::Create(_) | EventKind::Remove(_) => true,
+        EventKind::Modify(ModifyKind::Metadata(_)) => false,
+        EventKind::Modify(_) => true,
+        _ => false,
+    }
+}
+
 /// Watches `path` and sends `()` on `tx` whenever something under it may have changed.
 ///
 /// The parent directory is watched as well as the path itself, so atomic replacement by
@@ -242,8 +252,28 @@ fn add_object(value: Value, origin: &Origin, set: &mut ManifestSet) {
 /// Events are coalesced: a burst of writes yields one reload after it settles.
 pub fn watch(path: &Path, tx: mpsc::Sender<()>) -> Result<notify::RecommendedWatcher> {
     let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
+    // Watching a file means watching its directory, where other files (logs, say) may
+    // change all the time: only events for the file itself, or for a ConfigMap's `..data`
+    // swap, count. Reads (our own reloads included) never do.
+    let only: Option<std::ffi::OsString> = if path.is_dir() {
+        None
+    } else {
+        path.file_name().map(|n| n.to_os_string())
+    };
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok() {
+        let Ok(event) = res else { return };
+        if !is_change(&event.kind) {
+            return;
+        }
+        let relevant = match &only {
+            None => true,
+            Some(name) => event.paths.iter().any(|p| {
+                p.file_name().is_some_and(|f| {
+                    f == name.as_os_str() || f.to_string_lossy().starts_with("..data")
+                })
+            }),
+        };
+        if relevant {
             let _ = raw_tx.send(());
         }
     })

@@ -266,3 +266,26 @@ async fn watch_sees_edits_atomic_renames_and_configmap_symlink_swaps() {
     expect_event(&mut rx, "a ConfigMap symlink swap").await;
     assert_eq!(load(cm.path()).unwrap().store.services.len(), 2);
 }
+
+#[tokio::test]
+async fn watching_a_file_ignores_its_neighbours_and_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cluster.yaml");
+    fs::write(&file, MIXED).unwrap();
+    let (tx, mut rx) = mpsc::channel(1);
+    let _w = watch(&file, tx).unwrap();
+    // A log file beside it, written continuously, and reloads reading it: no reload, or the
+    // agent would reload forever.
+    for i in 0..20 {
+        fs::write(dir.path().join("agent.log"), format!("line {i}")).unwrap();
+        let _ = load(&file).unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let quiet = tokio::time::timeout(Duration::from_millis(400), rx.recv()).await;
+    assert!(
+        quiet.is_err(),
+        "reloaded for a change that was not to the manifest"
+    );
+    fs::write(&file, "").unwrap();
+    expect_event(&mut rx, "a write to the file").await;
+}
