@@ -8,7 +8,8 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, Stat, MAX_BACKENDS,
+    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, Stat, CT_REFRESH_NS,
+    MAX_BACKENDS,
 };
 
 use crate::{pins::BpffsRoot, proxier::ebpf::maps::KernelMaps};
@@ -53,6 +54,19 @@ fn privilege_hint(err: &dyn std::fmt::Display) -> Option<&'static str> {
 pub struct Datapath {
     pub ebpf: Ebpf,
     pub sizes: DatapathSizes,
+    /// What was last written to `CONFIG`.
+    pub config: DatapathConfig,
+}
+
+/// `CLOCK_MONOTONIC` in ns: the clock of `bpf_ktime_get_ns`, which stamps conntrack entries.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 impl Datapath {
@@ -137,7 +151,11 @@ impl Datapath {
                 }
             })?;
         }
-        let mut datapath = Datapath { ebpf, sizes };
+        let mut datapath = Datapath {
+            ebpf,
+            sizes,
+            config: DatapathConfig::DEFAULT,
+        };
         datapath.configure(&DatapathConfig::DEFAULT)?;
         Ok(datapath)
     }
@@ -160,6 +178,7 @@ impl Datapath {
         array
             .set(0, config, 0)
             .context("writing the datapath configuration")?;
+        self.config = *config;
         Ok(())
     }
 
@@ -194,6 +213,33 @@ impl Datapath {
                 Ok((*s, per_cpu.iter().sum()))
             })
             .collect()
+    }
+
+    /// Deletes conntrack entries idle past their timeout (each direction of a flow carries
+    /// its own timestamp). The datapath already treats such a flow as new on its next packet;
+    /// collecting them returns their memory, so the LRU never has to evict a live flow to
+    /// make room for a new one while dead ones linger. Returns how many were deleted.
+    pub fn collect_conntrack_garbage(&mut self) -> Result<usize> {
+        let config = self.config;
+        let now = monotonic_ns();
+        let mut conntrack = self.conntrack()?;
+        let expired: Vec<ConntrackKey> = conntrack
+            .iter()
+            .filter_map(|entry| entry.ok())
+            .filter(|(key, value)| {
+                now.saturating_sub(value.last_seen_ns)
+                    > config.timeout_ns(key.proto, value.flags) + CT_REFRESH_NS
+            })
+            .map(|(key, _)| key)
+            .collect();
+        let mut deleted = 0;
+        for key in &expired {
+            // Gone already if the datapath replaced the flow meanwhile.
+            if conntrack.remove(key).is_ok() {
+                deleted += 1;
+            }
+        }
+        Ok(deleted)
     }
 
     /// The conntrack map, for inspection and garbage collection.

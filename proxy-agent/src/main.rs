@@ -69,6 +69,9 @@ struct Cli {
     conntrack_map_size: u32,
 }
 
+/// How often expired conntrack entries are swept from user space.
+const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
+
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
     s.parse()
 }
@@ -173,6 +176,7 @@ async fn run(cli: Cli) -> Result<()> {
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(Duration::from_secs(30));
+    let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
 
     let mut reported = Vec::new();
     sync_from_manifests(&path, &mut tracker, &mut proxier, &mut reported)?;
@@ -186,6 +190,13 @@ async fn run(cli: Cli) -> Result<()> {
             Some(event) = link_rx.recv() => {
                 if let Some(attacher) = attacher.as_mut() {
                     attacher.handle(&mut datapath, event);
+                }
+            }
+            _ = gc_tick.tick() => {
+                match datapath.collect_conntrack_garbage() {
+                    Ok(0) => {}
+                    Ok(n) => debug!(entries = n, "expired conntrack entries deleted"),
+                    Err(e) => warn!("conntrack garbage collection: {e:#}"),
                 }
             }
             _ = stats_tick.tick() => {

@@ -360,3 +360,47 @@ fn a_direct_flow_reusing_a_service_flows_reply_tuple_is_not_rewritten() {
     }
     assert_eq!(stat(&dp, Stat::ClashResolved), 2);
 }
+
+#[test]
+fn garbage_collection_deletes_only_expired_conntrack_entries() {
+    require_kernel!();
+    let mut dp = datapath();
+    let second = 1_000_000_000u64;
+    // Short timeouts, so "idle long enough" fits in this machine's uptime.
+    dp.datapath
+        .configure(&proxy_common::DatapathConfig {
+            udp_timeout_ns: 2 * second,
+            tcp_closing_timeout_ns: 2 * second,
+            ..proxy_common::DatapathConfig::DEFAULT
+        })
+        .unwrap();
+    let now = proxy_agent::datapath::monotonic_ns();
+    let idle = now.saturating_sub(5 * second);
+    let entry = |last_seen_ns, flags| proxy_common::ConntrackValue {
+        last_seen_ns,
+        nat_addr: 1,
+        nat_port: 2,
+        flags,
+        _pad0: 0,
+        backend_id: 3,
+        _pad1: [0; 4],
+    };
+    let key = |sport| proxy_common::ConntrackKey::new(1, 2, sport, 80, proxy_common::IPPROTO_UDP);
+    let tcp = |sport| proxy_common::ConntrackKey::new(1, 2, sport, 80, proxy_common::IPPROTO_TCP);
+    {
+        let mut ct = dp.datapath.conntrack().unwrap();
+        ct.insert(key(1), entry(idle, 0), 0).unwrap(); // UDP idle 5 s: expired
+        ct.insert(key(2), entry(now, 0), 0).unwrap(); // UDP fresh
+        let established = proxy_common::CT_FLAG_SEEN_REPLY;
+        // TCP established (24 h timeout): kept.
+        ct.insert(tcp(3), entry(idle, established), 0).unwrap();
+        // TCP closing (2 s here): expired.
+        let closing = established | proxy_common::CT_FLAG_CLOSING;
+        ct.insert(tcp(4), entry(idle, closing), 0).unwrap();
+    }
+    assert_eq!(dp.datapath.collect_conntrack_garbage().unwrap(), 2);
+    let ct = dp.datapath.conntrack().unwrap();
+    let mut left: Vec<u16> = ct.keys().map(|k| k.unwrap().sport).collect();
+    left.sort();
+    assert_eq!(left, vec![2, 3]);
+}

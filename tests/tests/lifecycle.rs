@@ -57,8 +57,8 @@ fn upgrade_object() -> PathBuf {
         .join("../proxy-ebpf/target/upgrade-test-variant/bpfel-unknown-none/release/proxy-ebpf")
 }
 
-/// Program id behind the TCX link pinned for `lxc0`.
-fn tcx_program_on_lxc0(lab: &Lab) -> u32 {
+/// The TCX link pinned for `lxc0`.
+fn tcx_link_on_lxc0(lab: &Lab) -> aya::programs::links::LinkInfo {
     let links = lab.bpffs.root().join("links");
     let pin = std::fs::read_dir(&links)
         .unwrap()
@@ -67,7 +67,12 @@ fn tcx_program_on_lxc0(lab: &Lab) -> u32 {
         .unwrap_or_else(|| panic!("no link pinned for lxc0 in {}", links.display()))
         .path();
     let link = FdLink::from(PinnedLink::from_pin(pin).unwrap());
-    link.info().unwrap().program_id()
+    link.info().unwrap()
+}
+
+/// Program id behind the TCX link pinned for `lxc0`.
+fn tcx_program_on_lxc0(lab: &Lab) -> u32 {
+    tcx_link_on_lxc0(lab).program_id()
 }
 
 /// Stops the agent and starts another while a connection stays open and a client keeps
@@ -194,14 +199,22 @@ fn a_map_layout_change_is_detected_and_the_maps_rebuilt() {
     );
 }
 
+/// Asks bpftool whether the kernel still has the object `kind` (`prog`, `map`, `link`) `id`.
+fn bpftool_has(kind: &str, id: u32) -> bool {
+    Command::new("bpftool")
+        .args([kind, "show", "id", &id.to_string()])
+        .output()
+        .expect("bpftool")
+        .status
+        .success()
+}
+
 fn program_exists(id: u32) -> bool {
-    aya::programs::loaded_programs()
-        .flatten()
-        .any(|p| p.id() == id)
+    bpftool_has("prog", id)
 }
 
 fn map_exists(id: u32) -> bool {
-    aya::maps::loaded_maps().flatten().any(|m| m.id() == id)
+    bpftool_has("map", id)
 }
 
 /// Objects are freed after an RCU grace period: wait for them to go.
@@ -225,6 +238,7 @@ fn cleanup_removes_everything(mode: &str) {
         .map(|e| MapInfo::from_pin(e.path()).unwrap().id())
         .collect();
     assert_eq!(map_ids.len(), 5);
+    let link_id = (mode == "tcx").then(|| tcx_link_on_lxc0(&lab).id());
     let prog_id = if mode == "tcx" {
         tcx_program_on_lxc0(&lab)
     } else {
@@ -262,6 +276,9 @@ fn cleanup_removes_everything(mode: &str) {
         );
     }
     assert!(!root.exists(), "{} still exists", root.display());
+    if let Some(id) = link_id {
+        eventually_gone("the TCX link", || bpftool_has("link", id));
+    }
     eventually_gone("the program", || program_exists(prog_id));
     for id in map_ids {
         eventually_gone("a map", || map_exists(id));
