@@ -76,13 +76,19 @@ impl Datapath {
 
     /// Loads the programs and creates the maps; with `pins`, maps are pinned there, or
     /// reused from there when a previous agent left them (see [`crate::pins`]).
-    pub fn load(sizes: DatapathSizes, pins: Option<&BpffsRoot>) -> Result<Self> {
+    /// Fails with the fix when the agent was built before the eBPF object.
+    pub fn ensure_object() -> Result<()> {
         if !Self::object_available() {
             bail!(
                 "this proxy-agent was built without its eBPF object: run `cargo xtask build-ebpf` \
                  (or `cargo xtask setup` on a new machine), then build the agent again"
             );
         }
+        Ok(())
+    }
+
+    pub fn load(sizes: DatapathSizes, pins: Option<&BpffsRoot>) -> Result<Self> {
+        Self::ensure_object()?;
         Self::load_object(EBPF_OBJECT, sizes, pins)
     }
 

@@ -131,6 +131,10 @@ async fn run(cli: Cli) -> Result<()> {
         bail!("no service source: pass --manifests PATH (API-server mode is not built yet)");
     };
     info!("Using {} Proxier", cli.proxy_mode);
+    if cli.ebpf_object.is_none() {
+        // Before touching bpffs: nothing to do without the datapath.
+        Datapath::ensure_object()?;
+    }
     let root = BpffsRoot::prepare(&cli.bpffs_root)?;
     let mut sizes = DatapathSizes {
         services: cli.services_map_size,

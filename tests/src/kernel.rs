@@ -4,7 +4,10 @@
 use std::net::SocketAddrV4;
 
 use anyhow::{Context, Result};
-use aya::programs::{TestRun, TestRunOptions};
+use aya::{
+    programs::{TestRun, TestRunOptions},
+    TestRunResult,
+};
 use proxy_agent::{
     datapath::{Datapath, DatapathSizes},
     model::Frontend,
@@ -85,25 +88,7 @@ impl TestDatapath {
         Ok(())
     }
 
-    /// Runs one frame through the classifier; returns the verdict and the frame as it
-    /// leaves the program.
-    pub fn run(&self, hook: Hook, frame: &[u8]) -> Result<(i32, Vec<u8>)> {
-        let prog = self.datapath.program(hook.program())?;
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ..TestRunOptions::default()
-            })
-            .context("BPF_PROG_TEST_RUN")?;
-        out.truncate(result.data_size_out as usize);
-        Ok((result.return_value as i32, out))
-    }
-
-    /// Runs `frame` `repeat` times in the kernel; returns the mean ns per run as the kernel
-    /// measured it.
-    pub fn time(&self, hook: Hook, frame: &[u8], repeat: u32) -> Result<f64> {
+    fn test_run(&self, hook: Hook, frame: &[u8], repeat: u32) -> Result<(TestRunResult, Vec<u8>)> {
         let prog = self.datapath.program(hook.program())?;
         let mut out = vec![0u8; frame.len() + 256];
         let result = prog
@@ -114,6 +99,21 @@ impl TestDatapath {
                 ..TestRunOptions::default()
             })
             .context("BPF_PROG_TEST_RUN")?;
+        out.truncate(result.data_size_out as usize);
+        Ok((result, out))
+    }
+
+    /// Runs one frame through the classifier; returns the verdict and the frame as it
+    /// leaves the program.
+    pub fn run(&self, hook: Hook, frame: &[u8]) -> Result<(i32, Vec<u8>)> {
+        let (result, out) = self.test_run(hook, frame, 1)?;
+        Ok((result.return_value as i32, out))
+    }
+
+    /// Runs `frame` `repeat` times in the kernel; returns the mean ns per run as the kernel
+    /// measured it.
+    pub fn time(&self, hook: Hook, frame: &[u8], repeat: u32) -> Result<f64> {
+        let (result, _) = self.test_run(hook, frame, repeat)?;
         Ok(result.duration.as_nanos() as f64)
     }
 }

@@ -792,3 +792,46 @@ impl Drop for ConnectLoop {
         }
     }
 }
+
+/// Builds manifest YAML for the lab's tests: a Service and, when it has endpoints, its
+/// EndpointSlice, as the API server would serve them.
+pub mod manifest {
+    use std::net::Ipv4Addr;
+
+    /// One port of a Service: (name, protocol, port, targetPort). The slice gets the target
+    /// port under the same name, as the EndpointSlice controller writes it.
+    pub type Port<'a> = (&'a str, &'a str, u16, u16);
+
+    pub fn service(
+        name: &str,
+        cluster_ip: Ipv4Addr,
+        ports: &[Port],
+        endpoints: &[Ipv4Addr],
+    ) -> String {
+        let svc_ports: String = ports
+            .iter()
+            .map(|(n, proto, port, target)| {
+                format!("    - {{name: \"{n}\", protocol: {proto}, port: {port}, targetPort: {target}}}\n")
+            })
+            .collect();
+        let mut yaml = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  clusterIP: {cluster_ip}\n  ports:\n{svc_ports}---\n"
+        );
+        if !endpoints.is_empty() {
+            let slice_ports: String = ports
+                .iter()
+                .map(|(n, proto, _, target)| {
+                    format!("  - {{name: \"{n}\", protocol: {proto}, port: {target}}}\n")
+                })
+                .collect();
+            let eps: String = endpoints
+                .iter()
+                .map(|ip| format!("  - addresses: [\"{ip}\"]\n    conditions: {{ready: true}}\n"))
+                .collect();
+            yaml.push_str(&format!(
+                "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: lab, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports:\n{slice_ports}endpoints:\n{eps}---\n"
+            ));
+        }
+        yaml
+    }
+}

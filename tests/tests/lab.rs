@@ -9,7 +9,7 @@ use std::{
 };
 
 use proxy_tests::{
-    lab::{client, Checksums, Lab, LabOptions},
+    lab::{client, manifest::service, Checksums, Lab, LabOptions, TCP_PORT, UDP_PORT},
     require_kernel,
 };
 
@@ -20,52 +20,17 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 
 /// web (TCP 80 -> 8080) and dns (UDP 53 -> 5353) on `backends`; dead has no endpoint.
 fn manifest(backends: &[Ipv4Addr]) -> String {
-    let endpoints: String = backends
-        .iter()
-        .map(|ip| format!("  - addresses: [\"{ip}\"]\n    conditions: {{ready: true}}\n"))
-        .collect();
-    format!(
-        r#"apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: lab}}
-spec:
-  clusterIP: {web_ip}
-  ports: [{{name: http, port: 80, targetPort: http}}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: web-1, namespace: lab, labels: {{kubernetes.io/service-name: web}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}]
-endpoints:
-{endpoints}---
-apiVersion: v1
-kind: Service
-metadata: {{name: dns, namespace: lab}}
-spec:
-  clusterIP: {dns_ip}
-  ports: [{{name: dns, port: 53, protocol: UDP, targetPort: 5353}}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: dns-1, namespace: lab, labels: {{kubernetes.io/service-name: dns}}}}
-addressType: IPv4
-ports: [{{name: dns, port: 5353, protocol: UDP}}]
-endpoints:
-{endpoints}---
-apiVersion: v1
-kind: Service
-metadata: {{name: dead, namespace: lab}}
-spec:
-  clusterIP: {dead_ip}
-  ports:
-    - {{name: tcp, port: 80, targetPort: 8080}}
-    - {{name: udp, port: 80, protocol: UDP, targetPort: 5353}}
-"#,
-        web_ip = WEB.ip(),
-        dns_ip = DNS.ip(),
-        dead_ip = DEAD.ip(),
-    )
+    [
+        service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], backends),
+        service("dns", *DNS.ip(), &[("dns", "UDP", 53, UDP_PORT)], backends),
+        service(
+            "dead",
+            *DEAD.ip(),
+            &[("tcp", "TCP", 80, TCP_PORT), ("udp", "UDP", 80, UDP_PORT)],
+            &[],
+        ),
+    ]
+    .concat()
 }
 
 fn lab_with_agent(checksums: Checksums, extra_args: &[&str]) -> Lab {

@@ -14,35 +14,15 @@ use aya::{
 };
 use proxy_common::{map_names, DatapathConfig};
 use proxy_tests::{
-    lab::{agent_binary, ConnectLoop, Lab, LabOptions, Session},
+    lab::{agent_binary, manifest::service, ConnectLoop, Lab, LabOptions, Session, TCP_PORT},
     require_kernel,
 };
 
 const WEB: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
 
 fn manifest(lab: &Lab) -> String {
-    let endpoints: String = lab
-        .backends
-        .iter()
-        .map(|p| format!("  - addresses: [\"{}\"]\n", p.ip))
-        .collect();
-    format!(
-        r#"apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: lab}}
-spec:
-  clusterIP: {}
-  ports: [{{name: http, port: 80, targetPort: 8080}}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: web-1, namespace: lab, labels: {{kubernetes.io/service-name: web}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}]
-endpoints:
-{endpoints}"#,
-        WEB.ip()
-    )
+    let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+    service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], &ips)
 }
 
 fn started_lab(extra: &[&str]) -> (Lab, PathBuf) {

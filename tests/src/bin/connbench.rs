@@ -12,7 +12,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use proxy_tests::{
     kernel::kernel_tests_unavailable,
-    lab::{Lab, LabOptions, TCP_PORT},
+    lab::{manifest::service, Lab, LabOptions, TCP_PORT},
 };
 
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
@@ -57,15 +57,8 @@ fn main() -> Result<()> {
     let rounds = 4;
 
     let mut lab = Lab::new(LabOptions::default())?;
-    let endpoints: String = lab
-        .backends
-        .iter()
-        .map(|p| format!("  - addresses: [\"{}\"]\n", p.ip))
-        .collect();
-    let manifest = format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: bench}}\nspec:\n  clusterIP: {}\n  ports: [{{port: 80, targetPort: {TCP_PORT}}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, namespace: bench, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: \"\", port: {TCP_PORT}, protocol: TCP}}]\nendpoints:\n{endpoints}",
-        VIP.ip()
-    );
+    let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+    let manifest = service("web", *VIP.ip(), &[("", "TCP", 80, TCP_PORT)], &ips);
     let path = lab.write_manifests(&manifest)?;
     lab.start_agent(&path, &[])?;
     let direct = SocketAddrV4::new(lab.backends[0].ip, TCP_PORT);
