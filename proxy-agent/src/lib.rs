@@ -2,7 +2,10 @@
 //! drives one proxier per mode.
 pub mod attach;
 pub mod cleanup;
+pub mod config;
 pub mod datapath;
+pub mod health;
+pub mod metrics;
 pub mod model;
 pub mod pins;
 pub mod privileges;

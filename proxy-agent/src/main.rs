@@ -1,25 +1,41 @@
-use std::{path::PathBuf, process::ExitCode, time::Duration};
+use std::{
+    path::PathBuf,
+    process::ExitCode,
+    sync::Arc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
+use clap::{parser::ValueSource, ArgMatches, CommandFactory, FromArgMatches, Parser};
 use proxy_agent::{
     attach::{self, AttachMode, Attacher, InterfacePatterns},
     cleanup::cleanup,
+    config::{self, FileSettings},
     datapath::{Datapath, DatapathSizes},
-    model::{ChangeTracker, DesiredState},
+    health::{self, Health},
+    metrics::Metrics,
+    model::{ChangeTracker, DesiredState, ServiceChange},
     pins::{self, Adoption, BpffsRoot, DEFAULT_BPFFS_ROOT},
     privileges::{self, Capabilities},
     proxier::{ebpf::EbpfProxier, Proxier, ProxyMode},
     source::manifests,
 };
+use proxy_common::{map_names, DatapathConfig};
 use tokio::{signal::unix::SignalKind, sync::mpsc};
 use tracing::{debug, info, warn};
 
 /// A kube-proxy replacement: programs this node's datapath so that traffic to a Service
 /// reaches its pods.
+///
+/// Flags given on the command line override the --config file.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {
+    /// KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1), optionally followed by a
+    /// ProxyAgentConfiguration document with this agent's own settings.
+    #[arg(long)]
+    config: Option<PathBuf>,
+
     /// Which proxy mode to use: ebpf (default).
     #[arg(long = "proxy-mode", default_value = "ebpf", value_parser = parse_mode)]
     proxy_mode: ProxyMode,
@@ -48,13 +64,25 @@ struct Cli {
     #[arg(long)]
     cleanup: bool,
 
+    /// The address and port for the health server (/healthz, /livez).
+    #[arg(long = "healthz-bind-address", default_value = "0.0.0.0:10256")]
+    healthz_bind_address: String,
+
+    /// The address and port for the metrics server (/metrics, /proxyMode).
+    #[arg(long = "metrics-bind-address", default_value = "127.0.0.1:10249")]
+    metrics_bind_address: String,
+
+    /// The name of this node (default: $NODE_NAME, else the host name).
+    #[arg(long = "hostname-override")]
+    hostname_override: Option<String>,
+
     /// Load the eBPF object from this file instead of the embedded one.
     #[arg(long = "ebpf-object", hide = true)]
     ebpf_object: Option<PathBuf>,
 
     /// Log verbosity, as kube-proxy's -v: 0-1 info, 2-3 debug, 4+ trace.
     #[arg(short = 'v', long = "v", default_value_t = 0)]
-    verbosity: u8,
+    verbosity: u32,
 
     /// Entries of the SERVICES map (one per service port plus one per endpoint of each).
     #[arg(long, default_value_t = DatapathSizes::default().services)]
@@ -71,12 +99,164 @@ struct Cli {
 
 /// How often expired conntrack entries are swept from user space.
 const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
+const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
+const DEFAULT_CONFIG_SYNC_PERIOD: Duration = Duration::from_secs(15 * 60);
 
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
     s.parse()
 }
 
-fn init_logging(verbosity: u8) {
+/// Everything the agent runs with, after the file and the flags.
+struct Settings {
+    cli: Cli,
+    mode: ProxyMode,
+    verbosity: u32,
+    interfaces: Option<InterfacePatterns>,
+    tc_attach: AttachMode,
+    bpffs_root: PathBuf,
+    sizes: DatapathSizes,
+    healthz: std::net::SocketAddr,
+    metrics: std::net::SocketAddr,
+    node_name: String,
+    sync_period: Duration,
+    min_sync_period: Duration,
+    config_sync_period: Duration,
+    datapath: DatapathConfig,
+    file: Option<FileSettings>,
+}
+
+fn settings(matches: &ArgMatches) -> Result<Settings> {
+    let cli = Cli::from_arg_matches(matches)?;
+    let on_command_line = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    let file = cli.config.as_deref().map(config::load).transpose()?;
+    let f = file.as_ref();
+
+    let mode = match f.and_then(|f| f.mode.as_deref()) {
+        Some(m) if !on_command_line("proxy_mode") => m
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--config: mode: {e}"))?,
+        _ => cli.proxy_mode,
+    };
+    let pick = |id: &str, flag: String, file: Option<String>| {
+        if on_command_line(id) {
+            flag
+        } else {
+            file.unwrap_or(flag)
+        }
+    };
+    let healthz = pick(
+        "healthz_bind_address",
+        cli.healthz_bind_address.clone(),
+        f.and_then(|f| f.healthz_bind_address.clone()),
+    );
+    let metrics = pick(
+        "metrics_bind_address",
+        cli.metrics_bind_address.clone(),
+        f.and_then(|f| f.metrics_bind_address.clone()),
+    );
+    let interfaces = match (&cli.interfaces, f.and_then(|f| f.interfaces.as_deref())) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(p)) => Some(p.parse().map_err(|e: String| anyhow::anyhow!(e))?),
+        (None, None) => None,
+    };
+    let tc_attach = match f.and_then(|f| f.tc_attach.as_deref()) {
+        Some(t) if !on_command_line("tc_attach") => {
+            t.parse().map_err(|e: String| anyhow::anyhow!(e))?
+        }
+        _ => cli.tc_attach,
+    };
+    let bpffs_root = PathBuf::from(pick(
+        "bpffs_root",
+        cli.bpffs_root.display().to_string(),
+        f.and_then(|f| f.bpffs_root.clone()),
+    ));
+    let size = |id: &str, flag: u32, file: Option<u32>| {
+        if on_command_line(id) {
+            flag
+        } else {
+            file.unwrap_or(flag)
+        }
+    };
+    // kube-proxy sizes the kernel conntrack table as max(min, maxPerCore x CPUs); the same
+    // rule sizes ours when the file asks for it and our own setting does not.
+    let from_conntrack_section = f.and_then(|f| {
+        let per_core = f.conntrack.max_per_core.filter(|n| *n > 0)?;
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1) as u32;
+        Some((per_core.saturating_mul(cpus)).max(f.conntrack.min.unwrap_or(0)))
+    });
+    let sizes = DatapathSizes {
+        services: size(
+            "services_map_size",
+            cli.services_map_size,
+            f.and_then(|f| f.services_map_size),
+        ),
+        backends: size(
+            "backends_map_size",
+            cli.backends_map_size,
+            f.and_then(|f| f.backends_map_size),
+        ),
+        conntrack: size(
+            "conntrack_map_size",
+            cli.conntrack_map_size,
+            f.and_then(|f| f.conntrack_map_size.or(from_conntrack_section)),
+        ),
+    };
+    let verbosity = if on_command_line("verbosity") {
+        cli.verbosity
+    } else {
+        f.and_then(|f| f.verbosity).unwrap_or(cli.verbosity)
+    };
+    let node_name = cli
+        .hostname_override
+        .clone()
+        .or_else(|| f.and_then(|f| f.hostname_override.clone()))
+        .or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()))
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .unwrap_or_default();
+    let mut datapath = DatapathConfig::DEFAULT;
+    if let Some(ct) = f.map(|f| &f.conntrack) {
+        let ns = |d: Duration| d.as_nanos() as u64;
+        if let Some(d) = ct.tcp_established_timeout {
+            datapath.tcp_established_timeout_ns = ns(d);
+        }
+        if let Some(d) = ct.tcp_close_wait_timeout {
+            datapath.tcp_closing_timeout_ns = ns(d);
+        }
+        if let Some(d) = ct.udp_timeout {
+            datapath.udp_timeout_ns = ns(d);
+        }
+        if let Some(d) = ct.udp_stream_timeout {
+            datapath.udp_stream_timeout_ns = ns(d);
+        }
+    }
+    Ok(Settings {
+        mode,
+        verbosity,
+        interfaces,
+        tc_attach,
+        bpffs_root,
+        sizes,
+        healthz: health::bind_address(&healthz, 10256).context("healthzBindAddress")?,
+        metrics: health::bind_address(&metrics, 10249).context("metricsBindAddress")?,
+        node_name,
+        sync_period: f.and_then(|f| f.sync_period).unwrap_or(DEFAULT_SYNC_PERIOD),
+        min_sync_period: f.and_then(|f| f.min_sync_period).unwrap_or(Duration::ZERO),
+        config_sync_period: f
+            .and_then(|f| f.config_sync_period)
+            .unwrap_or(DEFAULT_CONFIG_SYNC_PERIOD),
+        datapath,
+        file,
+        cli,
+    })
+}
+
+fn init_logging(verbosity: u32) {
     let default = match verbosity {
         0 | 1 => "info,aya=warn,aya_obj=warn",
         2 | 3 => "debug,aya=info,aya_obj=info",
@@ -91,8 +271,15 @@ fn init_logging(verbosity: u8) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    init_logging(cli.verbosity);
+    let matches = Cli::command().get_matches();
+    let settings = match settings(&matches) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    init_logging(settings.verbosity);
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -103,7 +290,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    match runtime.block_on(run(settings)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line, outermost context first: what failed and how to fix it.
@@ -113,11 +300,17 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> Result<()> {
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+async fn run(s: Settings) -> Result<()> {
     let caps = Capabilities::current().context("reading the process capabilities")?;
     privileges::check_datapath(caps)?;
-    if cli.cleanup {
-        let report = cleanup(&cli.bpffs_root).await?;
+    if s.cli.cleanup {
+        let report = cleanup(&s.bpffs_root).await?;
         info!(
             links = report.links_unpinned,
             filters = report.filters_removed,
@@ -127,20 +320,28 @@ async fn run(cli: Cli) -> Result<()> {
         );
         return Ok(());
     }
-    let Some(path) = cli.manifests.clone() else {
+    if let Some(file) = &s.file {
+        for w in &file.warnings {
+            warn!("--config: {w}");
+        }
+        if !file.ignored.is_empty() {
+            info!(
+                "--config: fields without meaning for this agent, ignored: {}",
+                file.ignored.join(", ")
+            );
+        }
+    }
+    let Some(path) = s.cli.manifests.clone() else {
         bail!("no service source: pass --manifests PATH (API-server mode is not built yet)");
     };
-    info!("Using {} Proxier", cli.proxy_mode);
-    if cli.ebpf_object.is_none() {
+    info!("Using {} Proxier", s.mode);
+    info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
+    if s.cli.ebpf_object.is_none() {
         // Before touching bpffs: nothing to do without the datapath.
         Datapath::ensure_object()?;
     }
-    let root = BpffsRoot::prepare(&cli.bpffs_root)?;
-    let mut sizes = DatapathSizes {
-        services: cli.services_map_size,
-        backends: cli.backends_map_size,
-        conntrack: cli.conntrack_map_size,
-    };
+    let root = BpffsRoot::prepare(&s.bpffs_root)?;
+    let mut sizes = s.sizes;
     let adoption = pins::adopt_or_rebuild(&root, &mut sizes)?;
     match &adoption {
         Adoption::Fresh => info!(root = %root.path.display(), "creating the datapath"),
@@ -150,22 +351,43 @@ async fn run(cli: Cli) -> Result<()> {
             "rebuilding the datapath maps: {reason}; tracked connections are re-balanced"
         ),
     }
-    let mut datapath = match &cli.ebpf_object {
+    let mut datapath = match &s.cli.ebpf_object {
         Some(object) => Datapath::load_file(object, sizes, Some(&root))?,
         None => Datapath::load(sizes, Some(&root))?,
     };
+    datapath.configure(&s.datapath)?;
     let maps = datapath.take_service_maps()?;
     let mut proxier = EbpfProxier::new(maps);
     if adoption == Adoption::Adopted {
         let services = proxier.adopt()?;
         info!(frontends = services, "took over the pinned service maps");
     }
-    let mut tracker = ChangeTracker::default();
 
-    let mut attacher = cli
+    let metrics = Arc::new(Metrics::new());
+    for (map, size) in [
+        (map_names::SERVICES, sizes.services),
+        (map_names::BACKENDS, sizes.backends),
+        (map_names::CONNTRACK, sizes.conntrack),
+    ] {
+        metrics
+            .map_capacity
+            .with_label_values(&[map])
+            .set(size as i64);
+    }
+    let health = Health::new(2 * s.sync_period);
+    health::serve(
+        s.healthz,
+        s.metrics,
+        health.clone(),
+        metrics.clone(),
+        s.mode.as_str(),
+    )
+    .await?;
+
+    let mut attacher = s
         .interfaces
         .clone()
-        .map(|p| Attacher::new(p, cli.tc_attach, Some(&root)));
+        .map(|p| Attacher::new(p, s.tc_attach, Some(&root)));
     let (link_tx, mut link_rx) = mpsc::channel(64);
     if attacher.is_some() {
         tokio::spawn(async move {
@@ -181,14 +403,43 @@ async fn run(cli: Cli) -> Result<()> {
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(Duration::from_secs(30));
     let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
+    let mut full_sync_tick = tokio::time::interval(s.sync_period);
+    full_sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
+    let mut config_sync_tick = tokio::time::interval(s.config_sync_period);
+    config_sync_tick.tick().await;
 
-    let mut reported = Vec::new();
-    sync_from_manifests(&path, &mut tracker, &mut proxier, &mut reported)?;
+    let mut loop_state = SyncLoop {
+        tracker: ChangeTracker::default(),
+        pending: Vec::new(),
+        pending_since: None,
+        reported: Vec::new(),
+        last_sync: None,
+        min_sync_period: s.min_sync_period,
+        health,
+        metrics: metrics.clone(),
+    };
+    loop_state.read(&path)?;
+    loop_state.sync(&mut proxier, false);
+    let mut deferred: Option<Instant> = None;
     loop {
+        let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));
         tokio::select! {
             Some(()) = reload_rx.recv() => {
-                if let Err(e) = sync_from_manifests(&path, &mut tracker, &mut proxier, &mut reported) {
-                    warn!("manifests not reloaded: {e:#}");
+                match loop_state.read(&path) {
+                    Ok(()) => deferred = loop_state.sync_or_defer(&mut proxier),
+                    Err(e) => warn!("manifests not reloaded: {e:#}"),
+                }
+            }
+            _ = tokio::time::sleep(wait.unwrap_or(Duration::from_secs(3600))), if wait.is_some() => {
+                deferred = loop_state.sync_or_defer(&mut proxier);
+            }
+            _ = full_sync_tick.tick() => {
+                loop_state.sync(&mut proxier, true);
+            }
+            _ = config_sync_tick.tick() => {
+                // A periodic re-read, as kube-proxy's configSyncPeriod relists.
+                if loop_state.read(&path).is_ok() {
+                    deferred = loop_state.sync_or_defer(&mut proxier);
                 }
             }
             Some(event) = link_rx.recv() => {
@@ -199,12 +450,18 @@ async fn run(cli: Cli) -> Result<()> {
             _ = gc_tick.tick() => {
                 match datapath.collect_conntrack_garbage() {
                     Ok(0) => {}
-                    Ok(n) => debug!(entries = n, "expired conntrack entries deleted"),
+                    Ok(n) => {
+                        metrics.conntrack_deleted_total.inc_by(n as u64);
+                        debug!(entries = n, "expired conntrack entries deleted");
+                    }
                     Err(e) => warn!("conntrack garbage collection: {e:#}"),
                 }
             }
             _ = stats_tick.tick() => {
                 if let Ok(stats) = datapath.stats() {
+                    for (stat, n) in &stats {
+                        metrics.datapath_events.with_label_values(&[stat.name()]).set(*n as f64);
+                    }
                     let line: Vec<String> = stats.iter().map(|(s, n)| format!("{}={n}", s.name())).collect();
                     debug!("datapath: {}", line.join(" "));
                 }
@@ -217,38 +474,143 @@ async fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-fn sync_from_manifests(
-    path: &std::path::Path,
-    tracker: &mut ChangeTracker,
-    proxier: &mut impl Proxier,
-    reported: &mut Vec<String>,
-) -> Result<()> {
-    let set = manifests::load(path)?;
-    let (desired, model_problems) = DesiredState::build(&set.store);
-    // Problems are reported when they appear, not again on every reload.
-    let problems: Vec<String> = set
-        .problems
-        .iter()
-        .chain(&model_problems)
-        .map(ToString::to_string)
-        .collect();
-    for p in problems.iter().filter(|p| !reported.contains(p)) {
-        warn!("{p}");
+/// The sync loop's state: changes read but not yet programmed, batched no more often than
+/// minSyncPeriod, with kube-proxy's metrics and health bookkeeping.
+struct SyncLoop {
+    tracker: ChangeTracker,
+    pending: Vec<ServiceChange>,
+    pending_since: Option<SystemTime>,
+    reported: Vec<String>,
+    last_sync: Option<Instant>,
+    min_sync_period: Duration,
+    health: Health,
+    metrics: Arc<Metrics>,
+}
+
+impl SyncLoop {
+    /// Reads the manifests and queues the changes they make.
+    fn read(&mut self, path: &std::path::Path) -> Result<()> {
+        let set = manifests::load(path)?;
+        let (desired, model_problems) = DesiredState::build(&set.store);
+        // Problems are reported when they appear, not again on every reload.
+        let problems: Vec<String> = set
+            .problems
+            .iter()
+            .chain(&model_problems)
+            .map(ToString::to_string)
+            .collect();
+        for p in problems.iter().filter(|p| !self.reported.contains(p)) {
+            warn!("{p}");
+        }
+        self.reported = problems;
+        let changes = self.tracker.update(desired);
+        if !changes.is_empty() {
+            let now = SystemTime::now();
+            self.pending_since.get_or_insert(now);
+            self.health.queued(now);
+            self.metrics
+                .sync_last_queued_timestamp
+                .set(unix_seconds(now));
+            let endpoints: usize = changes.iter().map(ServiceChange::endpoint_changes).sum();
+            self.metrics
+                .service_changes_total
+                .inc_by(changes.len() as u64);
+            self.metrics.endpoint_changes_total.inc_by(endpoints as u64);
+            self.pending.extend(changes);
+            self.metrics
+                .service_changes_pending
+                .set(self.pending.len() as i64);
+            self.metrics.endpoint_changes_pending.set(
+                self.pending
+                    .iter()
+                    .map(ServiceChange::endpoint_changes)
+                    .sum::<usize>() as i64,
+            );
+        }
+        Ok(())
     }
-    *reported = problems;
-    let changes = tracker.update(desired);
-    if changes.is_empty() {
-        return Ok(());
+
+    /// Syncs now, or returns when to, if the last sync was less than minSyncPeriod ago.
+    fn sync_or_defer(&mut self, proxier: &mut impl Proxier) -> Option<Instant> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        if let Some(last) = self.last_sync {
+            let next = last + self.min_sync_period;
+            if Instant::now() < next {
+                return Some(next);
+            }
+        }
+        self.sync(proxier, false);
+        None
     }
-    let started = std::time::Instant::now();
-    let report = proxier.sync(tracker.current(), &changes)?;
-    info!(
-        changes = changes.len(),
-        written = report.services_written,
-        failed = report.services_failed,
-        service_ports = tracker.current().ports.len(),
-        elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
-        "synced"
-    );
-    Ok(())
+
+    fn sync(&mut self, proxier: &mut impl Proxier, full: bool) {
+        let started = Instant::now();
+        let changes = std::mem::take(&mut self.pending);
+        let result = if full {
+            proxier.sync_full(self.tracker.current())
+        } else {
+            // Repeated changes to one service port collapse to old -> newest; the proxier
+            // only needs to know which ports changed.
+            proxier.sync(self.tracker.current(), &changes)
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        self.last_sync = Some(Instant::now());
+        self.metrics.sync_duration.observe(elapsed);
+        if full {
+            self.metrics.sync_full_duration.observe(elapsed);
+        } else {
+            self.metrics.sync_partial_duration.observe(elapsed);
+        }
+        let (ports, backends) = proxier.programmed();
+        let mode = proxier.mode().as_str();
+        self.metrics
+            .programmed_service_ports
+            .with_label_values(&[mode])
+            .set(ports as i64);
+        self.metrics
+            .programmed_backends
+            .with_label_values(&[mode])
+            .set(backends as i64);
+        self.metrics
+            .map_entries
+            .with_label_values(&[map_names::SERVICES])
+            .set((ports + backends) as i64);
+        self.metrics
+            .map_entries
+            .with_label_values(&[map_names::BACKENDS])
+            .set(backends as i64);
+        match result {
+            Ok(report) => {
+                self.metrics
+                    .unprogrammed_service_ports
+                    .set(report.services_failed as i64);
+                if report.services_failed == 0 {
+                    let now = SystemTime::now();
+                    self.health.updated(now);
+                    self.metrics.sync_last_timestamp.set(unix_seconds(now));
+                    if let Some(since) = self.pending_since.take() {
+                        self.metrics
+                            .network_programming_duration
+                            .observe(now.duration_since(since).unwrap_or_default().as_secs_f64());
+                    }
+                    self.metrics.service_changes_pending.set(0);
+                    self.metrics.endpoint_changes_pending.set(0);
+                }
+                if !changes.is_empty() || report.services_failed > 0 {
+                    info!(
+                        full,
+                        changes = changes.len(),
+                        written = report.services_written,
+                        failed = report.services_failed,
+                        service_ports = self.tracker.current().ports.len(),
+                        elapsed_ms = elapsed * 1000.0,
+                        "synced"
+                    );
+                }
+            }
+            Err(e) => warn!("sync failed: {e:#}"),
+        }
+    }
 }

@@ -61,4 +61,11 @@ pub trait Proxier {
     /// the service ports that differ from the previous call, so a proxier that keeps its own
     /// record can write only those; `desired` is the whole state for full resyncs.
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport>;
+
+    /// Reconciles the whole datapath with `desired` (periodically, as kube-proxy's
+    /// syncPeriod): corrects anything that drifted, still writing only differences.
+    fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport>;
+
+    /// (service ports, backends) programmed.
+    fn programmed(&self) -> (usize, usize);
 }

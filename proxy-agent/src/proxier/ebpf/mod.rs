@@ -42,6 +42,11 @@ impl<M: ServiceMaps> EbpfProxier<M> {
         &self.sync
     }
 
+    /// The maps themselves (to inspect, or to tamper with in tests).
+    pub fn maps_mut(&mut self) -> &mut M {
+        self.sync.maps_mut()
+    }
+
     /// Service ports not currently programmed, with the reason.
     pub fn failed(&self) -> &BTreeMap<ServicePortName, String> {
         &self.failed
@@ -112,6 +117,21 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
             }
         }
         Ok(report)
+    }
+
+    fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
+        self.sync.reload_from_maps()?;
+        self.prune_on_next_sync = true;
+        let all: Vec<ServiceChange> = desired
+            .ports
+            .values()
+            .map(|s| ServiceChange::Added(s.clone()))
+            .collect();
+        self.sync(desired, &all)
+    }
+
+    fn programmed(&self) -> (usize, usize) {
+        self.sync.counts()
     }
 }
 

@@ -179,6 +179,24 @@ impl<M: ServiceMaps> MapSync<M> {
         self.written.keys()
     }
 
+    /// Forgets what it believes is written and takes the maps' contents as the truth again
+    /// (a full resync: anything changed behind the agent's back is then corrected by the
+    /// writes that follow). Returns the number of frontends found.
+    pub fn reload_from_maps(&mut self) -> Result<usize, MapError> {
+        self.written.clear();
+        self.backend_ids = BackendIds::new(self.maps.backend_slots());
+        self.service_ids = ServiceIds::default();
+        self.adopt()
+    }
+
+    /// Service ports and backends currently written.
+    pub fn counts(&self) -> (usize, usize) {
+        (
+            self.written.len(),
+            self.written.values().map(|w| w.slots.len()).sum(),
+        )
+    }
+
     /// Takes over maps a previous agent left pinned: rebuilds the record of what is written
     /// from the maps themselves, keeping backend ids (conntrack entries refer to them) and
     /// removing whatever is inconsistent. Returns the number of frontends taken over.

@@ -80,3 +80,30 @@ fn a_service_that_did_not_fit_is_retried_on_later_syncs() {
     assert_eq!(header_count(&proxier, &a.frontend), None);
     assert_eq!(header_count(&proxier, &b.frontend), Some(1));
 }
+
+#[test]
+fn a_full_sync_repairs_drift_and_writes_nothing_when_nothing_drifted() {
+    let mut proxier = EbpfProxier::new(InMemoryMaps::default());
+    let a = state("a", [10, 96, 0, 1], &["10.0.0.1:80", "10.0.0.2:80"]);
+    let want = desired(std::slice::from_ref(&a));
+    proxier
+        .sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    let ops = proxier.map_sync().maps().operations;
+    proxier.sync_full(&want).unwrap();
+    assert_eq!(
+        proxier.map_sync().maps().operations,
+        ops,
+        "nothing to correct"
+    );
+    assert_eq!(proxier.programmed(), (1, 2));
+    // Someone deletes a slot behind the agent's back (bpftool map delete ...).
+    let slot = service_key(&a.frontend, 2);
+    proxier.maps_mut().services.remove(&slot);
+    proxier.sync_full(&want).unwrap();
+    assert!(
+        proxier.map_sync().maps().services.contains_key(&slot),
+        "repaired"
+    );
+    assert_eq!(header_count(&proxier, &a.frontend), Some(2));
+}

@@ -1,0 +1,212 @@
+//! `/healthz` and `/livez` with kube-proxy's semantics, and the HTTP servers for them and for
+//! `/metrics` and `/proxyMode`.
+//!
+//! Healthy means: no change has been waiting for a successful sync for longer than the
+//! health timeout (2 × syncPeriod). An idle agent with nothing pending is healthy however
+//! long ago it last synced, as in kube-proxy.
+
+use std::{
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context, Result};
+use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::get, Router};
+use tracing::info;
+
+use crate::metrics::Metrics;
+
+#[derive(Debug)]
+struct Times {
+    last_updated: Option<SystemTime>,
+    oldest_pending: Option<SystemTime>,
+}
+
+/// Sync progress, shared between the sync loop and the HTTP handlers.
+#[derive(Clone, Debug)]
+pub struct Health {
+    times: Arc<Mutex<Times>>,
+    timeout: Duration,
+}
+
+impl Health {
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            times: Arc::new(Mutex::new(Times {
+                last_updated: None,
+                oldest_pending: None,
+            })),
+            timeout,
+        }
+    }
+
+    /// A change was seen that needs a sync.
+    pub fn queued(&self, at: SystemTime) {
+        let mut t = self.times.lock().unwrap();
+        t.oldest_pending.get_or_insert(at);
+    }
+
+    /// A sync programmed everything that was pending.
+    pub fn updated(&self, at: SystemTime) {
+        let mut t = self.times.lock().unwrap();
+        t.last_updated = Some(at);
+        t.oldest_pending = None;
+    }
+
+    /// (healthy, last successful sync).
+    pub fn check(&self, now: SystemTime) -> (bool, Option<SystemTime>) {
+        let t = self.times.lock().unwrap();
+        let healthy = match t.oldest_pending {
+            Some(pending) => now.duration_since(pending).unwrap_or_default() <= self.timeout,
+            None => true,
+        };
+        (healthy, t.last_updated)
+    }
+}
+
+fn rfc3339ish(t: Option<SystemTime>) -> String {
+    match t {
+        Some(t) => format!(
+            "{:.3}",
+            t.duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64()
+        ),
+        None => "null".into(),
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    health: Health,
+    metrics: Arc<Metrics>,
+    mode: &'static str,
+}
+
+async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
+    respond(&s, &s.metrics.healthz_total)
+}
+
+async fn livez(State(s): State<AppState>) -> impl IntoResponse {
+    respond(&s, &s.metrics.livez_total)
+}
+
+fn respond(
+    s: &AppState,
+    counter: &prometheus::IntCounterVec,
+) -> (StatusCode, [(&'static str, &'static str); 1], String) {
+    let now = SystemTime::now();
+    let (healthy, last) = s.health.check(now);
+    let code = if healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    counter.with_label_values(&[code.as_str()]).inc();
+    let body = format!(
+        "{{\"lastUpdated\": {}, \"currentTime\": {}, \"nodeEligible\": true}}",
+        rfc3339ish(last),
+        rfc3339ish(Some(now))
+    );
+    (code, [("content-type", "application/json")], body)
+}
+
+async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.render(),
+    )
+}
+
+async fn proxy_mode(State(s): State<AppState>) -> impl IntoResponse {
+    s.mode
+}
+
+/// `host:port`, or an IP alone (kube-proxy's default port is added).
+pub fn bind_address(value: &str, default_port: u16) -> Result<SocketAddr> {
+    if let Ok(a) = value.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let ip: std::net::IpAddr = value
+        .parse()
+        .with_context(|| format!("{value:?} is not an IP or IP:port"))?;
+    Ok(SocketAddr::new(ip, default_port))
+}
+
+/// Starts the health server (`/healthz`, `/livez`) and the metrics server (`/metrics`,
+/// `/proxyMode`) on their addresses; they may be the same address.
+pub async fn serve(
+    healthz_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+    health: Health,
+    metrics_registry: Arc<Metrics>,
+    mode: &'static str,
+) -> Result<()> {
+    let state = AppState {
+        health,
+        metrics: metrics_registry,
+        mode,
+    };
+    let health_routes = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/livez", get(livez));
+    let metric_routes = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/proxyMode", get(proxy_mode));
+    let mut servers = Vec::new();
+    if healthz_addr == metrics_addr {
+        servers.push((
+            healthz_addr,
+            health_routes.merge(metric_routes).with_state(state),
+        ));
+    } else {
+        servers.push((healthz_addr, health_routes.with_state(state.clone())));
+        servers.push((metrics_addr, metric_routes.with_state(state)));
+    }
+    for (addr, app) in servers {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        info!(%addr, "serving HTTP");
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn healthy_unless_a_change_waits_longer_than_the_timeout() {
+        let h = Health::new(Duration::from_secs(60));
+        let t0 = UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert!(h.check(t0).0, "nothing pending");
+        h.queued(t0);
+        assert!(h.check(t0 + Duration::from_secs(59)).0);
+        assert!(!h.check(t0 + Duration::from_secs(61)).0, "stalled");
+        h.queued(t0 + Duration::from_secs(50)); // the oldest pending change counts
+        assert!(!h.check(t0 + Duration::from_secs(61)).0);
+        h.updated(t0 + Duration::from_secs(62));
+        assert_eq!(
+            h.check(t0 + Duration::from_secs(3600)),
+            (true, Some(t0 + Duration::from_secs(62)))
+        );
+    }
+
+    #[test]
+    fn bind_addresses_take_an_ip_alone() {
+        assert_eq!(
+            bind_address("0.0.0.0", 10256).unwrap(),
+            "0.0.0.0:10256".parse().unwrap()
+        );
+        assert_eq!(
+            bind_address("127.0.0.1:9", 10249).unwrap(),
+            "127.0.0.1:9".parse().unwrap()
+        );
+        assert!(bind_address("nowhere", 1).is_err());
+    }
+}

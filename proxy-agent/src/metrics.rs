@@ -1,0 +1,289 @@
+//! Prometheus metrics: kube-proxy's names and types where the meaning is the same (so
+//! existing dashboards and alerts keep working), and this project's own under
+//! `proxy_agent_`.
+
+use prometheus::{
+    exponential_buckets, linear_buckets, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts,
+    IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub sync_duration: Histogram,
+    pub sync_full_duration: Histogram,
+    pub sync_partial_duration: Histogram,
+    pub sync_last_timestamp: Gauge,
+    pub sync_last_queued_timestamp: Gauge,
+    pub network_programming_duration: Histogram,
+    pub service_changes_pending: IntGauge,
+    pub service_changes_total: IntCounter,
+    pub endpoint_changes_pending: IntGauge,
+    pub endpoint_changes_total: IntCounter,
+    pub no_local_endpoints: IntGaugeVec,
+    pub healthz_total: IntCounterVec,
+    pub livez_total: IntCounterVec,
+    pub conntrack_deleted_total: IntCounter,
+    // This project's own.
+    pub programmed_service_ports: IntGaugeVec,
+    pub programmed_backends: IntGaugeVec,
+    pub unprogrammed_service_ports: IntGauge,
+    pub map_entries: IntGaugeVec,
+    pub map_capacity: IntGaugeVec,
+    pub datapath_events: GaugeVec,
+}
+
+fn histogram(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram")
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        // kube-proxy's buckets (pkg/proxy/metrics): 1 ms doubling 15 times for syncs.
+        let sync_buckets = exponential_buckets(0.001, 2.0, 15).expect("buckets");
+        let mut programming = linear_buckets(0.25, 0.25, 2).expect("buckets");
+        programming.extend(linear_buckets(1.0, 1.0, 59).expect("buckets"));
+        programming.extend(linear_buckets(60.0, 5.0, 12).expect("buckets"));
+        programming.extend(linear_buckets(120.0, 30.0, 7).expect("buckets"));
+        let m = Metrics {
+            registry: Registry::new(),
+            sync_duration: histogram(
+                "kubeproxy_sync_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds",
+                sync_buckets.clone(),
+            ),
+            sync_full_duration: histogram(
+                "kubeproxy_sync_full_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds for full resyncs",
+                sync_buckets.clone(),
+            ),
+            sync_partial_duration: histogram(
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds for partial resyncs",
+                sync_buckets,
+            ),
+            sync_last_timestamp: Gauge::new(
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "The last time proxy rules were successfully synced",
+            )
+            .unwrap(),
+            sync_last_queued_timestamp: Gauge::new(
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                "The last time a sync of proxy rules was queued",
+            )
+            .unwrap(),
+            network_programming_duration: histogram(
+                "kubeproxy_network_programming_duration_seconds",
+                "In Cluster Network Programming Latency in seconds",
+                programming,
+            ),
+            service_changes_pending: IntGauge::new(
+                "kubeproxy_sync_proxy_rules_service_changes_pending",
+                "Pending proxy rules Service changes",
+            )
+            .unwrap(),
+            service_changes_total: IntCounter::new(
+                "kubeproxy_sync_proxy_rules_service_changes_total",
+                "Cumulative proxy rules Service changes",
+            )
+            .unwrap(),
+            endpoint_changes_pending: IntGauge::new(
+                "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+                "Pending proxy rules Endpoint changes",
+            )
+            .unwrap(),
+            endpoint_changes_total: IntCounter::new(
+                "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+                "Cumulative proxy rules Endpoint changes",
+            )
+            .unwrap(),
+            // A gauge despite its name, as in kube-proxy.
+            no_local_endpoints: IntGaugeVec::new(
+                Opts::new(
+                    "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                    "Number of services with a Local traffic policy and no endpoints",
+                ),
+                &["traffic_policy"],
+            )
+            .unwrap(),
+            healthz_total: IntCounterVec::new(
+                Opts::new(
+                    "kubeproxy_proxy_healthz_total",
+                    "Cumulative proxy healthz HTTP status",
+                ),
+                &["code"],
+            )
+            .unwrap(),
+            livez_total: IntCounterVec::new(
+                Opts::new(
+                    "kubeproxy_proxy_livez_total",
+                    "Cumulative proxy livez HTTP status",
+                ),
+                &["code"],
+            )
+            .unwrap(),
+            conntrack_deleted_total: IntCounter::new(
+                "kubeproxy_conntrack_reconciler_deleted_entries_total",
+                "Cumulative conntrack flows deleted by conntrack reconciler",
+            )
+            .unwrap(),
+            programmed_service_ports: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_service_ports",
+                    "Service ports programmed in the datapath",
+                ),
+                &["mode"],
+            )
+            .unwrap(),
+            programmed_backends: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_backends",
+                    "Backends programmed in the datapath",
+                ),
+                &["mode"],
+            )
+            .unwrap(),
+            unprogrammed_service_ports: IntGauge::new(
+                "proxy_agent_unprogrammed_service_ports",
+                "Service ports that could not be programmed (map full, ...); see the log",
+            )
+            .unwrap(),
+            map_entries: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_ebpf_map_entries",
+                    "Entries in use per eBPF map",
+                ),
+                &["map"],
+            )
+            .unwrap(),
+            map_capacity: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_ebpf_map_capacity",
+                    "Configured entries per eBPF map",
+                ),
+                &["map"],
+            )
+            .unwrap(),
+            datapath_events: GaugeVec::new(
+                Opts::new(
+                    "proxy_agent_ebpf_datapath_events",
+                    "What the eBPF datapath did, by event, since its maps were created",
+                ),
+                &["event"],
+            )
+            .unwrap(),
+        };
+        let r = &m.registry;
+        let reg = |c: Box<dyn prometheus::core::Collector>| r.register(c).expect("unique metric");
+        reg(Box::new(m.sync_duration.clone()));
+        reg(Box::new(m.sync_full_duration.clone()));
+        reg(Box::new(m.sync_partial_duration.clone()));
+        reg(Box::new(m.sync_last_timestamp.clone()));
+        reg(Box::new(m.sync_last_queued_timestamp.clone()));
+        reg(Box::new(m.network_programming_duration.clone()));
+        reg(Box::new(m.service_changes_pending.clone()));
+        reg(Box::new(m.service_changes_total.clone()));
+        reg(Box::new(m.endpoint_changes_pending.clone()));
+        reg(Box::new(m.endpoint_changes_total.clone()));
+        reg(Box::new(m.no_local_endpoints.clone()));
+        reg(Box::new(m.healthz_total.clone()));
+        reg(Box::new(m.livez_total.clone()));
+        reg(Box::new(m.conntrack_deleted_total.clone()));
+        reg(Box::new(m.programmed_service_ports.clone()));
+        reg(Box::new(m.programmed_backends.clone()));
+        reg(Box::new(m.unprogrammed_service_ports.clone()));
+        reg(Box::new(m.map_entries.clone()));
+        reg(Box::new(m.map_capacity.clone()));
+        reg(Box::new(m.datapath_events.clone()));
+        // kube-proxy always exports these label sets.
+        for policy in ["internal", "external"] {
+            m.no_local_endpoints.with_label_values(&[policy]).set(0);
+        }
+        m
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding");
+        String::from_utf8(out).expect("utf-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Name and `# TYPE` of every kube-proxy metric we export, as kube-proxy exposes them.
+    pub const KUBE_PROXY_METRICS: &[(&str, &str)] = &[
+        ("kubeproxy_sync_proxy_rules_duration_seconds", "histogram"),
+        (
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "histogram",
+        ),
+        (
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "histogram",
+        ),
+        ("kubeproxy_sync_proxy_rules_last_timestamp_seconds", "gauge"),
+        (
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "gauge",
+        ),
+        (
+            "kubeproxy_network_programming_duration_seconds",
+            "histogram",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "gauge",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "counter",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "gauge",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "counter",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "gauge",
+        ),
+        ("kubeproxy_proxy_healthz_total", "counter"),
+        ("kubeproxy_proxy_livez_total", "counter"),
+        (
+            "kubeproxy_conntrack_reconciler_deleted_entries_total",
+            "counter",
+        ),
+    ];
+
+    #[test]
+    fn exposition_uses_kube_proxys_names_and_types() {
+        let m = Metrics::new();
+        m.healthz_total.with_label_values(&["200"]).inc();
+        m.livez_total.with_label_values(&["200"]).inc();
+        let text = m.render();
+        for (name, kind) in KUBE_PROXY_METRICS {
+            assert!(
+                text.contains(&format!("# TYPE {name} {kind}\n")),
+                "{name} not exported as a {kind}:\n{text}"
+            );
+        }
+        assert!(text.contains(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 0"
+        ));
+        assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"200\"} 1"));
+    }
+}

@@ -1,0 +1,233 @@
+//! What operators look at, over real HTTP against a running agent in the lab: /healthz,
+//! /livez, /metrics, /proxyMode, and the --config file with flags overriding it.
+
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddrV4, TcpStream},
+    time::{Duration, Instant},
+};
+
+use proxy_tests::{
+    lab::{manifest::service, Lab, LabOptions, TCP_PORT},
+    require_kernel,
+};
+
+const WEB: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+
+/// GET `path` from `addr` inside the node namespace: (status, body).
+fn get(lab: &Lab, addr: SocketAddrV4, path: &str) -> (u16, String) {
+    let path = path.to_string();
+    lab.node
+        .run(move || {
+            let mut s = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(2))
+                .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut text = String::new();
+            s.read_to_string(&mut text).unwrap();
+            let status = text
+                .split_whitespace()
+                .nth(1)
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0);
+            let body = text
+                .split_once("\r\n\r\n")
+                .map(|b| b.1.to_string())
+                .unwrap_or_default();
+            (status, body)
+        })
+        .unwrap()
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no series {series} in\n{text}"))
+}
+
+#[test]
+fn health_metrics_and_config_over_http() {
+    require_kernel!();
+    let mut lab = Lab::new(LabOptions::default()).expect("lab");
+    let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+    let web = |ips: &[Ipv4Addr]| service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], ips);
+    let manifests = lab.write_manifests(&web(&ips)).unwrap();
+    // The file sets both addresses; the metrics flag overrides the file's. SERVICES has room
+    // for this service (1 + 3 entries) and little more, so a bigger change can stall syncs.
+    let config = lab.dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+healthzBindAddress: 0.0.0.0:20256
+metricsBindAddress: 127.0.0.1:30249
+iptables: {syncPeriod: 0s}
+winkernel: {enableDSR: false}
+---
+apiVersion: proxy-agent.io/v1alpha1
+kind: ProxyAgentConfiguration
+ebpf:
+  servicesMapSize: 6
+  syncPeriod: 1s
+",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap().to_string();
+    lab.start_agent(
+        &manifests,
+        &[
+            "--config",
+            &config,
+            "--metrics-bind-address",
+            "127.0.0.1:20249",
+        ],
+    )
+    .unwrap();
+    let log = lab.agent().unwrap().log_text();
+    assert!(
+        log.contains("ignored: winkernel"),
+        "ignored fields are named once: {log}"
+    );
+
+    let healthz = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 20256);
+    let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 20249);
+    let (code, body) = get(&lab, healthz, "/healthz");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"lastUpdated\""), "{body}");
+    assert_eq!(get(&lab, healthz, "/livez").0, 200);
+    assert_eq!(get(&lab, metrics, "/proxyMode"), (200, "ebpf".to_string()));
+    let (code, before) = get(&lab, metrics, "/metrics");
+    assert_eq!(code, 200);
+    for (name, kind) in [
+        ("kubeproxy_sync_proxy_rules_duration_seconds", "histogram"),
+        ("kubeproxy_sync_proxy_rules_last_timestamp_seconds", "gauge"),
+        (
+            "kubeproxy_network_programming_duration_seconds",
+            "histogram",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "counter",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "counter",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "gauge",
+        ),
+        ("kubeproxy_proxy_healthz_total", "counter"),
+        ("proxy_agent_service_ports", "gauge"),
+    ] {
+        assert!(
+            before.contains(&format!("# TYPE {name} {kind}\n")),
+            "{name} {kind}:\n{before}"
+        );
+    }
+    assert_eq!(
+        metric(&before, "kubeproxy_proxy_healthz_total{code=\"200\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&before, "proxy_agent_service_ports{mode=\"ebpf\"}"),
+        1.0
+    );
+    assert_eq!(metric(&before, "proxy_agent_backends{mode=\"ebpf\"}"), 3.0);
+    let endpoint_changes = metric(&before, "kubeproxy_sync_proxy_rules_endpoint_changes_total");
+
+    // A change that programs: counters grow, health stays.
+    lab.write_manifests(&web(&ips[..2])).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, now) = get(&lab, metrics, "/metrics");
+        if metric(&now, "proxy_agent_backends{mode=\"ebpf\"}") == 2.0 {
+            assert_eq!(
+                metric(&now, "kubeproxy_sync_proxy_rules_endpoint_changes_total"),
+                endpoint_changes + 1.0
+            );
+            assert!(metric(&now, "kubeproxy_network_programming_duration_seconds_count") >= 2.0);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the change was not programmed:\n{now}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(get(&lab, healthz, "/healthz").0, 200);
+
+    // A change that cannot be programmed (the map is full): the sync stalls, and after
+    // 2 x syncPeriod /healthz says so.
+    let mut yaml = web(&ips[..2]);
+    yaml.push_str(&service(
+        "big",
+        Ipv4Addr::new(10, 96, 0, 20),
+        &[("", "TCP", 80, TCP_PORT)],
+        &ips,
+    ));
+    lab.write_manifests(&yaml).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = get(&lab, healthz, "/healthz");
+        if code == 503 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/healthz never reported the stalled sync: {code} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (_, after) = get(&lab, metrics, "/metrics");
+    assert!(metric(&after, "kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1.0);
+    assert_eq!(
+        metric(&after, "proxy_agent_unprogrammed_service_ports"),
+        1.0
+    );
+    assert!(lab
+        .agent()
+        .unwrap()
+        .log_text()
+        .contains("eBPF map SERVICES is full"));
+    // And recovers once the change is undone.
+    lab.write_manifests(&web(&ips)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&lab, healthz, "/healthz").0 != 200 {
+        assert!(Instant::now() < deadline, "/healthz did not recover");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn an_invalid_config_stops_the_agent_with_the_field_path() {
+    require_kernel!();
+    let lab = Lab::new(LabOptions::default()).expect("lab");
+    let config = lab.dir.path().join("bad.yaml");
+    std::fs::write(
+        &config,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {masqueradeBit: 99}\n",
+    )
+    .unwrap();
+    let (ok, out) = lab
+        .run_agent_once(&[
+            "--config",
+            config.to_str().unwrap(),
+            "--manifests",
+            "/nonexistent",
+        ])
+        .unwrap();
+    assert!(!ok);
+    assert!(
+        out.trim()
+            .ends_with("iptables.masqueradeBit: 99 is out of range (0-31)"),
+        "{out}"
+    );
+    assert_eq!(out.trim().lines().count(), 1, "{out}");
+}
