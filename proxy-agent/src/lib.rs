@@ -2,6 +2,7 @@
 //! drives one proxier per mode.
 pub mod attach;
 pub mod cleanup;
+pub mod cli;
 pub mod config;
 pub mod datapath;
 pub mod health;

@@ -1,0 +1,252 @@
+//! The command line, and how it combines with the `--config` file: flags given on the
+//! command line win, then the file, then the defaults.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Context, Result};
+use clap::{parser::ValueSource, ArgMatches, FromArgMatches, Parser};
+use proxy_common::DatapathConfig;
+
+use crate::{
+    attach::{AttachMode, InterfacePatterns},
+    config::{self, FileSettings},
+    datapath::DatapathSizes,
+    health,
+    pins::DEFAULT_BPFFS_ROOT,
+    proxier::ProxyMode,
+};
+
+/// A kube-proxy replacement: programs this node's datapath so that traffic to a Service
+/// reaches its pods.
+///
+/// Flags given on the command line override the --config file.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+pub struct Cli {
+    /// KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1), optionally followed by a
+    /// ProxyAgentConfiguration document with this agent's own settings.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+
+    /// Which proxy mode to use: ebpf (default).
+    #[arg(long = "proxy-mode", default_value = "ebpf", value_parser = parse_mode)]
+    pub proxy_mode: ProxyMode,
+
+    /// Read Services, EndpointSlices and Nodes from this YAML/JSON file or directory
+    /// instead of an API server; edits are applied while the agent runs.
+    #[arg(long)]
+    pub manifests: Option<PathBuf>,
+
+    /// Attach the datapath to the interfaces whose names match these comma-separated globs
+    /// (e.g. `lxc*,eth0`), including interfaces created later.
+    #[arg(long)]
+    pub interfaces: Option<InterfacePatterns>,
+
+    /// How to attach: tcx (kernel 6.6+), netlink (clsact qdisc + filter) or auto.
+    #[arg(long = "tc-attach", default_value = "auto")]
+    pub tc_attach: AttachMode,
+
+    /// bpffs directory for the pinned maps and links that keep the datapath serving while
+    /// the agent restarts or upgrades (mounted if absent).
+    #[arg(long = "bpffs-root", default_value = DEFAULT_BPFFS_ROOT)]
+    pub bpffs_root: PathBuf,
+
+    /// Remove everything this agent installed on the node (programs, links, filters, the
+    /// qdiscs it added, pins, maps) and exit.
+    #[arg(long)]
+    pub cleanup: bool,
+
+    /// The address and port for the health server (/healthz, /livez).
+    #[arg(long = "healthz-bind-address", default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: String,
+
+    /// The address and port for the metrics server (/metrics, /proxyMode).
+    #[arg(long = "metrics-bind-address", default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: String,
+
+    /// The name of this node (default: $NODE_NAME, else the host name).
+    #[arg(long = "hostname-override")]
+    pub hostname_override: Option<String>,
+
+    /// Load the eBPF object from this file instead of the embedded one.
+    #[arg(long = "ebpf-object", hide = true)]
+    pub ebpf_object: Option<PathBuf>,
+
+    /// Log verbosity, as kube-proxy's -v: 0-1 info, 2-3 debug, 4+ trace.
+    #[arg(short = 'v', long = "v", default_value_t = 0)]
+    pub verbosity: u32,
+
+    /// Entries of the SERVICES map (one per service port plus one per endpoint of each).
+    #[arg(long, default_value_t = DatapathSizes::default().services)]
+    pub services_map_size: u32,
+
+    /// Entries of the BACKENDS map (one per endpoint of each service port).
+    #[arg(long, default_value_t = DatapathSizes::default().backends)]
+    pub backends_map_size: u32,
+
+    /// Entries of the CONNTRACK map (two per tracked flow).
+    #[arg(long, default_value_t = DatapathSizes::default().conntrack)]
+    pub conntrack_map_size: u32,
+}
+
+/// How often expired conntrack entries are swept from user space.
+pub const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
+const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
+const DEFAULT_CONFIG_SYNC_PERIOD: Duration = Duration::from_secs(15 * 60);
+
+fn parse_mode(s: &str) -> Result<ProxyMode, String> {
+    s.parse()
+}
+
+/// Everything the agent runs with, after the file and the flags.
+pub struct Settings {
+    pub cli: Cli,
+    pub mode: ProxyMode,
+    pub verbosity: u32,
+    pub interfaces: Option<InterfacePatterns>,
+    pub tc_attach: AttachMode,
+    pub bpffs_root: PathBuf,
+    pub sizes: DatapathSizes,
+    pub healthz: std::net::SocketAddr,
+    pub metrics: std::net::SocketAddr,
+    pub node_name: String,
+    pub sync_period: Duration,
+    pub min_sync_period: Duration,
+    pub config_sync_period: Duration,
+    pub datapath: DatapathConfig,
+    pub file: Option<FileSettings>,
+}
+
+pub fn settings(matches: &ArgMatches) -> Result<Settings> {
+    let cli = Cli::from_arg_matches(matches)?;
+    let on_command_line = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    let file = cli.config.as_deref().map(config::load).transpose()?;
+    let f = file.as_ref();
+
+    let mode = match f.and_then(|f| f.mode.as_deref()) {
+        Some(m) if !on_command_line("proxy_mode") => m
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--config: mode: {e}"))?,
+        _ => cli.proxy_mode,
+    };
+    let pick = |id: &str, flag: String, file: Option<String>| {
+        if on_command_line(id) {
+            flag
+        } else {
+            file.unwrap_or(flag)
+        }
+    };
+    let healthz = pick(
+        "healthz_bind_address",
+        cli.healthz_bind_address.clone(),
+        f.and_then(|f| f.healthz_bind_address.clone()),
+    );
+    let metrics = pick(
+        "metrics_bind_address",
+        cli.metrics_bind_address.clone(),
+        f.and_then(|f| f.metrics_bind_address.clone()),
+    );
+    let interfaces = match (&cli.interfaces, f.and_then(|f| f.interfaces.as_deref())) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(p)) => Some(p.parse().map_err(|e: String| anyhow::anyhow!(e))?),
+        (None, None) => None,
+    };
+    let tc_attach = match f.and_then(|f| f.tc_attach.as_deref()) {
+        Some(t) if !on_command_line("tc_attach") => {
+            t.parse().map_err(|e: String| anyhow::anyhow!(e))?
+        }
+        _ => cli.tc_attach,
+    };
+    let bpffs_root = PathBuf::from(pick(
+        "bpffs_root",
+        cli.bpffs_root.display().to_string(),
+        f.and_then(|f| f.bpffs_root.clone()),
+    ));
+    let size = |id: &str, flag: u32, file: Option<u32>| {
+        if on_command_line(id) {
+            flag
+        } else {
+            file.unwrap_or(flag)
+        }
+    };
+    // kube-proxy sizes the kernel conntrack table as max(min, maxPerCore x CPUs); the same
+    // rule sizes ours when the file asks for it and our own setting does not.
+    let from_conntrack_section = f.and_then(|f| {
+        let per_core = f.conntrack.max_per_core.filter(|n| *n > 0)?;
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1) as u32;
+        Some((per_core.saturating_mul(cpus)).max(f.conntrack.min.unwrap_or(0)))
+    });
+    let sizes = DatapathSizes {
+        services: size(
+            "services_map_size",
+            cli.services_map_size,
+            f.and_then(|f| f.services_map_size),
+        ),
+        backends: size(
+            "backends_map_size",
+            cli.backends_map_size,
+            f.and_then(|f| f.backends_map_size),
+        ),
+        conntrack: size(
+            "conntrack_map_size",
+            cli.conntrack_map_size,
+            f.and_then(|f| f.conntrack_map_size.or(from_conntrack_section)),
+        ),
+    };
+    let verbosity = if on_command_line("verbosity") {
+        cli.verbosity
+    } else {
+        f.and_then(|f| f.verbosity).unwrap_or(cli.verbosity)
+    };
+    let node_name = cli
+        .hostname_override
+        .clone()
+        .or_else(|| f.and_then(|f| f.hostname_override.clone()))
+        .or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()))
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .unwrap_or_default();
+    let mut datapath = DatapathConfig::DEFAULT;
+    if let Some(ct) = f.map(|f| &f.conntrack) {
+        let ns = |d: Duration| d.as_nanos() as u64;
+        if let Some(d) = ct.tcp_established_timeout {
+            datapath.tcp_established_timeout_ns = ns(d);
+        }
+        if let Some(d) = ct.tcp_close_wait_timeout {
+            datapath.tcp_closing_timeout_ns = ns(d);
+        }
+        if let Some(d) = ct.udp_timeout {
+            datapath.udp_timeout_ns = ns(d);
+        }
+        if let Some(d) = ct.udp_stream_timeout {
+            datapath.udp_stream_timeout_ns = ns(d);
+        }
+    }
+    Ok(Settings {
+        mode,
+        verbosity,
+        interfaces,
+        tc_attach,
+        bpffs_root,
+        sizes,
+        healthz: health::bind_address(&healthz, 10256).context("healthzBindAddress")?,
+        metrics: health::bind_address(&metrics, 10249).context("metricsBindAddress")?,
+        node_name,
+        sync_period: f.and_then(|f| f.sync_period).unwrap_or(DEFAULT_SYNC_PERIOD),
+        min_sync_period: f.and_then(|f| f.min_sync_period).unwrap_or(Duration::ZERO),
+        config_sync_period: f
+            .and_then(|f| f.config_sync_period)
+            .unwrap_or(DEFAULT_CONFIG_SYNC_PERIOD),
+        datapath,
+        file,
+        cli,
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,135 @@
+use clap::CommandFactory;
+
+use super::*;
+
+fn with_config(yaml: &str, args: &[&str]) -> Settings {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let mut argv = vec!["proxy-agent", "--config", path.to_str().unwrap()];
+    argv.extend_from_slice(args);
+    settings(&Cli::command().get_matches_from(argv)).unwrap()
+}
+
+const FILE: &str = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: ebpf
+healthzBindAddress: 0.0.0.0:20256
+metricsBindAddress: 127.0.0.1:20249
+hostnameOverride: from-file
+logging: {verbosity: 3}
+configSyncPeriod: 2m
+conntrack: {maxPerCore: 1000, min: 500000, tcpEstablishedTimeout: 2h, tcpCloseWaitTimeout: 5m, udpTimeout: 10s, udpStreamTimeout: 1m}
+syncPeriod: 45s
+minSyncPeriod: 2s
+---
+apiVersion: proxy-agent.io/v1alpha1
+kind: ProxyAgentConfiguration
+ebpf:
+  interfaces: \"eth*\"
+  tcAttach: netlink
+  bpffsRoot: /sys/fs/bpf/from-file
+  servicesMapSize: 1000
+  backendsMapSize: 2000
+  syncPeriod: 20s
+";
+
+#[test]
+fn the_file_sets_what_the_command_line_does_not() {
+    let s = with_config(FILE, &[]);
+    assert_eq!(s.mode, ProxyMode::Ebpf);
+    assert_eq!(s.healthz, "0.0.0.0:20256".parse().unwrap());
+    assert_eq!(s.metrics, "127.0.0.1:20249".parse().unwrap());
+    assert_eq!(s.node_name, "from-file");
+    assert_eq!(s.verbosity, 3);
+    assert_eq!(s.config_sync_period, Duration::from_secs(120));
+    assert!(s.interfaces.as_ref().unwrap().matches("eth7"));
+    assert_eq!(s.tc_attach, AttachMode::Netlink);
+    assert_eq!(s.bpffs_root, PathBuf::from("/sys/fs/bpf/from-file"));
+    assert_eq!(s.sizes.services, 1000);
+    assert_eq!(s.sizes.backends, 2000);
+    // The eBPF section's sync period wins over the top-level one; minSyncPeriod comes from
+    // the top level, as the section does not set it.
+    assert_eq!(s.sync_period, Duration::from_secs(20));
+    assert_eq!(s.min_sync_period, Duration::from_secs(2));
+    // conntrack: timeouts go to the datapath; the map is max(min, maxPerCore x CPUs).
+    assert_eq!(
+        s.datapath.tcp_established_timeout_ns,
+        2 * 3600 * 1_000_000_000
+    );
+    assert_eq!(s.datapath.tcp_closing_timeout_ns, 300 * 1_000_000_000);
+    assert_eq!(s.datapath.udp_timeout_ns, 10 * 1_000_000_000);
+    assert_eq!(s.datapath.udp_stream_timeout_ns, 60 * 1_000_000_000);
+    let cpus = std::thread::available_parallelism().unwrap().get() as u32;
+    assert_eq!(s.sizes.conntrack, (1000 * cpus).max(500_000));
+}
+
+#[test]
+fn flags_on_the_command_line_override_the_file() {
+    let s = with_config(
+        FILE,
+        &[
+            "--healthz-bind-address",
+            "127.0.0.1:1",
+            "--metrics-bind-address",
+            "127.0.0.1:2",
+            "--hostname-override",
+            "from-flag",
+            "-v",
+            "0",
+            "--interfaces",
+            "lxc*",
+            "--tc-attach",
+            "tcx",
+            "--bpffs-root",
+            "/tmp/x",
+            "--services-map-size",
+            "7",
+            "--backends-map-size",
+            "8",
+            "--conntrack-map-size",
+            "9",
+        ],
+    );
+    assert_eq!(s.healthz, "127.0.0.1:1".parse().unwrap());
+    assert_eq!(s.metrics, "127.0.0.1:2".parse().unwrap());
+    assert_eq!(s.node_name, "from-flag");
+    assert_eq!(s.verbosity, 0);
+    assert!(s.interfaces.as_ref().unwrap().matches("lxc1"));
+    assert!(!s.interfaces.as_ref().unwrap().matches("eth0"));
+    assert_eq!(s.tc_attach, AttachMode::Tcx);
+    assert_eq!(s.bpffs_root, PathBuf::from("/tmp/x"));
+    assert_eq!(
+        (s.sizes.services, s.sizes.backends, s.sizes.conntrack),
+        (7, 8, 9)
+    );
+}
+
+#[test]
+fn defaults_without_a_file_are_kube_proxys() {
+    let s = settings(&Cli::command().get_matches_from(["proxy-agent"])).unwrap();
+    assert_eq!(s.healthz, "0.0.0.0:10256".parse().unwrap());
+    assert_eq!(s.metrics, "127.0.0.1:10249".parse().unwrap());
+    assert_eq!(s.sync_period, Duration::from_secs(30));
+    assert_eq!(s.min_sync_period, Duration::ZERO);
+    assert_eq!(s.config_sync_period, Duration::from_secs(900));
+    assert_eq!(s.datapath, DatapathConfig::DEFAULT);
+}
+
+#[test]
+fn a_mode_that_is_not_built_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.yaml");
+    std::fs::write(
+        &path,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ipvs\n",
+    )
+    .unwrap();
+    let matches =
+        Cli::command().get_matches_from(["proxy-agent", "--config", path.to_str().unwrap()]);
+    let err = settings(&matches).err().unwrap();
+    assert!(
+        format!("{err:#}").contains(r#"proxy mode "ipvs" is not available in this build yet"#),
+        "{err:#}"
+    );
+}
