@@ -64,6 +64,11 @@ pub struct Cli {
     #[arg(long = "metrics-bind-address", default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: String,
 
+    /// Kubeconfig for the API server (default: in-cluster configuration, else $KUBECONFIG
+    /// or ~/.kube/config). Ignored with --manifests.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+
     /// The name of this node (default: $NODE_NAME, else the host name).
     #[arg(long = "hostname-override")]
     pub hostname_override: Option<String>,
@@ -110,6 +115,7 @@ pub struct Settings {
     pub healthz: std::net::SocketAddr,
     pub metrics: std::net::SocketAddr,
     pub node_name: String,
+    pub kubeconfig: Option<PathBuf>,
     pub sync_period: Duration,
     pub min_sync_period: Duration,
     pub config_sync_period: Duration,
@@ -237,6 +243,10 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         healthz: health::bind_address(&healthz, 10256).context("healthzBindAddress")?,
         metrics: health::bind_address(&metrics, 10249).context("metricsBindAddress")?,
         node_name,
+        kubeconfig: cli
+            .kubeconfig
+            .clone()
+            .or_else(|| f.and_then(|f| f.kubeconfig.clone()).map(PathBuf::from)),
         sync_period: f.and_then(|f| f.sync_period).unwrap_or(DEFAULT_SYNC_PERIOD),
         min_sync_period: f.and_then(|f| f.min_sync_period).unwrap_or(Duration::ZERO),
         config_sync_period: f

@@ -17,7 +17,7 @@ use proxy_agent::{
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
     proxier::{ebpf::EbpfProxier, Proxier},
-    source::manifests,
+    source::{api, manifests},
 };
 use proxy_common::map_names;
 use tokio::{signal::unix::SignalKind, sync::mpsc};
@@ -67,6 +67,24 @@ fn main() -> ExitCode {
     }
 }
 
+/// A client for the API server: from --kubeconfig (or clientConnection.kubeconfig), else
+/// in-cluster configuration, else $KUBECONFIG / ~/.kube/config.
+async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer().await.context(
+            "no API server: not in a cluster and no kubeconfig (pass --kubeconfig, or --manifests PATH to run without a cluster)",
+        )?,
+    };
+    kube::Client::try_from(config).context("creating the API client")
+}
+
 fn unix_seconds(t: SystemTime) -> f64 {
     t.duration_since(UNIX_EPOCH)
         .unwrap_or_default()
@@ -98,9 +116,6 @@ async fn run(s: Settings) -> Result<()> {
             );
         }
     }
-    let Some(path) = s.cli.manifests.clone() else {
-        bail!("no service source: pass --manifests PATH (API-server mode is not built yet)");
-    };
     info!("Using {} Proxier", s.mode);
     info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
     if s.cli.ebpf_object.is_none() {
@@ -164,8 +179,19 @@ async fn run(s: Settings) -> Result<()> {
         });
     }
 
+    // The source: manifest files (re-read on change) or the API server (snapshots).
     let (reload_tx, mut reload_rx) = mpsc::channel(1);
-    let _watcher = manifests::watch(&path, reload_tx)?;
+    let (snapshot_tx, mut snapshot_rx) = mpsc::channel(8);
+    let _watcher = match &s.cli.manifests {
+        Some(path) => Some(manifests::watch(path, reload_tx)?),
+        None => {
+            let client = kube_client(s.kubeconfig.as_deref()).await?;
+            info!(node = %s.node_name, "watching the API server");
+            tokio::spawn(api::run(client, s.node_name.clone(), snapshot_tx));
+            None
+        }
+    };
+    let manifests_path = s.cli.manifests.clone();
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(Duration::from_secs(30));
@@ -185,17 +211,33 @@ async fn run(s: Settings) -> Result<()> {
         health,
         metrics: metrics.clone(),
     };
-    loop_state.read(&path)?;
+    match &manifests_path {
+        Some(path) => loop_state.ingest(manifests::load(path)?),
+        // Nothing is programmed before the API server has been listed once.
+        None => match snapshot_rx.recv().await {
+            Some(set) => loop_state.ingest(set),
+            None => bail!("the API-server source stopped"),
+        },
+    }
     loop_state.sync(&mut proxier, false);
     let mut deferred: Option<Instant> = None;
     loop {
         let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));
         tokio::select! {
             Some(()) = reload_rx.recv() => {
-                match loop_state.read(&path) {
-                    Ok(()) => deferred = loop_state.sync_or_defer(&mut proxier),
-                    Err(e) => warn!("manifests not reloaded: {e:#}"),
+                if let Some(path) = &manifests_path {
+                    match manifests::load(path) {
+                        Ok(set) => {
+                            loop_state.ingest(set);
+                            deferred = loop_state.sync_or_defer(&mut proxier);
+                        }
+                        Err(e) => warn!("manifests not reloaded: {e:#}"),
+                    }
                 }
+            }
+            Some(set) = snapshot_rx.recv() => {
+                loop_state.ingest(set);
+                deferred = loop_state.sync_or_defer(&mut proxier);
             }
             _ = tokio::time::sleep(wait.unwrap_or(Duration::from_secs(3600))), if wait.is_some() => {
                 deferred = loop_state.sync_or_defer(&mut proxier);
@@ -204,8 +246,10 @@ async fn run(s: Settings) -> Result<()> {
                 loop_state.sync(&mut proxier, true);
             }
             _ = config_sync_tick.tick() => {
-                // A periodic re-read, as kube-proxy's configSyncPeriod relists.
-                if loop_state.read(&path).is_ok() {
+                // A periodic re-read of the manifests, as kube-proxy's configSyncPeriod
+                // resyncs its informers (the API watchers relist by themselves).
+                if let Some(Ok(set)) = manifests_path.as_deref().map(manifests::load) {
+                    loop_state.ingest(set);
                     deferred = loop_state.sync_or_defer(&mut proxier);
                 }
             }
@@ -255,9 +299,8 @@ struct SyncLoop {
 }
 
 impl SyncLoop {
-    /// Reads the manifests and queues the changes they make.
-    fn read(&mut self, path: &std::path::Path) -> Result<()> {
-        let set = manifests::load(path)?;
+    /// Takes a new view of the cluster and queues the changes it makes.
+    fn ingest(&mut self, set: manifests::ManifestSet) {
         let (desired, model_problems) = DesiredState::build(&set.store);
         // Problems are reported when they appear, not again on every reload.
         let problems: Vec<String> = set
@@ -294,7 +337,6 @@ impl SyncLoop {
                     .sum::<usize>() as i64,
             );
         }
-        Ok(())
     }
 
     /// Syncs now, or returns when to, if the last sync was less than minSyncPeriod ago.

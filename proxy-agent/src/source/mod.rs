@@ -1,2 +1,3 @@
 //! Sources of Services and EndpointSlices.
+pub mod api;
 pub mod manifests;

@@ -1,0 +1,235 @@
+//! The API-server source: watches Services, EndpointSlices and this node's Node with kube-rs
+//! watchers and sends a complete, consistent snapshot after every change.
+//!
+//! A relist (`Init` … `InitDone`) is the full truth: objects deleted while the watch was
+//! down disappear when it completes. Services that belong to another proxy
+//! (`service.kubernetes.io/service-proxy-name`) and headless ones are skipped, as kube-proxy
+//! does, both by label selector and again on arrival.
+
+use std::collections::BTreeMap;
+
+use futures::{stream, StreamExt};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    runtime::{
+        watcher::{self, Event},
+        WatchStreamExt,
+    },
+    Api, Client,
+};
+use tokio::sync::mpsc;
+use tracing::warn;
+
+use super::manifests::ManifestSet;
+use crate::model::{
+    objects::display_name, ObjectName, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
+};
+
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+
+/// Objects of one kind as the watcher reported them; `relist` buffers an `Init` until its
+/// `InitDone`.
+struct Kind<T> {
+    live: BTreeMap<ObjectName, T>,
+    relist: Option<BTreeMap<ObjectName, T>>,
+}
+
+impl<T> Default for Kind<T> {
+    fn default() -> Self {
+        Self {
+            live: BTreeMap::new(),
+            relist: None,
+        }
+    }
+}
+
+/// What to do with one object.
+enum Conversion<T> {
+    Keep(ObjectName, T),
+    /// Not for this proxy (another proxy's, headless ...): as if it did not exist.
+    Skip(ObjectName),
+    Invalid(ObjectName, Problem),
+}
+
+impl<T> Kind<T> {
+    /// Applies a watcher event; returns true when the state is consistent afterwards (not
+    /// in the middle of a relist).
+    fn apply<K>(
+        &mut self,
+        event: Event<K>,
+        convert: impl Fn(&K) -> Conversion<T>,
+        problems: &mut BTreeMap<ObjectName, Problem>,
+    ) -> bool {
+        let mut put = |map: &mut BTreeMap<ObjectName, T>, obj: &K| match convert(obj) {
+            Conversion::Keep(name, t) => {
+                problems.remove(&name);
+                map.insert(name, t);
+            }
+            Conversion::Skip(name) => {
+                problems.remove(&name);
+                map.remove(&name);
+            }
+            Conversion::Invalid(name, p) => {
+                map.remove(&name);
+                problems.insert(name, p);
+            }
+        };
+        match event {
+            Event::Apply(obj) => {
+                put(&mut self.live, &obj);
+                true
+            }
+            Event::Delete(obj) => {
+                let name = match convert(&obj) {
+                    Conversion::Keep(n, _) | Conversion::Skip(n) | Conversion::Invalid(n, _) => n,
+                };
+                problems.remove(&name);
+                self.live.remove(&name);
+                true
+            }
+            Event::Init => {
+                self.relist = Some(BTreeMap::new());
+                false
+            }
+            Event::InitApply(obj) => {
+                let map = self.relist.get_or_insert_with(BTreeMap::new);
+                put(map, &obj);
+                false
+            }
+            Event::InitDone => {
+                if let Some(fresh) = self.relist.take() {
+                    self.live = fresh;
+                }
+                true
+            }
+        }
+    }
+}
+
+fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectName {
+    ObjectName {
+        namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
+        name: meta.name.clone().unwrap_or_default(),
+    }
+}
+
+fn origin() -> Origin {
+    "api-server".into()
+}
+
+fn convert_service(svc: &Service) -> Conversion<(ServiceInfo, Origin)> {
+    let name = name_of(&svc.metadata);
+    let labels = svc.metadata.labels.as_ref();
+    if labels
+        .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL))
+    {
+        return Conversion::Skip(name);
+    }
+    match ServiceInfo::from_api(svc) {
+        Ok(info) => Conversion::Keep(name, (info, origin())),
+        Err(e) => Conversion::Invalid(
+            name,
+            Problem {
+                origin: origin(),
+                object: format!("Service {}", display_name(&svc.metadata)),
+                message: format!("{e}; skipped"),
+            },
+        ),
+    }
+}
+
+fn convert_slice(slice: &EndpointSlice) -> Conversion<(SliceInfo, Origin)> {
+    let name = name_of(&slice.metadata);
+    if slice
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(HEADLESS_LABEL))
+    {
+        return Conversion::Skip(name);
+    }
+    match SliceInfo::from_api(slice) {
+        Ok(info) => Conversion::Keep(name, (info, origin())),
+        Err(e) => Conversion::Invalid(
+            name,
+            Problem {
+                origin: origin(),
+                object: format!("EndpointSlice {}", display_name(&slice.metadata)),
+                message: format!("{e}; skipped"),
+            },
+        ),
+    }
+}
+
+enum Update {
+    Service(Box<Event<Service>>),
+    Slice(Box<Event<EndpointSlice>>),
+    Node(Box<Event<Node>>),
+}
+
+/// Watches the API server through `client` and sends a snapshot after every consistent
+/// change, until `tx` is closed. Watch errors are logged and retried with backoff.
+pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<ManifestSet>) {
+    let services = watcher::watcher(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default()
+            .labels(&format!("!{SERVICE_PROXY_NAME_LABEL},!{HEADLESS_LABEL}")),
+    )
+    .default_backoff()
+    .map(|r| r.map(|e| Update::Service(Box::new(e))));
+    let slices = watcher::watcher(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default().labels(&format!("!{HEADLESS_LABEL}")),
+    )
+    .default_backoff()
+    .map(|r| r.map(|e| Update::Slice(Box::new(e))));
+    let nodes = watcher::watcher(
+        Api::<Node>::all(client),
+        watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+    )
+    .default_backoff()
+    .map(|r| r.map(|e| Update::Node(Box::new(e))));
+    let mut updates = stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
+
+    let mut svc: Kind<(ServiceInfo, Origin)> = Kind::default();
+    let mut sl: Kind<(SliceInfo, Origin)> = Kind::default();
+    let mut node: Kind<()> = Kind::default();
+    let mut problems = BTreeMap::new();
+    let mut node_problems = BTreeMap::new();
+    while let Some(update) = updates.next().await {
+        let consistent = match update {
+            Ok(Update::Service(e)) => svc.apply(*e, convert_service, &mut problems),
+            Ok(Update::Slice(e)) => sl.apply(*e, convert_slice, &mut problems),
+            Ok(Update::Node(e)) => node.apply(
+                *e,
+                |n: &Node| Conversion::Keep(name_of(&n.metadata), ()),
+                &mut node_problems,
+            ),
+            Err(e) => {
+                warn!("API watch: {e}; retrying with backoff");
+                false
+            }
+        };
+        if !consistent || svc.relist.is_some() || sl.relist.is_some() {
+            continue;
+        }
+        let snapshot = ManifestSet {
+            store: ObjectStore {
+                services: svc.live.clone(),
+                slices: sl.live.clone(),
+            },
+            problems: problems.values().cloned().collect(),
+            nodes: node.live.keys().map(|n| n.name.clone()).collect(),
+        };
+        if tx.send(snapshot).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
