@@ -117,6 +117,20 @@ async fn run(s: Settings) -> Result<()> {
         }
     }
     info!("Using {} Proxier", s.mode);
+    // The source first: a missing API server or manifest path fails before the node is touched.
+    // The source: manifest files (re-read on change) or the API server (snapshots).
+    let (reload_tx, mut reload_rx) = mpsc::channel(1);
+    let (snapshot_tx, mut snapshot_rx) = mpsc::channel(8);
+    let _watcher = match &s.cli.manifests {
+        Some(path) => Some(manifests::watch(path, reload_tx)?),
+        None => {
+            let client = kube_client(s.kubeconfig.as_deref()).await?;
+            info!(node = %s.node_name, "watching the API server");
+            tokio::spawn(api::run(client, s.node_name.clone(), snapshot_tx));
+            None
+        }
+    };
+    let manifests_path = s.cli.manifests.clone();
     info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
     if s.cli.ebpf_object.is_none() {
         // Before touching bpffs: nothing to do without the datapath.
@@ -179,19 +193,6 @@ async fn run(s: Settings) -> Result<()> {
         });
     }
 
-    // The source: manifest files (re-read on change) or the API server (snapshots).
-    let (reload_tx, mut reload_rx) = mpsc::channel(1);
-    let (snapshot_tx, mut snapshot_rx) = mpsc::channel(8);
-    let _watcher = match &s.cli.manifests {
-        Some(path) => Some(manifests::watch(path, reload_tx)?),
-        None => {
-            let client = kube_client(s.kubeconfig.as_deref()).await?;
-            info!(node = %s.node_name, "watching the API server");
-            tokio::spawn(api::run(client, s.node_name.clone(), snapshot_tx));
-            None
-        }
-    };
-    let manifests_path = s.cli.manifests.clone();
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(Duration::from_secs(30));
