@@ -9,6 +9,8 @@ use prometheus::{
 
 pub struct Metrics {
     pub registry: Registry,
+    /// Every metric name this agent exports (with or without samples yet).
+    pub names: Vec<String>,
     pub sync_duration: Histogram,
     pub sync_full_duration: Histogram,
     pub sync_partial_duration: Histogram,
@@ -44,8 +46,9 @@ impl Metrics {
         programming.extend(linear_buckets(1.0, 1.0, 59).expect("buckets"));
         programming.extend(linear_buckets(60.0, 5.0, 12).expect("buckets"));
         programming.extend(linear_buckets(120.0, 30.0, 7).expect("buckets"));
-        let m = Metrics {
+        let mut m = Metrics {
             registry: Registry::new(),
+            names: Vec::new(),
             sync_duration: histogram(
                 "kubeproxy_sync_proxy_rules_duration_seconds",
                 "SyncProxyRules latency in seconds",
@@ -172,8 +175,12 @@ impl Metrics {
             )
             .unwrap(),
         };
-        let r = &m.registry;
-        let reg = |c: Box<dyn prometheus::core::Collector>| r.register(c).expect("unique metric");
+        let r = m.registry.clone();
+        let mut names = Vec::new();
+        let mut reg = |c: Box<dyn prometheus::core::Collector>| {
+            names.extend(c.desc().iter().map(|d| d.fq_name.clone()));
+            r.register(c).expect("unique metric")
+        };
         reg(Box::new(m.sync_duration.clone()));
         reg(Box::new(m.sync_full_duration.clone()));
         reg(Box::new(m.sync_partial_duration.clone()));
@@ -194,6 +201,7 @@ impl Metrics {
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.datapath_events.clone()));
+        m.names = names;
         // kube-proxy always exports these label sets.
         for policy in ["internal", "external"] {
             m.no_local_endpoints.with_label_values(&[policy]).set(0);
