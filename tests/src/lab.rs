@@ -466,6 +466,15 @@ impl Lab {
     /// Starts the agent inside the node namespace and waits until it has attached to every
     /// pod interface and synced the manifests.
     pub fn start_agent(&mut self, manifests: &Path, extra: &[&str]) -> Result<&mut Agent> {
+        self.start_agent_from(Some(manifests), extra)
+    }
+
+    /// Like [`Lab::start_agent`]; `None` runs it against an API server given in `extra`.
+    pub fn start_agent_from(
+        &mut self,
+        manifests: Option<&Path>,
+        extra: &[&str],
+    ) -> Result<&mut Agent> {
         let pods = 1 + self.backends.len();
         let root = self.bpffs.root();
         let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
@@ -580,14 +589,21 @@ pub struct Agent {
 }
 
 impl Agent {
-    pub fn start(node: &Netns, manifests: &Path, log: &Path, extra: &[&str]) -> Result<Self> {
+    /// Starts the agent; without `manifests` it watches an API server (`extra` says where).
+    pub fn start(
+        node: &Netns,
+        manifests: Option<&Path>,
+        log: &Path,
+        extra: &[&str],
+    ) -> Result<Self> {
         let bin = agent_binary()?;
         let logfile = File::create(log)?;
-        let child = Command::new("ip")
-            .args(["netns", "exec", &node.name])
-            .arg(&bin)
-            .arg("--manifests")
-            .arg(manifests)
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &node.name]).arg(&bin);
+        if let Some(m) = manifests {
+            cmd.arg("--manifests").arg(m);
+        }
+        let child = cmd
             .args(["--interfaces", "lxc*", "-v", "2"])
             .args(extra)
             .stdin(Stdio::null())
