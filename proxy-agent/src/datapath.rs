@@ -8,8 +8,8 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, Stat, CT_REFRESH_NS,
-    MAX_BACKENDS,
+    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, ServiceStats, Stat,
+    CT_REFRESH_NS, MAX_BACKENDS,
 };
 
 use crate::{pins::BpffsRoot, proxier::ebpf::maps::KernelMaps};
@@ -121,7 +121,9 @@ impl Datapath {
         loader
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
-            .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
+            .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
+            // Service ids index it; there are never more service ports than SERVICES entries.
+            .map_max_entries(map_names::SERVICE_STATS, sizes.services);
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -129,6 +131,7 @@ impl Datapath {
                 map_names::CONNTRACK,
                 map_names::CONFIG,
                 map_names::STATS,
+                map_names::SERVICE_STATS,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -217,6 +220,27 @@ impl Datapath {
             .map(|s| {
                 let per_cpu = array.get(&(*s as u32), 0)?;
                 Ok((*s, per_cpu.iter().sum()))
+            })
+            .collect()
+    }
+
+    /// Per-service-port traffic, summed over CPUs, for the given service ids.
+    pub fn service_stats(&self, ids: &[u32]) -> Result<Vec<ServiceStats>> {
+        let map = self
+            .ebpf
+            .map(map_names::SERVICE_STATS)
+            .context("eBPF object has no SERVICE_STATS map")?;
+        let array: PerCpuArray<&MapData, ServiceStats> = PerCpuArray::try_from(map)?;
+        ids.iter()
+            .map(|id| {
+                let per_cpu = array.get(id, 0)?;
+                Ok(per_cpu
+                    .iter()
+                    .fold(ServiceStats::default(), |a, s| ServiceStats {
+                        packets: a.packets + s.packets,
+                        bytes: a.bytes + s.bytes,
+                        connections: a.connections + s.connections,
+                    }))
             })
             .collect()
     }

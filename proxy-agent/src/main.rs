@@ -12,7 +12,7 @@ use proxy_agent::{
     cli::{settings, Cli, Settings, CONNTRACK_GC_INTERVAL},
     datapath::Datapath,
     health::{self, Health},
-    metrics::Metrics,
+    metrics::{Metrics, ServiceCounters},
     model::{ChangeTracker, DesiredState, ServiceChange},
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
@@ -66,6 +66,9 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// How often the datapath's counters are read into the metrics.
+const STATS_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A client for the API server: from --kubeconfig (or clientConnection.kubeconfig), else
 /// in-cluster configuration, else $KUBECONFIG / ~/.kube/config.
@@ -195,7 +198,8 @@ async fn run(s: Settings) -> Result<()> {
 
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
-    let mut stats_tick = tokio::time::interval(Duration::from_secs(30));
+    let mut stats_tick = tokio::time::interval(STATS_INTERVAL);
+    let mut service_counters = ServiceCounters::default();
     let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
     let mut full_sync_tick = tokio::time::interval(s.sync_period);
     full_sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
@@ -270,6 +274,15 @@ async fn run(s: Settings) -> Result<()> {
                 }
             }
             _ = stats_tick.tick() => {
+                let ids = proxier.service_ids();
+                let numbers: Vec<u32> = ids.iter().map(|(_, id)| *id).collect();
+                match datapath.service_stats(&numbers) {
+                    Ok(stats) => service_counters.update(
+                        &metrics,
+                        ids.into_iter().zip(stats).map(|((name, id), s)| (name, id, s)).collect(),
+                    ),
+                    Err(e) => debug!("reading per-service counters: {e:#}"),
+                }
                 if let Ok(stats) = datapath.stats() {
                     for (stat, n) in &stats {
                         metrics.datapath_events.with_label_values(&[stat.name()]).set(*n as f64);

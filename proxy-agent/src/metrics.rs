@@ -2,6 +2,12 @@
 //! existing dashboards and alerts keep working), and this project's own under
 //! `proxy_agent_`.
 
+use std::collections::HashMap;
+
+use proxy_common::ServiceStats;
+
+use crate::model::ServicePortName;
+
 use prometheus::{
     exponential_buckets, linear_buckets, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts,
     IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
@@ -32,7 +38,13 @@ pub struct Metrics {
     pub map_entries: IntGaugeVec,
     pub map_capacity: IntGaugeVec,
     pub datapath_events: GaugeVec,
+    pub service_packets: IntCounterVec,
+    pub service_bytes: IntCounterVec,
+    pub service_connections: IntCounterVec,
 }
+
+/// Labels of the per-service-port counters.
+pub const SERVICE_LABELS: &[&str] = &["namespace", "service", "port", "protocol"];
 
 fn histogram(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
     Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram")
@@ -174,6 +186,30 @@ impl Metrics {
                 &["event"],
             )
             .unwrap(),
+            service_packets: IntCounterVec::new(
+                Opts::new(
+                    "proxy_agent_service_packets_total",
+                    "Packets translated for a service port, both directions",
+                ),
+                SERVICE_LABELS,
+            )
+            .unwrap(),
+            service_bytes: IntCounterVec::new(
+                Opts::new(
+                    "proxy_agent_service_bytes_total",
+                    "Bytes translated for a service port, both directions",
+                ),
+                SERVICE_LABELS,
+            )
+            .unwrap(),
+            service_connections: IntCounterVec::new(
+                Opts::new(
+                    "proxy_agent_service_connections_total",
+                    "New flows given a backend, per service port",
+                ),
+                SERVICE_LABELS,
+            )
+            .unwrap(),
         };
         let r = m.registry.clone();
         let mut names = Vec::new();
@@ -201,6 +237,9 @@ impl Metrics {
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.datapath_events.clone()));
+        reg(Box::new(m.service_packets.clone()));
+        reg(Box::new(m.service_bytes.clone()));
+        reg(Box::new(m.service_connections.clone()));
         m.names = names;
         // kube-proxy always exports these label sets.
         for policy in ["internal", "external"] {
@@ -216,6 +255,56 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("text encoding");
         String::from_utf8(out).expect("utf-8")
+    }
+}
+
+/// Turns the datapath's absolute per-service counters into Prometheus counter increments,
+/// and drops the series of service ports that went away.
+#[derive(Default)]
+pub struct ServiceCounters {
+    last: HashMap<(ServicePortName, u32), ServiceStats>,
+}
+
+fn labels(name: &ServicePortName) -> [String; 4] {
+    [
+        name.service.namespace.clone(),
+        name.service.name.clone(),
+        name.port.clone(),
+        name.protocol.to_string(),
+    ]
+}
+
+impl ServiceCounters {
+    pub fn update(&mut self, m: &Metrics, current: Vec<(ServicePortName, u32, ServiceStats)>) {
+        let mut next = HashMap::new();
+        for (name, id, now) in current {
+            let before = self.last.remove(&(name.clone(), id)).unwrap_or_default();
+            // A counter below its last value means the maps were rebuilt: start again.
+            let delta = |now: u64, before: u64| if now >= before { now - before } else { now };
+            let l = labels(&name);
+            let l: Vec<&str> = l.iter().map(String::as_str).collect();
+            m.service_packets
+                .with_label_values(&l)
+                .inc_by(delta(now.packets, before.packets));
+            m.service_bytes
+                .with_label_values(&l)
+                .inc_by(delta(now.bytes, before.bytes));
+            m.service_connections
+                .with_label_values(&l)
+                .inc_by(delta(now.connections, before.connections));
+            next.insert((name, id), now);
+        }
+        for ((name, _), _) in self.last.drain() {
+            if next.keys().any(|(n, _)| *n == name) {
+                continue;
+            }
+            let l = labels(&name);
+            let l: Vec<&str> = l.iter().map(String::as_str).collect();
+            let _ = m.service_packets.remove_label_values(&l);
+            let _ = m.service_bytes.remove_label_values(&l);
+            let _ = m.service_connections.remove_label_values(&l);
+        }
+        self.last = next;
     }
 }
 
@@ -276,6 +365,44 @@ mod tests {
             "counter",
         ),
     ];
+
+    #[test]
+    fn service_counters_grow_by_deltas_and_go_with_their_service() {
+        use crate::model::{ObjectName, Protocol};
+        let m = Metrics::new();
+        let mut c = ServiceCounters::default();
+        let web = ServicePortName {
+            service: ObjectName {
+                namespace: "shop".into(),
+                name: "web".into(),
+            },
+            port: "http".into(),
+            protocol: Protocol::Tcp,
+        };
+        let stats = |p, b, n| ServiceStats {
+            packets: p,
+            bytes: b,
+            connections: n,
+        };
+        c.update(&m, vec![(web.clone(), 7, stats(10, 1000, 2))]);
+        c.update(&m, vec![(web.clone(), 7, stats(15, 1600, 3))]);
+        let text = m.render();
+        let series = "{namespace=\"shop\",port=\"http\",protocol=\"TCP\",service=\"web\"}";
+        assert!(
+            text.contains(&format!("proxy_agent_service_packets_total{series} 15")),
+            "{text}"
+        );
+        assert!(text.contains(&format!("proxy_agent_service_bytes_total{series} 1600")));
+        assert!(text.contains(&format!("proxy_agent_service_connections_total{series} 3")));
+        // Maps rebuilt (counters restart): the counter keeps growing.
+        c.update(&m, vec![(web.clone(), 7, stats(4, 400, 1))]);
+        assert!(m
+            .render()
+            .contains(&format!("proxy_agent_service_packets_total{series} 19")));
+        // The service goes away: so do its series.
+        c.update(&m, vec![]);
+        assert!(!m.render().contains("proxy_agent_service_packets_total{"));
+    }
 
     #[test]
     fn exposition_uses_kube_proxys_names_and_types() {

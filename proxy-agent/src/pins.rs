@@ -10,8 +10,8 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::maps::{Array, MapData, MapInfo, MapType};
 use proxy_common::{
-    map_names, Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceValue,
-    MAP_LAYOUT_VERSION,
+    map_names, Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats,
+    ServiceValue, MAP_LAYOUT_VERSION,
 };
 use tracing::{info, warn};
 
@@ -140,7 +140,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 5] {
+fn expected() -> [Expected; 6] {
     use std::mem::size_of;
     [
         Expected {
@@ -176,6 +176,14 @@ fn expected() -> [Expected; 5] {
             map_type: MapType::PerCpuArray,
             key_size: 4,
             value_size: 8,
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SERVICE_STATS,
+            map_type: MapType::PerCpuArray,
+            key_size: 4,
+            value_size: size_of::<ServiceStats>(),
+            // Sized like SERVICES; checked through that map's size.
             configurable: false,
         },
     ]

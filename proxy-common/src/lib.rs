@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 1;
+pub const MAP_LAYOUT_VERSION: u32 = 2;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -25,6 +25,7 @@ pub mod map_names {
     pub const CONNTRACK: &str = "CONNTRACK";
     pub const CONFIG: &str = "CONFIG";
     pub const STATS: &str = "STATS";
+    pub const SERVICE_STATS: &str = "SERVICE_STATS";
 }
 
 /// Names of the programs in the eBPF object.
@@ -184,7 +185,8 @@ pub struct ConntrackValue {
     /// Original entry: the backend id chosen, checked against `BACKENDS` on every packet so a
     /// flow never stays on a backend that has left its service.
     pub backend_id: u32,
-    pub _pad1: [u8; 4],
+    /// The service port's id (index into `SERVICE_STATS`), for per-service counters.
+    pub service_id: u32,
 }
 
 /// Entries are refreshed at most this often.
@@ -240,6 +242,17 @@ impl DatapathConfig {
             self.udp_timeout_ns
         }
     }
+}
+
+/// Value of the per-CPU `SERVICE_STATS` array, indexed by a service port's id: traffic
+/// through that service port, both directions.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceStats {
+    pub packets: u64,
+    pub bytes: u64,
+    /// New flows given a backend.
+    pub connections: u64,
 }
 
 /// Indexes of the per-CPU `STATS` array: what the datapath did, exported as metrics.
@@ -311,6 +324,7 @@ mod pod {
     unsafe impl aya::Pod for super::ConntrackKey {}
     unsafe impl aya::Pod for super::ConntrackValue {}
     unsafe impl aya::Pod for super::DatapathConfig {}
+    unsafe impl aya::Pod for super::ServiceStats {}
 }
 
 #[cfg(test)]
@@ -367,7 +381,8 @@ mod tests {
         assert_eq!(offset_of!(ConntrackValue, flags), 14);
         assert_eq!(offset_of!(ConntrackValue, _pad0), 15);
         assert_eq!(offset_of!(ConntrackValue, backend_id), 16);
-        assert_eq!(offset_of!(ConntrackValue, _pad1), 20);
+        assert_eq!(offset_of!(ConntrackValue, service_id), 20);
+        assert_eq!(size_of::<ServiceStats>(), 24);
     }
 
     #[test]

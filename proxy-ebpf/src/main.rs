@@ -26,7 +26,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceValue, Stat,
+    Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
+    Stat,
     BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_REFRESH_NS,
     IPPROTO_TCP, IPPROTO_UDP,
 };
@@ -44,6 +45,8 @@ static CONNTRACK: LruHashMap<ConntrackKey, ConntrackValue> =
 static CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 0);
+#[map]
+static SERVICE_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(65536, 0);
 
 /// How often a tracked flow's timestamp is refreshed. The upgrade-test variant differs here
 /// only, which changes the program without changing its behaviour.
@@ -136,7 +139,7 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         return refuse(ctx, &pkt, hook);
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    new_flow(ctx, &pkt, header.count, now)
+    new_flow(ctx, &pkt, header.count, header.service_id, now)
 }
 
 #[inline(always)]
@@ -196,6 +199,20 @@ fn bump(stat: Stat) {
     }
 }
 
+/// Counts a packet (and, for a new flow, a connection) against its service port.
+#[inline(always)]
+fn account(ctx: &TcContext, service_id: u32, new_flow: bool) {
+    if let Some(s) = SERVICE_STATS.get_ptr_mut(service_id) {
+        // SAFETY: per-CPU slot, no concurrent writer.
+        let s = unsafe { &mut *s };
+        s.packets += 1;
+        s.bytes += ctx.len() as u64;
+        if new_flow {
+            s.connections += 1;
+        }
+    }
+}
+
 #[inline(always)]
 fn config() -> DatapathConfig {
     match CONFIG.get(0) {
@@ -230,7 +247,7 @@ fn translate_reply(
 ) -> Result<i32, Stat> {
     let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
     let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
-    let (nat_addr, nat_port) = (ct.nat_addr, ct.nat_port);
+    let (nat_addr, nat_port, service_id) = (ct.nat_addr, ct.nat_port, ct.service_id);
     touch(ct, pkt, now, CT_FLAG_SEEN_REPLY);
     if first_reply || closing {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
@@ -257,6 +274,7 @@ fn translate_reply(
         nat_port,
     )?;
     bump(Stat::ReplyTranslated);
+    account(ctx, service_id, false);
     Ok(TC_ACT_UNSPEC)
 }
 
@@ -293,7 +311,7 @@ fn translate_tracked(
         let _ = CONNTRACK.remove(pkt.key);
         return Ok(None);
     }
-    let (nat_addr, nat_port) = (ct.nat_addr, ct.nat_port);
+    let (nat_addr, nat_port, service_id) = (ct.nat_addr, ct.nat_port, ct.service_id);
     touch(ct, pkt, now, 0);
     rewrite(
         ctx,
@@ -305,6 +323,7 @@ fn translate_tracked(
         nat_port,
     )?;
     bump(Stat::EstablishedFlow);
+    account(ctx, service_id, false);
     Ok(Some(TC_ACT_UNSPEC))
 }
 
@@ -345,7 +364,13 @@ fn forget_clashing_flow(pkt: &Packet) {
 
 /// First packet of a flow to a service with `count` backends.
 #[inline(always)]
-fn new_flow(ctx: &TcContext, pkt: &Packet, count: u16, now: u64) -> Result<i32, Stat> {
+fn new_flow(
+    ctx: &TcContext,
+    pkt: &Packet,
+    count: u16,
+    service_id: u32,
+    now: u64,
+) -> Result<i32, Stat> {
     let slot = random_below(count as u32) as u16 + 1;
     let (backend_id, backend) = match pick(pkt, slot) {
         Some(found) => found,
@@ -362,7 +387,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, count: u16, now: u64) -> Result<i32, 
         flags: 0,
         _pad0: 0,
         backend_id,
-        _pad1: [0; 4],
+        service_id,
     };
     let reply_key = ConntrackKey::new(
         backend.addr,
@@ -378,7 +403,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, count: u16, now: u64) -> Result<i32, 
         flags: CT_FLAG_REPLY,
         _pad0: 0,
         backend_id,
-        _pad1: [0; 4],
+        service_id,
     };
     if CONNTRACK.insert(reply_key, reply, BPF_ANY as u64).is_err()
         || CONNTRACK.insert(pkt.key, original, BPF_ANY as u64).is_err()
@@ -395,6 +420,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, count: u16, now: u64) -> Result<i32, 
         backend.port,
     )?;
     bump(Stat::NewFlow);
+    account(ctx, service_id, true);
     Ok(TC_ACT_UNSPEC)
 }
 

@@ -383,7 +383,7 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
         flags,
         _pad0: 0,
         backend_id: 3,
-        _pad1: [0; 4],
+        service_id: 0,
     };
     let key = |sport| proxy_common::ConntrackKey::new(1, 2, sport, 80, proxy_common::IPPROTO_UDP);
     let tcp = |sport| proxy_common::ConntrackKey::new(1, 2, sport, 80, proxy_common::IPPROTO_TCP);
@@ -403,4 +403,38 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
     let mut left: Vec<u16> = ct.keys().map(|k| k.unwrap().sport).collect();
     left.sort();
     assert_eq!(left, vec![2, 3]);
+}
+
+#[test]
+fn traffic_is_counted_per_service_port_in_both_directions() {
+    require_kernel!();
+    let dp = datapath();
+    let tcp = Frontend {
+        addr: VIP,
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    let id = dp
+        .sync
+        .service_ids()
+        .find(|(f, _)| **f == tcp)
+        .map(|(_, id)| id)
+        .unwrap();
+    let syn = PacketSpec::tcp(CLIENT, 48000, VIP, 80, TCP_SYN).build();
+    let backend = assert_dnat(&dp, &PacketSpec::tcp(CLIENT, 48000, VIP, 80, TCP_SYN));
+    let ack = PacketSpec::tcp(CLIENT, 48000, VIP, 80, TCP_ACK).build();
+    dp.run(Hook::Ingress, &ack).unwrap();
+    let reply = PacketSpec::tcp(
+        *backend.ip(),
+        backend.port(),
+        CLIENT,
+        48000,
+        TCP_SYN | TCP_ACK,
+    )
+    .build();
+    dp.run(Hook::Ingress, &reply).unwrap();
+    let s = dp.datapath.service_stats(&[id]).unwrap()[0];
+    assert_eq!(s.connections, 1);
+    assert_eq!(s.packets, 3);
+    assert_eq!(s.bytes, (syn.len() + ack.len() + reply.len()) as u64);
 }

@@ -117,7 +117,9 @@ fn assert_refused_quickly(lab: &Lab) {
 
 fn traffic_is_served(checksums: Checksums) {
     let lab = lab_with_agent(checksums, &[]);
-    let n = 150;
+    // 300 (the issue asks for at least 150) keeps a fair spread from leaving 20-47 % by
+    // chance (below 1e-6 per backend).
+    let n = 300;
     assert_spread(&spread(&lab, false, n), n, "TCP");
     assert_spread(&spread(&lab, true, n), n, "UDP");
     assert_refused_quickly(&lab);
@@ -222,7 +224,9 @@ fn attach_path(mode: &str) {
             .unwrap();
         assert!(filters.contains("proxy_ingress"), "no tc filter: {filters}");
     }
-    let n = 150;
+    // 300 (the issue asks for at least 150) keeps a fair spread from leaving 20-47 % by
+    // chance (below 1e-6 per backend).
+    let n = 300;
     assert_spread(&spread(&lab, false, n), n, &format!("TCP via {mode}"));
 }
 

@@ -142,6 +142,33 @@ ebpf:
     assert_eq!(metric(&before, "proxy_agent_backends{mode=\"ebpf\"}"), 3.0);
     let endpoint_changes = metric(&before, "kubeproxy_sync_proxy_rules_endpoint_changes_total");
 
+    // Traffic shows up per service port (the agent reads the datapath every 10 s).
+    let n = lab
+        .client
+        .ns
+        .run(|| {
+            (0..20)
+                .filter(|_| {
+                    proxy_tests::lab::client::tcp_hello(WEB, Duration::from_secs(2)).is_ok()
+                })
+                .count()
+        })
+        .unwrap();
+    assert_eq!(n, 20);
+    let series = "{namespace=\"lab\",port=\"http\",protocol=\"TCP\",service=\"web\"}";
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, now) = get(&lab, metrics, "/metrics");
+        let name = format!("proxy_agent_service_connections_total{series}");
+        if now.contains(&name) && metric(&now, &name) >= 20.0 {
+            assert!(metric(&now, &format!("proxy_agent_service_packets_total{series}")) >= 80.0);
+            assert!(metric(&now, &format!("proxy_agent_service_bytes_total{series}")) > 0.0);
+            break;
+        }
+        assert!(Instant::now() < deadline, "no per-service counters:\n{now}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+
     // A change that programs: counters grow, health stays.
     lab.write_manifests(&web(&ips[..2])).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);

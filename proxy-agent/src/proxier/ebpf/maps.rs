@@ -24,6 +24,8 @@ pub trait ServiceMaps {
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError>;
     /// Number of `BACKENDS` slots (slot 0 is never used).
     fn backend_slots(&self) -> u32;
+    /// Number of `SERVICE_STATS` slots, which service ids index (slot 0 is never used).
+    fn service_slots(&self) -> u32;
     /// Everything in the maps, for adopting maps a previous agent left pinned: `SERVICES`
     /// entries, and the `BACKENDS` slots in use.
     fn entries(&self) -> Result<MapContents, MapError>;
@@ -118,6 +120,12 @@ impl ServiceMaps for InMemoryMaps {
         self.backend_slots
     }
 
+    fn service_slots(&self) -> u32 {
+        self.services_capacity
+            .map(|c| c as u32 + 1)
+            .unwrap_or(65536)
+    }
+
     fn entries(&self) -> Result<MapContents, MapError> {
         Ok(MapContents {
             services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
@@ -185,6 +193,10 @@ impl ServiceMaps for KernelMaps {
 
     fn backend_slots(&self) -> u32 {
         self.backends.len()
+    }
+
+    fn service_slots(&self) -> u32 {
+        self.services_capacity
     }
 
     fn entries(&self) -> Result<MapContents, MapError> {

@@ -3,7 +3,7 @@
 pub mod maps;
 pub mod sync;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::Result;
 use tracing::{debug, error};
@@ -19,6 +19,8 @@ pub struct EbpfProxier<M: ServiceMaps> {
     /// Set after adopting pinned maps: the next sync also removes what the previous agent
     /// programmed that is no longer desired.
     prune_on_next_sync: bool,
+    /// Which service port each programmed frontend belongs to (for per-service metrics).
+    names: HashMap<Frontend, ServicePortName>,
 }
 
 impl<M: ServiceMaps> EbpfProxier<M> {
@@ -27,7 +29,16 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             sync: MapSync::new(maps),
             failed: BTreeMap::new(),
             prune_on_next_sync: false,
+            names: HashMap::new(),
         }
+    }
+
+    /// Every programmed service port with its id in `SERVICE_STATS`.
+    pub fn service_ids(&self) -> Vec<(ServicePortName, u32)> {
+        self.sync
+            .service_ids()
+            .filter_map(|(f, id)| Some((self.names.get(f)?.clone(), id)))
+            .collect()
     }
 
     /// Takes over the services a previous agent left in pinned maps (see
@@ -69,6 +80,7 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
                 .copied()
                 .collect();
             for f in stale {
+                self.names.remove(&f);
                 debug!(frontend = %f, "removing what the previous agent programmed");
                 if let Err(e) = self.sync.remove(&f) {
                     error!(frontend = %f, "removing from the datapath: {e}");
@@ -84,6 +96,7 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
                 _ => continue,
             };
             self.failed.remove(&old.name);
+            self.names.remove(&old.frontend);
             if let Err(e) = self.sync.remove(&old.frontend) {
                 error!(service = %old.name, frontend = %old.frontend, "removing from the datapath: {e}");
             }
@@ -105,6 +118,7 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
             };
             match self.sync.set(&state.frontend, &state.backends) {
                 Ok(ops) => {
+                    self.names.insert(state.frontend, name.clone());
                     debug!(service = %name, frontend = %state.frontend, backends = state.backends.len(), ops, "programmed");
                     self.failed.remove(name);
                     report.services_written += 1;

@@ -54,12 +54,16 @@ pub fn backend_value(id: u32, addr: &SocketAddrV4) -> Backend {
     Backend::new(id, u32::from(*addr.ip()).to_be(), addr.port().to_be())
 }
 
-/// Hands out backend ids: a free `BACKENDS` slot (next-fit, so a freed slot is the last to be
-/// taken again) combined with a per-slot generation that changes on every reuse. A
-/// conntrack entry that still names an old id can therefore never follow it to whatever
-/// backend takes the slot later.
+/// Hands out slots of an array map: next-fit, so a freed slot is the last to be taken again.
+///
+/// Backend ids are *tagged*: the slot combined with a per-slot generation that changes on
+/// every reuse, so a conntrack entry that still names an old id can never follow it to
+/// whatever backend takes the slot later. Service ids are plain slots of `SERVICE_STATS`
+/// (the datapath indexes that array with them directly).
 #[derive(Debug)]
-struct BackendIds {
+struct SlotIds {
+    map: &'static str,
+    tagged: bool,
     /// Generation last handed out per slot; slot 0 is never used, so no id is 0.
     generations: Vec<u8>,
     in_use: Vec<bool>,
@@ -67,22 +71,32 @@ struct BackendIds {
     next: u32,
 }
 
-impl BackendIds {
-    fn new(slots: u32) -> Self {
+impl SlotIds {
+    fn new(map: &'static str, slots: u32, tagged: bool) -> Self {
         let slots = slots.clamp(2, MAX_BACKENDS);
         Self {
-            generations: vec![0; slots as usize],
+            map,
+            tagged,
+            generations: vec![0; if tagged { slots as usize } else { 0 }],
             in_use: vec![false; slots as usize],
             free: slots - 1,
             next: 0,
         }
     }
 
+    fn index(&self, id: u32) -> usize {
+        (if self.tagged {
+            id & BACKEND_INDEX_MASK
+        } else {
+            id
+        }) as usize
+    }
+
     fn allocate(&mut self) -> Result<u32, MapError> {
         let slots = self.in_use.len() as u32;
         if self.free == 0 {
             return Err(MapError::Full {
-                map: "BACKENDS",
+                map: self.map,
                 capacity: slots - 1,
             });
         }
@@ -96,6 +110,9 @@ impl BackendIds {
             if !self.in_use[i] {
                 self.in_use[i] = true;
                 self.free -= 1;
+                if !self.tagged {
+                    return Ok(self.next);
+                }
                 self.generations[i] = self.generations[i].wrapping_add(1);
                 return Ok(self.next | (self.generations[i] as u32) << BACKEND_INDEX_BITS);
             }
@@ -104,18 +121,20 @@ impl BackendIds {
 
     /// Records an id found in adopted maps as in use.
     fn mark_used(&mut self, id: u32) -> bool {
-        let i = (id & BACKEND_INDEX_MASK) as usize;
+        let i = self.index(id);
         if i == 0 || i >= self.in_use.len() || self.in_use[i] {
             return false;
         }
         self.in_use[i] = true;
         self.free -= 1;
-        self.generations[i] = (id >> BACKEND_INDEX_BITS) as u8;
+        if self.tagged {
+            self.generations[i] = (id >> BACKEND_INDEX_BITS) as u8;
+        }
         true
     }
 
     fn release(&mut self, id: u32) {
-        let i = (id & BACKEND_INDEX_MASK) as usize;
+        let i = self.index(id);
         if i < self.in_use.len() && self.in_use[i] {
             self.in_use[i] = false;
             self.free += 1;
@@ -123,47 +142,20 @@ impl BackendIds {
     }
 }
 
-/// Service ids (for statistics): never 0, not reused until the counter wraps.
-#[derive(Debug, Default)]
-struct ServiceIds {
-    next: u32,
-    in_use: HashSet<u32>,
-}
-
-impl ServiceIds {
-    fn mark_used(&mut self, id: u32) {
-        self.in_use.insert(id);
-        self.next = self.next.max(id);
-    }
-
-    fn allocate(&mut self) -> u32 {
-        loop {
-            self.next = self.next.wrapping_add(1);
-            if self.next != 0 && self.in_use.insert(self.next) {
-                return self.next;
-            }
-        }
-    }
-
-    fn release(&mut self, id: u32) {
-        self.in_use.remove(&id);
-    }
-}
-
 pub struct MapSync<M: ServiceMaps> {
     maps: M,
     written: HashMap<Frontend, Written>,
-    backend_ids: BackendIds,
-    service_ids: ServiceIds,
+    backend_ids: SlotIds,
+    service_ids: SlotIds,
 }
 
 impl<M: ServiceMaps> MapSync<M> {
     pub fn new(maps: M) -> Self {
         Self {
-            backend_ids: BackendIds::new(maps.backend_slots()),
+            backend_ids: SlotIds::new("BACKENDS", maps.backend_slots(), true),
+            service_ids: SlotIds::new("SERVICE_STATS", maps.service_slots(), false),
             maps,
             written: HashMap::new(),
-            service_ids: ServiceIds::default(),
         }
     }
 
@@ -184,9 +176,14 @@ impl<M: ServiceMaps> MapSync<M> {
     /// writes that follow). Returns the number of frontends found.
     pub fn reload_from_maps(&mut self) -> Result<usize, MapError> {
         self.written.clear();
-        self.backend_ids = BackendIds::new(self.maps.backend_slots());
-        self.service_ids = ServiceIds::default();
+        self.backend_ids = SlotIds::new("BACKENDS", self.maps.backend_slots(), true);
+        self.service_ids = SlotIds::new("SERVICE_STATS", self.maps.service_slots(), false);
         self.adopt()
+    }
+
+    /// The service id (index into `SERVICE_STATS`) of every frontend written.
+    pub fn service_ids(&self) -> impl Iterator<Item = (&Frontend, u32)> {
+        self.written.iter().map(|(f, w)| (f, w.service_id))
     }
 
     /// Service ports and backends currently written.
@@ -290,10 +287,10 @@ impl<M: ServiceMaps> MapSync<M> {
             });
         }
         let old = self.written.remove(frontend);
-        let service_id = old
-            .as_ref()
-            .map(|w| w.service_id)
-            .unwrap_or_else(|| self.service_ids.allocate());
+        let service_id = match old.as_ref() {
+            Some(w) => w.service_id,
+            None => self.service_ids.allocate()?,
+        };
         let old_slots = old.as_ref().map(|w| w.slots.clone()).unwrap_or_default();
         let new_slots = match self.assign_slots(&old_slots, backends) {
             Ok(slots) => slots,

@@ -100,6 +100,9 @@ impl ServiceMaps for CheckedMaps {
     fn backend_slots(&self) -> u32 {
         self.inner.backend_slots()
     }
+    fn service_slots(&self) -> u32 {
+        self.inner.service_slots()
+    }
     fn entries(&self) -> Result<crate::proxier::ebpf::maps::MapContents, MapError> {
         self.inner.entries()
     }
