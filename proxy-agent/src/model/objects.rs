@@ -339,3 +339,40 @@ impl SliceInfo {
         })
     }
 }
+
+/// A validated form of a Kubernetes object: one conversion, shared by every source.
+pub trait Validated: Sized {
+    type Api: serde::de::DeserializeOwned;
+    const KIND: &'static str;
+    fn validate(obj: &Self::Api) -> Result<Self, FieldError>;
+    fn meta(obj: &Self::Api) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    fn name(&self) -> &ObjectName;
+}
+
+impl Validated for ServiceInfo {
+    type Api = Service;
+    const KIND: &'static str = "Service";
+    fn validate(obj: &Service) -> Result<Self, FieldError> {
+        ServiceInfo::from_api(obj)
+    }
+    fn meta(obj: &Service) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &obj.metadata
+    }
+    fn name(&self) -> &ObjectName {
+        &self.name
+    }
+}
+
+impl Validated for SliceInfo {
+    type Api = EndpointSlice;
+    const KIND: &'static str = "EndpointSlice";
+    fn validate(obj: &EndpointSlice) -> Result<Self, FieldError> {
+        SliceInfo::from_api(obj)
+    }
+    fn meta(obj: &EndpointSlice) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &obj.metadata
+    }
+    fn name(&self) -> &ObjectName {
+        &self.name
+    }
+}

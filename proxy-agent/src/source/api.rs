@@ -25,7 +25,8 @@ use tracing::warn;
 
 use super::manifests::ManifestSet;
 use crate::model::{
-    objects::display_name, ObjectName, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
+    objects::{display_name, Validated},
+    ObjectName, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
 };
 
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -121,48 +122,36 @@ fn origin() -> Origin {
     "api-server".into()
 }
 
-fn convert_service(svc: &Service) -> Conversion<(ServiceInfo, Origin)> {
-    let name = name_of(&svc.metadata);
-    let labels = svc.metadata.labels.as_ref();
-    if labels
-        .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL))
+/// Validates an object, unless one of `skip_labels` says it is not for this proxy.
+fn convert<T: Validated>(obj: &T::Api, skip_labels: &[&str]) -> Conversion<(T, Origin)> {
+    let meta = T::meta(obj);
+    let name = name_of(meta);
+    if meta
+        .labels
+        .as_ref()
+        .is_some_and(|l| skip_labels.iter().any(|s| l.contains_key(*s)))
     {
         return Conversion::Skip(name);
     }
-    match ServiceInfo::from_api(svc) {
+    match T::validate(obj) {
         Ok(info) => Conversion::Keep(name, (info, origin())),
         Err(e) => Conversion::Invalid(
             name,
             Problem {
                 origin: origin(),
-                object: format!("Service {}", display_name(&svc.metadata)),
+                object: format!("{} {}", T::KIND, display_name(meta)),
                 message: format!("{e}; skipped"),
             },
         ),
     }
 }
 
+fn convert_service(svc: &Service) -> Conversion<(ServiceInfo, Origin)> {
+    convert(svc, &[SERVICE_PROXY_NAME_LABEL, HEADLESS_LABEL])
+}
+
 fn convert_slice(slice: &EndpointSlice) -> Conversion<(SliceInfo, Origin)> {
-    let name = name_of(&slice.metadata);
-    if slice
-        .metadata
-        .labels
-        .as_ref()
-        .is_some_and(|l| l.contains_key(HEADLESS_LABEL))
-    {
-        return Conversion::Skip(name);
-    }
-    match SliceInfo::from_api(slice) {
-        Ok(info) => Conversion::Keep(name, (info, origin())),
-        Err(e) => Conversion::Invalid(
-            name,
-            Problem {
-                origin: origin(),
-                object: format!("EndpointSlice {}", display_name(&slice.metadata)),
-                message: format!("{e}; skipped"),
-            },
-        ),
-    }
+    convert(slice, &[HEADLESS_LABEL])
 }
 
 enum Update {

@@ -13,12 +13,14 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use notify::{RecursiveMode, Watcher};
 use serde_yaml::Value;
 use tokio::sync::mpsc;
 
-use crate::model::{objects::display_name, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo};
+use crate::model::{
+    objects::{display_name, Validated},
+    ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
+};
 
 /// Everything read from the manifests: the objects that passed validation and the problems
 /// with the rest.
@@ -176,49 +178,25 @@ fn add_object(value: Value, origin: &Origin, set: &mut ManifestSet) {
                 add_object(item, &item_origin, set);
             }
         }
-        ("v1", "Service") => match serde_yaml::from_value::<Service>(value) {
-            Err(e) => set
-                .problems
-                .push(problem(format!("not a valid Service: {e}"))),
-            Ok(svc) => match ServiceInfo::from_api(&svc) {
-                Err(e) => set.problems.push(Problem {
-                    object: format!("Service {}", display_name(&svc.metadata)),
-                    ..problem(format!("{e}; skipped"))
-                }),
-                Ok(info) => {
-                    if let Some((_, earlier)) = set.store.services.get(&info.name) {
-                        set.problems.push(problem(format!(
-                            "defined again (first in {earlier}); the later definition is used"
-                        )));
-                    }
-                    set.store
-                        .services
-                        .insert(info.name.clone(), (info, origin.clone()));
-                }
-            },
-        },
+        ("v1", "Service") => {
+            let problem = problem(String::new());
+            add_validated::<ServiceInfo>(
+                value,
+                origin,
+                &mut set.store.services,
+                &mut set.problems,
+                problem,
+            )
+        }
         ("discovery.k8s.io/v1", "EndpointSlice") => {
-            match serde_yaml::from_value::<EndpointSlice>(value) {
-                Err(e) => set
-                    .problems
-                    .push(problem(format!("not a valid EndpointSlice: {e}"))),
-                Ok(slice) => match SliceInfo::from_api(&slice) {
-                    Err(e) => set.problems.push(Problem {
-                        object: format!("EndpointSlice {}", display_name(&slice.metadata)),
-                        ..problem(format!("{e}; skipped"))
-                    }),
-                    Ok(info) => {
-                        if let Some((_, earlier)) = set.store.slices.get(&info.name) {
-                            set.problems.push(problem(format!(
-                                "defined again (first in {earlier}); the later definition is used"
-                            )));
-                        }
-                        set.store
-                            .slices
-                            .insert(info.name.clone(), (info, origin.clone()));
-                    }
-                },
-            }
+            let problem = problem(String::new());
+            add_validated::<SliceInfo>(
+                value,
+                origin,
+                &mut set.store.slices,
+                &mut set.problems,
+                problem,
+            )
         }
         ("v1", "Node") => {
             if let Some(n) = value.get("metadata").and_then(|m| str_field(m, "name")) {
@@ -242,6 +220,39 @@ fn is_change(kind: &notify::EventKind) -> bool {
         EventKind::Modify(ModifyKind::Metadata(_)) => false,
         EventKind::Modify(_) => true,
         _ => false,
+    }
+}
+
+/// Parses, validates and stores one object; a problem names it and skips it. `blank` is a
+/// problem naming the document, to fill in.
+fn add_validated<T: Validated>(
+    value: Value,
+    origin: &Origin,
+    into: &mut std::collections::BTreeMap<crate::model::ObjectName, (T, Origin)>,
+    problems: &mut Vec<Problem>,
+    blank: Problem,
+) {
+    let with = |message: String| Problem {
+        message,
+        ..blank.clone()
+    };
+    let obj = match serde_yaml::from_value::<T::Api>(value) {
+        Ok(obj) => obj,
+        Err(e) => return problems.push(with(format!("not a valid {}: {e}", T::KIND))),
+    };
+    match T::validate(&obj) {
+        Err(e) => problems.push(Problem {
+            object: format!("{} {}", T::KIND, display_name(T::meta(&obj))),
+            ..with(format!("{e}; skipped"))
+        }),
+        Ok(info) => {
+            if let Some((_, earlier)) = into.get(info.name()) {
+                problems.push(with(format!(
+                    "defined again (first in {earlier}); the later definition is used"
+                )));
+            }
+            into.insert(info.name().clone(), (info, origin.clone()));
+        }
     }
 }
 
