@@ -21,7 +21,7 @@ use crate::{
 ///
 /// Flags given on the command line override the --config file.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, args_override_self = true)]
 pub struct Cli {
     /// KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1), optionally followed by a
     /// ProxyAgentConfiguration document with this agent's own settings.

@@ -88,8 +88,19 @@ impl Datapath {
     }
 
     pub fn load(sizes: DatapathSizes, pins: Option<&BpffsRoot>) -> Result<Self> {
+        Self::load_with_log(sizes, pins, false)
+    }
+
+    /// Like [`Datapath::load`]; with `flow_log`, the classifier's per-flow debug messages
+    /// (aya-log) are compiled in at load time. Without it the log level is a constant 0 the
+    /// verifier sees, so the logging code is removed and costs nothing.
+    pub fn load_with_log(
+        sizes: DatapathSizes,
+        pins: Option<&BpffsRoot>,
+        flow_log: bool,
+    ) -> Result<Self> {
         Self::ensure_object()?;
-        Self::load_object(EBPF_OBJECT, sizes, pins)
+        Self::load_object(EBPF_OBJECT, sizes, pins, flow_log)
     }
 
     /// Like [`Datapath::load`], with an object from a file (a different build of the
@@ -98,6 +109,7 @@ impl Datapath {
         path: &std::path::Path,
         sizes: DatapathSizes,
         pins: Option<&BpffsRoot>,
+        flow_log: bool,
     ) -> Result<Self> {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         // ELF parsing wants the object 8-byte aligned; copy it into u64s.
@@ -107,17 +119,25 @@ impl Datapath {
             std::slice::from_raw_parts_mut(aligned.as_mut_ptr().cast::<u8>(), bytes.len())
         };
         view.copy_from_slice(&bytes);
-        Self::load_object(view, sizes, pins)
+        Self::load_object(view, sizes, pins, flow_log)
     }
 
-    fn load_object(object: &[u8], sizes: DatapathSizes, pins: Option<&BpffsRoot>) -> Result<Self> {
+    fn load_object(
+        object: &[u8],
+        sizes: DatapathSizes,
+        pins: Option<&BpffsRoot>,
+        flow_log: bool,
+    ) -> Result<Self> {
         if sizes.backends < 2 || sizes.backends > MAX_BACKENDS {
             bail!(
                 "backends map size {} is out of range (2..={MAX_BACKENDS})",
                 sizes.backends
             );
         }
+        // aya-log levels: 0 off ... 4 debug.
+        let log_level: u8 = if flow_log { 4 } else { 0 };
         let mut loader = EbpfLoader::new();
+        loader.override_global(aya_log::LEVEL, &log_level, false);
         loader
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)

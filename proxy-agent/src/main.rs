@@ -150,10 +150,25 @@ async fn run(s: Settings) -> Result<()> {
             "rebuilding the datapath maps: {reason}; tracked connections are re-balanced"
         ),
     }
+    // -v 4 and up: per-flow debug messages from the datapath (aya-log), as operators turn up
+    // kube-proxy's verbosity to debug a Service.
+    let flow_log = s.verbosity >= 4;
     let mut datapath = match &s.cli.ebpf_object {
-        Some(object) => Datapath::load_file(object, sizes, Some(&root))?,
-        None => Datapath::load(sizes, Some(&root))?,
+        Some(object) => Datapath::load_file(object, sizes, Some(&root), flow_log)?,
+        None => Datapath::load_with_log(sizes, Some(&root), flow_log)?,
     };
+    let flow_logger = if flow_log {
+        let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
+            .context("reading the datapath's log buffer")?;
+        // SAFETY: the logger owns the ring buffer's fd and keeps it open while the AsyncFd
+        // holds it; nothing else replaces or closes it.
+        Some(unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)?
+        })
+    } else {
+        None
+    };
+    let mut flow_logger = flow_logger;
     datapath.configure(&s.datapath)?;
     let maps = datapath.take_service_maps()?;
     let mut proxier = EbpfProxier::new(maps);
@@ -257,6 +272,10 @@ async fn run(s: Settings) -> Result<()> {
                     loop_state.ingest(set);
                     deferred = loop_state.sync_or_defer(&mut proxier);
                 }
+            }
+            Ok(mut ready) = async { flow_logger.as_mut().unwrap().readable_mut().await }, if flow_logger.is_some() => {
+                ready.get_inner_mut().flush();
+                ready.clear_ready();
             }
             Some(event) = link_rx.recv() => {
                 if let Some(attacher) = attacher.as_mut() {

@@ -25,6 +25,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
+use aya_log_ebpf::debug;
 use proxy_common::{
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
     Stat,
@@ -136,6 +137,14 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         return Ok(TC_ACT_UNSPEC);
     };
     if header.count == 0 {
+        debug!(
+            ctx,
+            "refused {:i}:{} -> {:i}:{}: no ready endpoint",
+            u32::from_be(pkt.key.saddr),
+            u16::from_be(pkt.key.sport),
+            u32::from_be(pkt.key.daddr),
+            u16::from_be(pkt.key.dport)
+        );
         return refuse(ctx, &pkt, hook);
     }
     let now = unsafe { bpf_ktime_get_ns() };
@@ -421,6 +430,18 @@ fn new_flow(
     )?;
     bump(Stat::NewFlow);
     account(ctx, service_id, true);
+    // Compiled in, but dead code the verifier removes unless the agent runs with -v 4.
+    debug!(
+        ctx,
+        "new flow proto {} {:i}:{} -> {:i}:{} to backend {:i}:{}",
+        pkt.key.proto,
+        u32::from_be(pkt.key.saddr),
+        u16::from_be(pkt.key.sport),
+        u32::from_be(pkt.key.daddr),
+        u16::from_be(pkt.key.dport),
+        u32::from_be(backend.addr),
+        u16::from_be(backend.port)
+    );
     Ok(TC_ACT_UNSPEC)
 }
 

@@ -160,7 +160,10 @@ fn a_map_layout_change_is_detected_and_the_maps_rebuilt() {
     lab.start_agent(&manifests, &[]).unwrap();
     let log = lab.agent().unwrap().log_text();
     assert!(
-        log.contains("rebuilding the datapath maps: the pinned maps have layout version 999; this agent uses 1"),
+        log.contains(&format!(
+            "rebuilding the datapath maps: the pinned maps have layout version 999; this agent uses {}",
+            proxy_common::MAP_LAYOUT_VERSION
+        )),
         "{log}"
     );
     assert_ne!(
@@ -217,7 +220,7 @@ fn cleanup_removes_everything(mode: &str) {
         .flatten()
         .map(|e| MapInfo::from_pin(e.path()).unwrap().id())
         .collect();
-    assert_eq!(map_ids.len(), 5);
+    assert_eq!(map_ids.len(), 6, "every map of the datapath is pinned");
     let link_id = (mode == "tcx").then(|| tcx_link_on_lxc0(&lab).id());
     let prog_id = if mode == "tcx" {
         tcx_program_on_lxc0(&lab)

@@ -258,3 +258,47 @@ fn an_invalid_config_stops_the_agent_with_the_field_path() {
     );
     assert_eq!(out.trim().lines().count(), 1, "{out}");
 }
+
+#[test]
+fn verbosity_4_logs_each_new_flow_from_the_datapath() {
+    require_kernel!();
+    let mut lab = Lab::new(LabOptions::default()).expect("lab");
+    let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+    let mut yaml = service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], &ips);
+    let dead = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 99), 80);
+    yaml.push_str(&service(
+        "dead",
+        *dead.ip(),
+        &[("http", "TCP", 80, TCP_PORT)],
+        &[],
+    ));
+    let manifests = lab.write_manifests(&yaml).unwrap();
+    lab.start_agent(&manifests, &["-v", "4"]).unwrap();
+    let (port, refused) = lab
+        .client
+        .ns
+        .run(move || {
+            let s = TcpStream::connect_timeout(&WEB.into(), Duration::from_secs(2)).unwrap();
+            let port = s.local_addr().unwrap().port();
+            let refused = TcpStream::connect_timeout(&dead.into(), Duration::from_secs(2)).is_err();
+            (port, refused)
+        })
+        .unwrap();
+    assert!(refused);
+    let wanted = format!(
+        "new flow proto 6 {}:{port} -> {WEB} to backend ",
+        lab.client.ip
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let log = lab.agent().unwrap().log_text();
+        if log.contains(&wanted) && log.contains(&format!("-> {dead}: no ready endpoint")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no per-flow debug line {wanted:?} in:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
