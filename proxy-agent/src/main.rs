@@ -13,7 +13,7 @@ use proxy_agent::{
     datapath::Datapath,
     health::{self, Health},
     metrics::{Metrics, ServiceCounters},
-    model::{ChangeTracker, DesiredState, ServiceChange},
+    model::{objects::NodeInfo, ChangeTracker, DesiredState, ServiceChange},
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
     proxier::{ebpf::EbpfProxier, Proxier},
@@ -223,6 +223,8 @@ async fn run(s: Settings) -> Result<()> {
 
     let mut loop_state = SyncLoop {
         tracker: ChangeTracker::default(),
+        node_name: s.node_name.clone(),
+        node: None,
         pending: Vec::new(),
         pending_since: None,
         reported: Vec::new(),
@@ -322,6 +324,9 @@ async fn run(s: Settings) -> Result<()> {
 /// minSyncPeriod, with kube-proxy's metrics and health bookkeeping.
 struct SyncLoop {
     tracker: ChangeTracker,
+    node_name: String,
+    /// This node's Node object, as last seen (addresses and zone, for features to come).
+    node: Option<NodeInfo>,
     pending: Vec<ServiceChange>,
     pending_since: Option<SystemTime>,
     reported: Vec<String>,
@@ -346,6 +351,14 @@ impl SyncLoop {
             warn!("{p}");
         }
         self.reported = problems;
+        let node = set.nodes.into_iter().find(|n| n.name == self.node_name);
+        if node != self.node {
+            match &node {
+                Some(n) => info!("{n}"),
+                None => warn!(node = %self.node_name, "this node's Node object is not known"),
+            }
+            self.node = node;
+        }
         let changes = self.tracker.update(desired);
         if !changes.is_empty() {
             let now = SystemTime::now();

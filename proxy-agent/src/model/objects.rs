@@ -7,7 +7,10 @@
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 
 use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
     apimachinery::pkg::util::intstr::IntOrString,
 };
 
@@ -374,5 +377,53 @@ impl Validated for SliceInfo {
     }
     fn name(&self) -> &ObjectName {
         &self.name
+    }
+}
+
+/// Label with a node's zone (topology-aware routing uses it).
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// What the proxy needs of its own Node: its addresses (NodePort, later) and its zone
+/// (topology hints, later).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub name: String,
+    /// (type, address): InternalIP, ExternalIP, ...; unparsable addresses are left out.
+    pub addresses: Vec<(String, IpAddr)>,
+    pub zone: Option<String>,
+}
+
+impl NodeInfo {
+    pub fn from_api(node: &Node) -> Self {
+        let addresses = node
+            .status
+            .as_ref()
+            .and_then(|s| s.addresses.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|a| Some((a.type_.clone(), a.address.parse().ok()?)))
+            .collect();
+        NodeInfo {
+            name: node.metadata.name.clone().unwrap_or_default(),
+            addresses,
+            zone: node
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(ZONE_LABEL).cloned()),
+        }
+    }
+}
+
+impl fmt::Display for NodeInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "node {}", self.name)?;
+        for (kind, addr) in &self.addresses {
+            write!(f, " {kind}={addr}")?;
+        }
+        if let Some(z) = &self.zone {
+            write!(f, " zone={z}")?;
+        }
+        Ok(())
     }
 }

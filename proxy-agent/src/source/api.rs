@@ -25,7 +25,7 @@ use tracing::warn;
 
 use super::manifests::ManifestSet;
 use crate::model::{
-    objects::{display_name, Validated},
+    objects::{display_name, NodeInfo, Validated},
     ObjectName, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
 };
 
@@ -186,7 +186,7 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<ManifestSet
 
     let mut svc: Kind<(ServiceInfo, Origin)> = Kind::default();
     let mut sl: Kind<(SliceInfo, Origin)> = Kind::default();
-    let mut node: Kind<()> = Kind::default();
+    let mut node: Kind<NodeInfo> = Kind::default();
     let mut problems = BTreeMap::new();
     let mut node_problems = BTreeMap::new();
     while let Some(update) = updates.next().await {
@@ -195,7 +195,7 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<ManifestSet
             Ok(Update::Slice(e)) => sl.apply(*e, convert_slice, &mut problems),
             Ok(Update::Node(e)) => node.apply(
                 *e,
-                |n: &Node| Conversion::Keep(name_of(&n.metadata), ()),
+                |n: &Node| Conversion::Keep(name_of(&n.metadata), NodeInfo::from_api(n)),
                 &mut node_problems,
             ),
             Err(e) => {
@@ -212,7 +212,7 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<ManifestSet
                 slices: sl.live.clone(),
             },
             problems: problems.values().cloned().collect(),
-            nodes: node.live.keys().map(|n| n.name.clone()).collect(),
+            nodes: node.live.values().cloned().collect(),
         };
         if tx.send(snapshot).await.is_err() {
             return;

@@ -18,9 +18,10 @@ use serde_yaml::Value;
 use tokio::sync::mpsc;
 
 use crate::model::{
-    objects::{display_name, Validated},
+    objects::{display_name, NodeInfo, Validated},
     ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
 };
+use k8s_openapi::api::core::v1::Node;
 
 /// Everything read from the manifests: the objects that passed validation and the problems
 /// with the rest.
@@ -28,8 +29,8 @@ use crate::model::{
 pub struct ManifestSet {
     pub store: ObjectStore,
     pub problems: Vec<Problem>,
-    /// Names of `v1/Node` objects seen (used by later features: node addresses, zones).
-    pub nodes: Vec<String>,
+    /// `v1/Node` objects seen (the agent's own is picked by name).
+    pub nodes: Vec<NodeInfo>,
 }
 
 /// Reads a file, or every `.yaml`/`.yml`/`.json` file under a directory (recursively; names
@@ -198,11 +199,10 @@ fn add_object(value: Value, origin: &Origin, set: &mut ManifestSet) {
                 problem,
             )
         }
-        ("v1", "Node") => {
-            if let Some(n) = value.get("metadata").and_then(|m| str_field(m, "name")) {
-                set.nodes.push(n.to_string());
-            }
-        }
+        ("v1", "Node") => match serde_yaml::from_value::<Node>(value) {
+            Ok(node) => set.nodes.push(NodeInfo::from_api(&node)),
+            Err(e) => set.problems.push(problem(format!("not a valid Node: {e}"))),
+        },
         ("", _) | (_, "") => set.problems.push(problem(
             "has no apiVersion/kind; expected a Kubernetes object".into(),
         )),

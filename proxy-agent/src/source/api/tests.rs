@@ -237,7 +237,10 @@ async fn relists_skips_foreign_services_and_recovers_from_watch_errors() {
             list(
                 "NodeList",
                 "1",
-                vec![json!({"kind": "Node", "apiVersion": "v1", "metadata": {"name": "node-a"}})],
+                vec![json!({"kind": "Node", "apiVersion": "v1",
+                            "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "z1"}},
+                            "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.5"},
+                                                     {"type": "Hostname", "address": "node-a"}]}})],
             ),
         );
 
@@ -258,7 +261,14 @@ async fn relists_skips_foreign_services_and_recovers_from_watch_errors() {
                 && !state.ports.contains_key(&port("gone"))
                 && !state.ports.contains_key(&port("retyped"))
             {
-                assert_eq!(snapshot.nodes, vec!["node-a".to_string()]);
+                assert_eq!(snapshot.nodes.len(), 1);
+                let node = &snapshot.nodes[0];
+                assert_eq!(node.name, "node-a");
+                assert_eq!(node.zone.as_deref(), Some("z1"));
+                assert_eq!(
+                    node.addresses,
+                    vec![("InternalIP".to_string(), "10.0.0.5".parse().unwrap())]
+                );
                 return state;
             }
         }

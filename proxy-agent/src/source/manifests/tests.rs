@@ -171,10 +171,15 @@ fn lists_and_json_documents_are_read() {
          "metadata":{"name":"a-1","namespace":"x","labels":{"kubernetes.io/service-name":"a"}},
          "addressType":"IPv4","ports":[{"name":"","port":5353,"protocol":"UDP"}],
          "endpoints":[{"addresses":["10.244.0.7"],"conditions":{}}]},
-        {"apiVersion":"v1","kind":"Node","metadata":{"name":"node-a"}}]}"#;
+        {"apiVersion":"v1","kind":"Node","metadata":{"name":"node-a","labels":{"topology.kubernetes.io/zone":"z2"}},
+         "status":{"addresses":[{"type":"InternalIP","address":"192.0.2.7"}]}}]}"#;
     let set = parse(json);
     assert!(set.problems.is_empty(), "{:#?}", set.problems);
-    assert_eq!(set.nodes, vec!["node-a".to_string()]);
+    assert_eq!(set.nodes.len(), 1);
+    assert_eq!(
+        set.nodes[0].to_string(),
+        "node node-a InternalIP=192.0.2.7 zone=z2"
+    );
     let (state, _) = DesiredState::build(&set.store);
     let a = &state.ports[&port("x", "a", "", Protocol::Udp)];
     assert_eq!(
