@@ -58,6 +58,14 @@ pub struct Datapath {
     pub config: DatapathConfig,
 }
 
+/// What a conntrack garbage collection found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackSweep {
+    pub deleted: usize,
+    /// Entries left (the map's fill).
+    pub remaining: usize,
+}
+
 /// `CLOCK_MONOTONIC` in ns: the clock of `bpf_ktime_get_ns`, which stamps conntrack entries.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -269,13 +277,15 @@ impl Datapath {
     /// its own timestamp). The datapath already treats such a flow as new on its next packet;
     /// collecting them returns their memory, so the LRU never has to evict a live flow to
     /// make room for a new one while dead ones linger. Returns how many were deleted.
-    pub fn collect_conntrack_garbage(&mut self) -> Result<usize> {
+    pub fn collect_conntrack_garbage(&mut self) -> Result<ConntrackSweep> {
         let config = self.config;
         let now = monotonic_ns();
         let mut conntrack = self.conntrack()?;
+        let mut seen = 0;
         let expired: Vec<ConntrackKey> = conntrack
             .iter()
             .filter_map(|entry| entry.ok())
+            .inspect(|_| seen += 1)
             .filter(|(key, value)| {
                 now.saturating_sub(value.last_seen_ns)
                     > config.timeout_ns(key.proto, value.flags) + CT_REFRESH_NS
@@ -289,7 +299,10 @@ impl Datapath {
                 deleted += 1;
             }
         }
-        Ok(deleted)
+        Ok(ConntrackSweep {
+            deleted,
+            remaining: seen - deleted,
+        })
     }
 
     /// The conntrack map, for inspection and garbage collection.

@@ -286,10 +286,15 @@ async fn run(s: Settings) -> Result<()> {
             }
             _ = gc_tick.tick() => {
                 match datapath.collect_conntrack_garbage() {
-                    Ok(0) => {}
-                    Ok(n) => {
-                        metrics.conntrack_deleted_total.inc_by(n as u64);
-                        debug!(entries = n, "expired conntrack entries deleted");
+                    Ok(sweep) => {
+                        metrics.conntrack_deleted_total.inc_by(sweep.deleted as u64);
+                        metrics
+                            .map_entries
+                            .with_label_values(&[map_names::CONNTRACK])
+                            .set(sweep.remaining as i64);
+                        if sweep.deleted > 0 {
+                            debug!(deleted = sweep.deleted, remaining = sweep.remaining, "conntrack swept");
+                        }
                     }
                     Err(e) => warn!("conntrack garbage collection: {e:#}"),
                 }

@@ -398,7 +398,8 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
         let closing = established | proxy_common::CT_FLAG_CLOSING;
         ct.insert(tcp(4), entry(idle, closing), 0).unwrap();
     }
-    assert_eq!(dp.datapath.collect_conntrack_garbage().unwrap(), 2);
+    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+    assert_eq!((sweep.deleted, sweep.remaining), (2, 2));
     let ct = dp.datapath.conntrack().unwrap();
     let mut left: Vec<u16> = ct.keys().map(|k| k.unwrap().sport).collect();
     left.sort();
