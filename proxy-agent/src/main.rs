@@ -67,6 +67,35 @@ fn main() -> ExitCode {
     }
 }
 
+/// Records a `Starting` event on this node's Node object, as kube-proxy does.
+async fn announce_start(client: kube::Client, node: String, mode: &'static str) {
+    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+    let recorder = Recorder::new(
+        client,
+        Reporter {
+            controller: "proxy-agent".into(),
+            instance: Some(node.clone()),
+        },
+    );
+    let regarding = k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some(node.clone()),
+        uid: Some(node.clone()),
+        ..Default::default()
+    };
+    let event = Event {
+        type_: EventType::Normal,
+        reason: "Starting".into(),
+        note: Some(format!("Using {mode} Proxier")),
+        action: "StartProxyAgent".into(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&event, &regarding).await {
+        warn!(%node, "recording the Starting event: {e}");
+    }
+}
+
 /// How often the datapath's counters are read into the metrics.
 const STATS_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -124,12 +153,14 @@ async fn run(s: Settings) -> Result<()> {
     // The source: manifest files (re-read on change) or the API server (snapshots).
     let (reload_tx, mut reload_rx) = mpsc::channel(1);
     let (snapshot_tx, mut snapshot_rx) = mpsc::channel(8);
+    let mut api_client = None;
     let _watcher = match &s.cli.manifests {
         Some(path) => Some(manifests::watch(path, reload_tx)?),
         None => {
             let client = kube_client(s.kubeconfig.as_deref()).await?;
             info!(node = %s.node_name, "watching the API server");
-            tokio::spawn(api::run(client, s.node_name.clone(), snapshot_tx));
+            tokio::spawn(api::run(client.clone(), s.node_name.clone(), snapshot_tx));
+            api_client = Some(client);
             None
         }
     };
@@ -242,6 +273,10 @@ async fn run(s: Settings) -> Result<()> {
         },
     }
     loop_state.sync(&mut proxier, false);
+    if let Some(client) = api_client {
+        // As kube-proxy announces itself on its Node; best effort.
+        tokio::spawn(announce_start(client, s.node_name.clone(), s.mode.as_str()));
+    }
     let mut deferred: Option<Instant> = None;
     loop {
         let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));

@@ -35,7 +35,10 @@ struct Resource {
 }
 
 #[derive(Clone)]
-struct Api(Arc<Mutex<BTreeMap<&'static str, Resource>>>);
+struct Api(
+    Arc<Mutex<BTreeMap<&'static str, Resource>>>,
+    Arc<Mutex<Vec<Value>>>,
+);
 
 impl Api {
     fn new() -> Self {
@@ -55,7 +58,22 @@ impl Api {
                 },
             );
         }
-        Api(Arc::new(Mutex::new(m)))
+        Api(Arc::new(Mutex::new(m)), Arc::default())
+    }
+
+    /// Events the agent recorded (POSTed to events.k8s.io).
+    fn events(&self) -> Vec<Value> {
+        self.1.lock().unwrap().clone()
+    }
+
+    async fn record_event(self, body: Bytes) -> axum::response::Response {
+        let event: Value = serde_json::from_slice(&body).unwrap();
+        self.1.lock().unwrap().push(event.clone());
+        axum::response::Response::builder()
+            .status(201)
+            .header("content-type", "application/json")
+            .body(Body::from(serde_json::to_vec(&event).unwrap()))
+            .unwrap()
     }
 
     /// Changes an object and tells the watchers (`ADDED`, `MODIFIED`, `DELETED`).
@@ -127,6 +145,10 @@ fn start_api(lab: &Lab, api: Api) {
                 .route(
                     "/api/v1/nodes",
                     get(|State(a): State<Api>, RawQuery(q): RawQuery| a.serve("nodes", q)),
+                )
+                .route(
+                    "/apis/events.k8s.io/v1/namespaces/default/events",
+                    axum::routing::post(|State(a): State<Api>, body: Bytes| a.record_event(body)),
                 )
                 .with_state(api);
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", API_PORT))
@@ -217,6 +239,23 @@ fn the_agent_serves_what_the_api_server_says_and_follows_its_watch() {
 
     let counts = spread(&lab, 60);
     assert_eq!(counts.len(), 3, "{counts:?}");
+    // The agent announces itself on its Node, as kube-proxy does.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let event = loop {
+        if let Some(e) = api.events().into_iter().find(|e| e["reason"] == "Starting") {
+            break e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no Starting event: {:?}",
+            api.events()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(event["regarding"]["kind"], "Node");
+    assert_eq!(event["regarding"]["name"], "node-a");
+    assert_eq!(event["note"], "Using ebpf Proxier");
+    assert_eq!(event["reportingController"], "proxy-agent");
 
     // Wait for the three watches, then change an EndpointSlice through the watch.
     let deadline = Instant::now() + Duration::from_secs(10);
