@@ -77,6 +77,11 @@ pub struct Cli {
     #[arg(long = "ebpf-object", hide = true)]
     pub ebpf_object: Option<PathBuf>,
 
+    /// Count packets, bytes and connections per backend too (one metric series per endpoint of
+    /// every service port).
+    #[arg(long = "backend-metrics")]
+    pub backend_metrics: bool,
+
     /// Log verbosity, as kube-proxy's -v: 0-1 info, 2-3 debug, 4+ trace.
     #[arg(short = 'v', long = "v", default_value_t = 0)]
     pub verbosity: u32,
@@ -115,6 +120,7 @@ pub struct Settings {
     pub healthz: std::net::SocketAddr,
     pub metrics: std::net::SocketAddr,
     pub node_name: String,
+    pub backend_metrics: bool,
     pub kubeconfig: Option<PathBuf>,
     pub sync_period: Duration,
     pub min_sync_period: Duration,
@@ -243,6 +249,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         healthz: health::bind_address(&healthz, 10256).context("healthzBindAddress")?,
         metrics: health::bind_address(&metrics, 10249).context("metricsBindAddress")?,
         node_name,
+        backend_metrics: cli.backend_metrics || f.and_then(|f| f.backend_metrics).unwrap_or(false),
         kubeconfig: cli
             .kubeconfig
             .clone()

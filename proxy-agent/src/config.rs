@@ -205,6 +205,7 @@ pub struct EbpfSettings {
     pub conntrack_map_size: Option<u32>,
     pub sync_period: Option<GoDuration>,
     pub min_sync_period: Option<GoDuration>,
+    pub backend_metrics: Option<bool>,
 }
 
 /// A rejected field: its path and why.
@@ -253,6 +254,7 @@ pub struct FileSettings {
     pub services_map_size: Option<u32>,
     pub backends_map_size: Option<u32>,
     pub conntrack_map_size: Option<u32>,
+    pub backend_metrics: Option<bool>,
     /// Fields accepted but meaningless to this agent (logged once at start).
     pub ignored: Vec<String>,
     /// Warnings (deprecated aliases).
@@ -613,6 +615,7 @@ fn settings(
         services_map_size: e.services_map_size,
         backends_map_size: e.backends_map_size,
         conntrack_map_size: e.conntrack_map_size,
+        backend_metrics: e.backend_metrics,
         ignored,
         warnings,
     })

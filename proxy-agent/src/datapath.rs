@@ -40,6 +40,15 @@ impl Default for DatapathSizes {
     }
 }
 
+/// Optional parts of the classifier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Per-flow debug messages (aya-log), for -v 4.
+    pub flow_log: bool,
+    /// Per-backend packet/byte/connection counters.
+    pub backend_stats: bool,
+}
+
 /// Explains the usual reasons a BPF load fails, in one line with the fix.
 fn privilege_hint(err: &dyn std::fmt::Display) -> Option<&'static str> {
     let text = err.to_string();
@@ -96,19 +105,17 @@ impl Datapath {
     }
 
     pub fn load(sizes: DatapathSizes, pins: Option<&BpffsRoot>) -> Result<Self> {
-        Self::load_with_log(sizes, pins, false)
+        Self::load_with(sizes, pins, LoadOptions::default())
     }
 
-    /// Like [`Datapath::load`]; with `flow_log`, the classifier's per-flow debug messages
-    /// (aya-log) are compiled in at load time. Without it the log level is a constant 0 the
-    /// verifier sees, so the logging code is removed and costs nothing.
-    pub fn load_with_log(
+    /// Like [`Datapath::load`], with optional parts of the classifier switched on.
+    pub fn load_with(
         sizes: DatapathSizes,
         pins: Option<&BpffsRoot>,
-        flow_log: bool,
+        options: LoadOptions,
     ) -> Result<Self> {
         Self::ensure_object()?;
-        Self::load_object(EBPF_OBJECT, sizes, pins, flow_log)
+        Self::load_object(EBPF_OBJECT, sizes, pins, options)
     }
 
     /// Like [`Datapath::load`], with an object from a file (a different build of the
@@ -117,7 +124,7 @@ impl Datapath {
         path: &std::path::Path,
         sizes: DatapathSizes,
         pins: Option<&BpffsRoot>,
-        flow_log: bool,
+        options: LoadOptions,
     ) -> Result<Self> {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         // ELF parsing wants the object 8-byte aligned; copy it into u64s.
@@ -127,14 +134,14 @@ impl Datapath {
             std::slice::from_raw_parts_mut(aligned.as_mut_ptr().cast::<u8>(), bytes.len())
         };
         view.copy_from_slice(&bytes);
-        Self::load_object(view, sizes, pins, flow_log)
+        Self::load_object(view, sizes, pins, options)
     }
 
     fn load_object(
         object: &[u8],
         sizes: DatapathSizes,
         pins: Option<&BpffsRoot>,
-        flow_log: bool,
+        options: LoadOptions,
     ) -> Result<Self> {
         if sizes.backends < 2 || sizes.backends > MAX_BACKENDS {
             bail!(
@@ -142,16 +149,20 @@ impl Datapath {
                 sizes.backends
             );
         }
-        // aya-log levels: 0 off ... 4 debug.
-        let log_level: u8 = if flow_log { 4 } else { 0 };
+        // aya-log levels: 0 off ... 4 debug. Both switches are read-only globals the verifier
+        // sees as constants: what is off is removed from the program.
+        let log_level: u8 = if options.flow_log { 4 } else { 0 };
+        let backend_stats = options.backend_stats as u8;
         let mut loader = EbpfLoader::new();
         loader.override_global(aya_log::LEVEL, &log_level, false);
+        loader.override_global(proxy_common::BACKEND_STATS_ENABLED, &backend_stats, true);
         loader
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
             .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
             // Service ids index it; there are never more service ports than SERVICES entries.
-            .map_max_entries(map_names::SERVICE_STATS, sizes.services);
+            .map_max_entries(map_names::SERVICE_STATS, sizes.services)
+            .map_max_entries(map_names::BACKEND_STATS, sizes.backends);
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -160,6 +171,7 @@ impl Datapath {
                 map_names::CONFIG,
                 map_names::STATS,
                 map_names::SERVICE_STATS,
+                map_names::BACKEND_STATS,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -254,10 +266,23 @@ impl Datapath {
 
     /// Per-service-port traffic, summed over CPUs, for the given service ids.
     pub fn service_stats(&self, ids: &[u32]) -> Result<Vec<ServiceStats>> {
+        self.traffic(map_names::SERVICE_STATS, ids)
+    }
+
+    /// Per-backend traffic (when loaded with `backend_stats`), for the given backend ids.
+    pub fn backend_stats(&self, ids: &[u32]) -> Result<Vec<ServiceStats>> {
+        let slots: Vec<u32> = ids
+            .iter()
+            .map(|id| id & proxy_common::BACKEND_INDEX_MASK)
+            .collect();
+        self.traffic(map_names::BACKEND_STATS, &slots)
+    }
+
+    fn traffic(&self, name: &str, ids: &[u32]) -> Result<Vec<ServiceStats>> {
         let map = self
             .ebpf
-            .map(map_names::SERVICE_STATS)
-            .context("eBPF object has no SERVICE_STATS map")?;
+            .map(name)
+            .with_context(|| format!("eBPF object has no {name} map"))?;
         let array: PerCpuArray<&MapData, ServiceStats> = PerCpuArray::try_from(map)?;
         ids.iter()
             .map(|id| {

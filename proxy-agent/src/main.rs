@@ -10,9 +10,9 @@ use proxy_agent::{
     attach::{self, Attacher},
     cleanup::cleanup,
     cli::{settings, Cli, Settings, CONNTRACK_GC_INTERVAL},
-    datapath::Datapath,
+    datapath::{Datapath, LoadOptions},
     health::{self, Health},
-    metrics::{Metrics, ServiceCounters},
+    metrics::{service_labels, Metrics, TrafficCounters},
     model::{objects::NodeInfo, ChangeTracker, DesiredState, ServiceChange},
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
@@ -184,9 +184,13 @@ async fn run(s: Settings) -> Result<()> {
     // -v 4 and up: per-flow debug messages from the datapath (aya-log), as operators turn up
     // kube-proxy's verbosity to debug a Service.
     let flow_log = s.verbosity >= 4;
+    let options = LoadOptions {
+        flow_log,
+        backend_stats: s.backend_metrics,
+    };
     let mut datapath = match &s.cli.ebpf_object {
-        Some(object) => Datapath::load_file(object, sizes, Some(&root), flow_log)?,
-        None => Datapath::load_with_log(sizes, Some(&root), flow_log)?,
+        Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,
+        None => Datapath::load_with(sizes, Some(&root), options)?,
     };
     let flow_logger = if flow_log {
         let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
@@ -245,7 +249,8 @@ async fn run(s: Settings) -> Result<()> {
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(STATS_INTERVAL);
-    let mut service_counters = ServiceCounters::default();
+    let mut service_counters = TrafficCounters::default();
+    let mut backend_counters = TrafficCounters::default();
     let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
     let mut full_sync_tick = tokio::time::interval(s.sync_period);
     full_sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
@@ -339,10 +344,31 @@ async fn run(s: Settings) -> Result<()> {
                 let numbers: Vec<u32> = ids.iter().map(|(_, id)| *id).collect();
                 match datapath.service_stats(&numbers) {
                     Ok(stats) => service_counters.update(
-                        &metrics,
-                        ids.into_iter().zip(stats).map(|((name, id), s)| (name, id, s)).collect(),
+                        &metrics.service_traffic,
+                        ids.into_iter()
+                            .zip(stats)
+                            .map(|((name, id), s)| (service_labels(&name), id, s))
+                            .collect(),
                     ),
                     Err(e) => debug!("reading per-service counters: {e:#}"),
+                }
+                if s.backend_metrics {
+                    let ids = proxier.backend_ids();
+                    let numbers: Vec<u32> = ids.iter().map(|(_, _, id)| *id).collect();
+                    match datapath.backend_stats(&numbers) {
+                        Ok(stats) => backend_counters.update(
+                            &metrics.backend_traffic,
+                            ids.into_iter()
+                                .zip(stats)
+                                .map(|((name, endpoint, id), s)| {
+                                    let mut l = service_labels(&name);
+                                    l.push(endpoint.to_string());
+                                    (l, id, s)
+                                })
+                                .collect(),
+                        ),
+                        Err(e) => debug!("reading per-backend counters: {e:#}"),
+                    }
                 }
                 if let Ok(stats) = datapath.stats() {
                     for (stat, n) in &stats {

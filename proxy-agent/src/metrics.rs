@@ -38,13 +38,14 @@ pub struct Metrics {
     pub map_entries: IntGaugeVec,
     pub map_capacity: IntGaugeVec,
     pub datapath_events: GaugeVec,
-    pub service_packets: IntCounterVec,
-    pub service_bytes: IntCounterVec,
-    pub service_connections: IntCounterVec,
+    pub service_traffic: TrafficMetrics,
+    pub backend_traffic: TrafficMetrics,
 }
 
 /// Labels of the per-service-port counters.
 pub const SERVICE_LABELS: &[&str] = &["namespace", "service", "port", "protocol"];
+/// Labels of the per-backend counters (`--backend-metrics`).
+pub const BACKEND_LABELS: &[&str] = &["namespace", "service", "port", "protocol", "endpoint"];
 
 fn histogram(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
     Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram")
@@ -186,30 +187,12 @@ impl Metrics {
                 &["event"],
             )
             .unwrap(),
-            service_packets: IntCounterVec::new(
-                Opts::new(
-                    "proxy_agent_service_packets_total",
-                    "Packets translated for a service port, both directions",
-                ),
+            service_traffic: TrafficMetrics::new(
+                "proxy_agent_service",
+                "service port",
                 SERVICE_LABELS,
-            )
-            .unwrap(),
-            service_bytes: IntCounterVec::new(
-                Opts::new(
-                    "proxy_agent_service_bytes_total",
-                    "Bytes translated for a service port, both directions",
-                ),
-                SERVICE_LABELS,
-            )
-            .unwrap(),
-            service_connections: IntCounterVec::new(
-                Opts::new(
-                    "proxy_agent_service_connections_total",
-                    "New flows given a backend, per service port",
-                ),
-                SERVICE_LABELS,
-            )
-            .unwrap(),
+            ),
+            backend_traffic: TrafficMetrics::new("proxy_agent_backend", "backend", BACKEND_LABELS),
         };
         let r = m.registry.clone();
         let mut names = Vec::new();
@@ -237,9 +220,12 @@ impl Metrics {
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.datapath_events.clone()));
-        reg(Box::new(m.service_packets.clone()));
-        reg(Box::new(m.service_bytes.clone()));
-        reg(Box::new(m.service_connections.clone()));
+        for c in m.service_traffic.collectors() {
+            reg(c);
+        }
+        for c in m.backend_traffic.collectors() {
+            reg(c);
+        }
         m.names = names;
         // kube-proxy always exports these label sets.
         for policy in ["internal", "external"] {
@@ -258,15 +244,47 @@ impl Metrics {
     }
 }
 
-/// Turns the datapath's absolute per-service counters into Prometheus counter increments,
-/// and drops the series of service ports that went away.
-#[derive(Default)]
-pub struct ServiceCounters {
-    last: HashMap<(ServicePortName, u32), ServiceStats>,
+/// The three counters kept per service port (or per backend).
+#[derive(Clone)]
+pub struct TrafficMetrics {
+    pub packets: IntCounterVec,
+    pub bytes: IntCounterVec,
+    pub connections: IntCounterVec,
 }
 
-fn labels(name: &ServicePortName) -> [String; 4] {
-    [
+impl TrafficMetrics {
+    fn new(prefix: &str, what: &str, labels: &[&str]) -> Self {
+        let vec = |name: &str, help: String| {
+            IntCounterVec::new(Opts::new(format!("{prefix}_{name}_total"), help), labels).unwrap()
+        };
+        TrafficMetrics {
+            packets: vec(
+                "packets",
+                format!("Packets translated for a {what}, both directions"),
+            ),
+            bytes: vec(
+                "bytes",
+                format!("Bytes translated for a {what}, both directions"),
+            ),
+            connections: vec(
+                "connections",
+                format!("New flows given a backend, per {what}"),
+            ),
+        }
+    }
+
+    fn collectors(&self) -> [Box<dyn prometheus::core::Collector>; 3] {
+        [
+            Box::new(self.packets.clone()),
+            Box::new(self.bytes.clone()),
+            Box::new(self.connections.clone()),
+        ]
+    }
+}
+
+/// The label values of a service port.
+pub fn service_labels(name: &ServicePortName) -> Vec<String> {
+    vec![
         name.service.namespace.clone(),
         name.service.name.clone(),
         name.port.clone(),
@@ -274,35 +292,41 @@ fn labels(name: &ServicePortName) -> [String; 4] {
     ]
 }
 
-impl ServiceCounters {
-    pub fn update(&mut self, m: &Metrics, current: Vec<(ServicePortName, u32, ServiceStats)>) {
+/// Turns the datapath's absolute counters into Prometheus counter increments, and drops the
+/// series of what went away.
+#[derive(Default)]
+pub struct TrafficCounters {
+    last: HashMap<(Vec<String>, u32), ServiceStats>,
+}
+
+impl TrafficCounters {
+    /// `current`: (label values, id in the datapath's array, its counters now).
+    pub fn update(&mut self, m: &TrafficMetrics, current: Vec<(Vec<String>, u32, ServiceStats)>) {
         let mut next = HashMap::new();
-        for (name, id, now) in current {
-            let before = self.last.remove(&(name.clone(), id)).unwrap_or_default();
+        for (labels, id, now) in current {
+            let before = self.last.remove(&(labels.clone(), id)).unwrap_or_default();
             // A counter below its last value means the maps were rebuilt: start again.
             let delta = |now: u64, before: u64| if now >= before { now - before } else { now };
-            let l = labels(&name);
-            let l: Vec<&str> = l.iter().map(String::as_str).collect();
-            m.service_packets
+            let l: Vec<&str> = labels.iter().map(String::as_str).collect();
+            m.packets
                 .with_label_values(&l)
                 .inc_by(delta(now.packets, before.packets));
-            m.service_bytes
+            m.bytes
                 .with_label_values(&l)
                 .inc_by(delta(now.bytes, before.bytes));
-            m.service_connections
+            m.connections
                 .with_label_values(&l)
                 .inc_by(delta(now.connections, before.connections));
-            next.insert((name, id), now);
+            next.insert((labels, id), now);
         }
-        for ((name, _), _) in self.last.drain() {
-            if next.keys().any(|(n, _)| *n == name) {
+        for ((labels, _), _) in self.last.drain() {
+            if next.keys().any(|(l, _)| *l == labels) {
                 continue;
             }
-            let l = labels(&name);
-            let l: Vec<&str> = l.iter().map(String::as_str).collect();
-            let _ = m.service_packets.remove_label_values(&l);
-            let _ = m.service_bytes.remove_label_values(&l);
-            let _ = m.service_connections.remove_label_values(&l);
+            let l: Vec<&str> = labels.iter().map(String::as_str).collect();
+            let _ = m.packets.remove_label_values(&l);
+            let _ = m.bytes.remove_label_values(&l);
+            let _ = m.connections.remove_label_values(&l);
         }
         self.last = next;
     }
@@ -370,7 +394,7 @@ mod tests {
     fn service_counters_grow_by_deltas_and_go_with_their_service() {
         use crate::model::{ObjectName, Protocol};
         let m = Metrics::new();
-        let mut c = ServiceCounters::default();
+        let mut c = TrafficCounters::default();
         let web = ServicePortName {
             service: ObjectName {
                 namespace: "shop".into(),
@@ -384,8 +408,9 @@ mod tests {
             bytes: b,
             connections: n,
         };
-        c.update(&m, vec![(web.clone(), 7, stats(10, 1000, 2))]);
-        c.update(&m, vec![(web.clone(), 7, stats(15, 1600, 3))]);
+        let l = service_labels(&web);
+        c.update(&m.service_traffic, vec![(l.clone(), 7, stats(10, 1000, 2))]);
+        c.update(&m.service_traffic, vec![(l.clone(), 7, stats(15, 1600, 3))]);
         let text = m.render();
         let series = "{namespace=\"shop\",port=\"http\",protocol=\"TCP\",service=\"web\"}";
         assert!(
@@ -395,12 +420,12 @@ mod tests {
         assert!(text.contains(&format!("proxy_agent_service_bytes_total{series} 1600")));
         assert!(text.contains(&format!("proxy_agent_service_connections_total{series} 3")));
         // Maps rebuilt (counters restart): the counter keeps growing.
-        c.update(&m, vec![(web.clone(), 7, stats(4, 400, 1))]);
+        c.update(&m.service_traffic, vec![(l.clone(), 7, stats(4, 400, 1))]);
         assert!(m
             .render()
             .contains(&format!("proxy_agent_service_packets_total{series} 19")));
         // The service goes away: so do its series.
-        c.update(&m, vec![]);
+        c.update(&m.service_traffic, vec![]);
         assert!(!m.render().contains("proxy_agent_service_packets_total{"));
     }
 

@@ -140,7 +140,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 6] {
+fn expected() -> [Expected; 7] {
     use std::mem::size_of;
     [
         Expected {
@@ -184,6 +184,14 @@ fn expected() -> [Expected; 6] {
             key_size: 4,
             value_size: size_of::<ServiceStats>(),
             // Sized like SERVICES; checked through that map's size.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::BACKEND_STATS,
+            map_type: MapType::PerCpuArray,
+            key_size: 4,
+            value_size: size_of::<ServiceStats>(),
+            // Sized like BACKENDS.
             configurable: false,
         },
     ]

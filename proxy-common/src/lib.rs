@@ -26,7 +26,12 @@ pub mod map_names {
     pub const CONFIG: &str = "CONFIG";
     pub const STATS: &str = "STATS";
     pub const SERVICE_STATS: &str = "SERVICE_STATS";
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
 }
+
+/// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
+/// counters: when 0 their code is removed from the program.
+pub const BACKEND_STATS_ENABLED: &str = "BACKEND_STATS_ENABLED";
 
 /// Names of the programs in the eBPF object.
 pub mod program_names {
@@ -244,8 +249,8 @@ impl DatapathConfig {
     }
 }
 
-/// Value of the per-CPU `SERVICE_STATS` array, indexed by a service port's id: traffic
-/// through that service port, both directions.
+/// Value of the per-CPU `SERVICE_STATS` array (indexed by a service port's id) and
+/// `BACKEND_STATS` array (indexed by a backend's slot): traffic, both directions.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ServiceStats {

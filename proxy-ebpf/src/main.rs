@@ -22,6 +22,7 @@ use aya_ebpf::{
     },
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
+    Global,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
@@ -48,6 +49,13 @@ static CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 0);
 #[map]
 static SERVICE_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(65536, 0);
+#[map]
+static BACKEND_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(65536, 0);
+
+/// Set by the agent at load time (`--backend-metrics`); read-only, so when it is 0 the
+/// verifier drops the per-backend accounting altogether.
+#[unsafe(no_mangle)]
+static BACKEND_STATS_ENABLED: Global<u8> = Global::new(0);
 
 /// How often a tracked flow's timestamp is refreshed. The upgrade-test variant differs here
 /// only, which changes the program without changing its behaviour.
@@ -208,10 +216,19 @@ fn bump(stat: Stat) {
     }
 }
 
-/// Counts a packet (and, for a new flow, a connection) against its service port.
+/// Counts a packet (and, for a new flow, a connection) against its service port, and its
+/// backend when per-backend counters are on.
 #[inline(always)]
-fn account(ctx: &TcContext, service_id: u32, new_flow: bool) {
-    if let Some(s) = SERVICE_STATS.get_ptr_mut(service_id) {
+fn account(ctx: &TcContext, service_id: u32, backend_id: u32, new_flow: bool) {
+    add(&SERVICE_STATS, service_id, ctx, new_flow);
+    if BACKEND_STATS_ENABLED.load() != 0 {
+        add(&BACKEND_STATS, backend_id & BACKEND_INDEX_MASK, ctx, new_flow);
+    }
+}
+
+#[inline(always)]
+fn add(map: &PerCpuArray<ServiceStats>, index: u32, ctx: &TcContext, new_flow: bool) {
+    if let Some(s) = map.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, no concurrent writer.
         let s = unsafe { &mut *s };
         s.packets += 1;
@@ -256,7 +273,8 @@ fn translate_reply(
 ) -> Result<i32, Stat> {
     let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
     let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
-    let (nat_addr, nat_port, service_id) = (ct.nat_addr, ct.nat_port, ct.service_id);
+    let (nat_addr, nat_port, service_id, backend_id) =
+        (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt, now, CT_FLAG_SEEN_REPLY);
     if first_reply || closing {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
@@ -283,7 +301,7 @@ fn translate_reply(
         nat_port,
     )?;
     bump(Stat::ReplyTranslated);
-    account(ctx, service_id, false);
+    account(ctx, service_id, backend_id, false);
     Ok(TC_ACT_UNSPEC)
 }
 
@@ -320,7 +338,8 @@ fn translate_tracked(
         let _ = CONNTRACK.remove(pkt.key);
         return Ok(None);
     }
-    let (nat_addr, nat_port, service_id) = (ct.nat_addr, ct.nat_port, ct.service_id);
+    let (nat_addr, nat_port, service_id, backend_id) =
+        (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt, now, 0);
     rewrite(
         ctx,
@@ -332,7 +351,7 @@ fn translate_tracked(
         nat_port,
     )?;
     bump(Stat::EstablishedFlow);
-    account(ctx, service_id, false);
+    account(ctx, service_id, backend_id, false);
     Ok(Some(TC_ACT_UNSPEC))
 }
 
@@ -429,7 +448,7 @@ fn new_flow(
         backend.port,
     )?;
     bump(Stat::NewFlow);
-    account(ctx, service_id, true);
+    account(ctx, service_id, backend_id, true);
     // Compiled in, but dead code the verifier removes unless the agent runs with -v 4.
     debug!(
         ctx,

@@ -9,7 +9,7 @@ use aya::{
     TestRunResult,
 };
 use proxy_agent::{
-    datapath::{Datapath, DatapathSizes},
+    datapath::{Datapath, DatapathSizes, LoadOptions},
     model::Frontend,
     proxier::ebpf::{maps::KernelMaps, sync::MapSync},
 };
@@ -73,7 +73,11 @@ pub struct TestDatapath {
 
 impl TestDatapath {
     pub fn load(sizes: DatapathSizes) -> Result<Self> {
-        let mut datapath = Datapath::load(sizes, None)?;
+        Self::load_with(sizes, LoadOptions::default())
+    }
+
+    pub fn load_with(sizes: DatapathSizes, options: LoadOptions) -> Result<Self> {
+        let mut datapath = Datapath::load_with(sizes, None, options)?;
         let maps = datapath.take_service_maps()?;
         Ok(Self {
             datapath,

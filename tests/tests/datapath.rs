@@ -439,3 +439,42 @@ fn traffic_is_counted_per_service_port_in_both_directions() {
     assert_eq!(s.packets, 3);
     assert_eq!(s.bytes, (syn.len() + ack.len() + reply.len()) as u64);
 }
+
+#[test]
+fn per_backend_counters_count_only_when_switched_on_at_load() {
+    require_kernel!();
+    for enabled in [false, true] {
+        let mut dp = TestDatapath::load_with(
+            small(),
+            proxy_agent::datapath::LoadOptions {
+                backend_stats: enabled,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let f = Frontend {
+            addr: VIP,
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        dp.set_service(f, &backends()).unwrap();
+        let backend = assert_dnat(&dp, &PacketSpec::tcp(CLIENT, 49000, VIP, 80, TCP_SYN));
+        assert_dnat(&dp, &PacketSpec::tcp(CLIENT, 49000, VIP, 80, TCP_ACK));
+        let id = dp
+            .sync
+            .backend_ids()
+            .find(|(_, addr, _)| *addr == backend)
+            .map(|(_, _, id)| id)
+            .unwrap();
+        let s = dp.datapath.backend_stats(&[id]).unwrap()[0];
+        if enabled {
+            assert_eq!((s.packets, s.connections), (2, 1));
+        } else {
+            assert_eq!(
+                s,
+                proxy_common::ServiceStats::default(),
+                "off means not counted"
+            );
+        }
+    }
+}

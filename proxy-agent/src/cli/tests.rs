@@ -32,6 +32,7 @@ ebpf:
   servicesMapSize: 1000
   backendsMapSize: 2000
   syncPeriod: 20s
+  backendMetrics: true
 ";
 
 #[test]
@@ -52,6 +53,7 @@ fn the_file_sets_what_the_command_line_does_not() {
     // the top level, as the section does not set it.
     assert_eq!(s.sync_period, Duration::from_secs(20));
     assert_eq!(s.min_sync_period, Duration::from_secs(2));
+    assert!(s.backend_metrics);
     // conntrack: timeouts go to the datapath; the map is max(min, maxPerCore x CPUs).
     assert_eq!(
         s.datapath.tcp_established_timeout_ns,
@@ -114,6 +116,10 @@ fn defaults_without_a_file_are_kube_proxys() {
     assert_eq!(s.min_sync_period, Duration::ZERO);
     assert_eq!(s.config_sync_period, Duration::from_secs(900));
     assert_eq!(s.datapath, DatapathConfig::DEFAULT);
+    assert!(!s.backend_metrics, "one series per endpoint is opt-in");
+    let s =
+        settings(&Cli::command().get_matches_from(["proxy-agent", "--backend-metrics"])).unwrap();
+    assert!(s.backend_metrics);
 }
 
 #[test]

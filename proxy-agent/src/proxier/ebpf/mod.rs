@@ -33,6 +33,14 @@ impl<M: ServiceMaps> EbpfProxier<M> {
         }
     }
 
+    /// Every programmed backend: its service port, address and id (slot in `BACKEND_STATS`).
+    pub fn backend_ids(&self) -> Vec<(ServicePortName, std::net::SocketAddrV4, u32)> {
+        self.sync
+            .backend_ids()
+            .filter_map(|(f, addr, id)| Some((self.names.get(f)?.clone(), addr, id)))
+            .collect()
+    }
+
     /// Every programmed service port with its id in `SERVICE_STATS`.
     pub fn service_ids(&self) -> Vec<(ServicePortName, u32)> {
         self.sync

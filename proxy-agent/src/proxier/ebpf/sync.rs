@@ -186,6 +186,13 @@ impl<M: ServiceMaps> MapSync<M> {
         self.written.iter().map(|(f, w)| (f, w.service_id))
     }
 
+    /// Every backend written: its frontend, address and id.
+    pub fn backend_ids(&self) -> impl Iterator<Item = (&Frontend, SocketAddrV4, u32)> {
+        self.written
+            .iter()
+            .flat_map(|(f, w)| w.slots.iter().map(move |(id, addr)| (f, *addr, *id)))
+    }
+
     /// Service ports and backends currently written.
     pub fn counts(&self) -> (usize, usize) {
         (
