@@ -21,7 +21,10 @@ const APT_PACKAGES: &[&str] = &[
     "iproute2",
     "ethtool",
     "bpftool",
+    // setpriv (privilege test), mount
     "util-linux",
+    // sysctl inside lab namespaces
+    "procps",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
