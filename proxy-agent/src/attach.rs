@@ -188,14 +188,6 @@ impl Attacher {
         }
     }
 
-    pub fn mode(&self) -> AttachMode {
-        self.mode
-    }
-
-    pub fn attached(&self) -> impl Iterator<Item = (&String, &u32)> {
-        self.attached.iter()
-    }
-
     pub fn handle(&mut self, datapath: &mut Datapath, event: LinkEvent) {
         match event {
             LinkEvent::Present { name, ifindex } => {

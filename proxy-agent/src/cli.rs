@@ -99,8 +99,6 @@ pub struct Cli {
     pub conntrack_map_size: u32,
 }
 
-/// How often expired conntrack entries are swept from user space.
-pub const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
 const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
 const DEFAULT_CONFIG_SYNC_PERIOD: Duration = Duration::from_secs(15 * 60);
 

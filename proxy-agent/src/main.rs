@@ -9,7 +9,7 @@ use clap::CommandFactory;
 use proxy_agent::{
     attach::{self, Attacher},
     cleanup::cleanup,
-    cli::{settings, Cli, Settings, CONNTRACK_GC_INTERVAL},
+    cli::{settings, Cli, Settings},
     datapath::{Datapath, LoadOptions},
     health::{self, Health},
     metrics::{service_labels, Metrics, TrafficCounters},
@@ -95,6 +95,9 @@ async fn announce_start(client: kube::Client, node: String, mode: &'static str) 
         warn!(%node, "recording the Starting event: {e}");
     }
 }
+
+/// How often expired conntrack entries are swept from user space.
+const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
 
 /// How often the datapath's counters are read into the metrics.
 const STATS_INTERVAL: Duration = Duration::from_secs(10);
@@ -192,7 +195,7 @@ async fn run(s: Settings) -> Result<()> {
         Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,
         None => Datapath::load_with(sizes, Some(&root), options)?,
     };
-    let flow_logger = if flow_log {
+    let mut flow_logger = if flow_log {
         let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
             .context("reading the datapath's log buffer")?;
         // SAFETY: the logger owns the ring buffer's fd and keeps it open while the AsyncFd
@@ -203,7 +206,6 @@ async fn run(s: Settings) -> Result<()> {
     } else {
         None
     };
-    let mut flow_logger = flow_logger;
     datapath.configure(&s.datapath)?;
     let maps = datapath.take_service_maps()?;
     let mut proxier = EbpfProxier::new(maps);
