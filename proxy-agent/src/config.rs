@@ -13,6 +13,8 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use serde_yaml::Value;
 
+use crate::kernel_conntrack::KernelConntrackTuning;
+
 pub const KUBE_PROXY_API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const AGENT_API_VERSION: &str = "proxy-agent.io/v1alpha1";
 
@@ -289,6 +291,9 @@ pub struct ConntrackSettings {
     pub tcp_close_wait_timeout: Option<Duration>,
     pub udp_timeout: Option<Duration>,
     pub udp_stream_timeout: Option<Duration>,
+    /// The same section as the kernel conntrack tuning: unset means kube-proxy's default,
+    /// zero means "leave the kernel's value".
+    pub kernel: KernelConntrackTuning,
 }
 
 pub const MODES: &[&str] = &[
@@ -434,12 +439,6 @@ fn settings(
             .as_ref()
             .is_some_and(|i| i.localhost_node_ports.is_some()),
     );
-    ignore(
-        "conntrack.tcpBeLiberal",
-        k.conntrack
-            .as_ref()
-            .is_some_and(|c| c.tcp_be_liberal.is_some()),
-    );
     if let Some(c) = &k.client_connection {
         ignore(
             "clientConnection.acceptContentTypes",
@@ -569,6 +568,23 @@ fn settings(
         )?,
         udp_timeout: duration("conntrack.udpTimeout", ct.udp_timeout)?,
         udp_stream_timeout: duration("conntrack.udpStreamTimeout", ct.udp_stream_timeout)?,
+        kernel: {
+            let d = KernelConntrackTuning::default();
+            let raw = |g: &Option<GoDuration>, default| g.as_ref().map_or(default, |g| g.0);
+            KernelConntrackTuning {
+                max_per_core: non_negative("conntrack.maxPerCore", ct.max_per_core)?
+                    .unwrap_or(d.max_per_core),
+                min: non_negative("conntrack.min", ct.min)?.unwrap_or(d.min),
+                tcp_established_timeout: raw(
+                    &ct.tcp_established_timeout,
+                    d.tcp_established_timeout,
+                ),
+                tcp_close_wait_timeout: raw(&ct.tcp_close_wait_timeout, d.tcp_close_wait_timeout),
+                tcp_be_liberal: ct.tcp_be_liberal.unwrap_or(d.tcp_be_liberal),
+                udp_timeout: raw(&ct.udp_timeout, d.udp_timeout),
+                udp_stream_timeout: raw(&ct.udp_stream_timeout, d.udp_stream_timeout),
+            }
+        },
     };
 
     let e = a.ebpf.unwrap_or_default();

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use aya::{
-    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues},
     programs::SchedClassifier,
     Ebpf, EbpfLoader,
 };
@@ -73,6 +73,11 @@ pub struct ConntrackSweep {
     pub deleted: usize,
     /// Entries left (the map's fill).
     pub remaining: usize,
+    /// Entries the kernel's LRU evicted to make room since the maps were created: what the
+    /// datapath created, less what it removed, what garbage collection removed, and what is
+    /// left. Derived, as the kernel does not count evictions; entries created while the map
+    /// is being walked make it lag (never lead) by a few.
+    pub evicted: u64,
 }
 
 /// `CLOCK_MONOTONIC` in ns: the clock of `bpf_ktime_get_ns`, which stamps conntrack entries.
@@ -303,6 +308,14 @@ impl Datapath {
     /// collecting them returns their memory, so the LRU never has to evict a live flow to
     /// make room for a new one while dead ones linger. Returns how many were deleted.
     pub fn collect_conntrack_garbage(&mut self) -> Result<ConntrackSweep> {
+        // Read before the walk, so entries created during it can only lower the estimate.
+        let count = |stats: &[(Stat, u64)], which: Stat| {
+            stats
+                .iter()
+                .find(|(s, _)| *s == which)
+                .map_or(0, |(_, n)| *n)
+        };
+        let before = self.stats()?;
         let config = self.config;
         let now = monotonic_ns();
         let mut conntrack = self.conntrack()?;
@@ -324,10 +337,34 @@ impl Datapath {
                 deleted += 1;
             }
         }
+        let collected = self.add_collected(deleted as u64)?;
+        let remaining = seen - deleted;
+        let evicted = count(&before, Stat::ConntrackCreated)
+            .saturating_sub(count(&before, Stat::ConntrackRemoved))
+            .saturating_sub(collected)
+            .saturating_sub(remaining as u64);
         Ok(ConntrackSweep {
             deleted,
-            remaining: seen - deleted,
+            remaining,
+            evicted,
         })
+    }
+
+    /// Adds to the garbage collector's count in `STATS` (a slot the datapath never writes)
+    /// and returns the new total.
+    fn add_collected(&mut self, deleted: u64) -> Result<u64> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::STATS)
+            .context("eBPF object has no STATS map")?;
+        let mut array: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(map)?;
+        let index = Stat::ConntrackCollected as u32;
+        let mut values: Vec<u64> = array.get(&index, 0)?.iter().copied().collect();
+        if deleted > 0 {
+            values[0] += deleted;
+            array.set(index, PerCpuValues::try_from(values.clone())?, 0)?;
+        }
+        Ok(values.iter().sum())
     }
 
     /// The conntrack map, for inspection and garbage collection.

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod datapath;
 pub mod health;
+pub mod kernel_conntrack;
 pub mod metrics;
 pub mod model;
 pub mod pins;

@@ -96,6 +96,30 @@ async fn announce_start(client: kube::Client, node: String, mode: &'static str) 
     }
 }
 
+/// kube-proxy's kernel conntrack tuning; a failure is a warning, as the datapath does not
+/// depend on it.
+fn tune_kernel_conntrack(s: &Settings) {
+    use proxy_agent::kernel_conntrack::{apply, Outcome};
+    let tuning = s
+        .file
+        .as_ref()
+        .map(|f| f.conntrack.kernel.clone())
+        .unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    match apply(std::path::Path::new("/"), &tuning, cpus) {
+        Ok(Outcome::Applied(changed)) => {
+            for (path, old, new) in changed {
+                info!("kernel conntrack: /{path} {old} -> {new}");
+            }
+        }
+        Ok(Outcome::NotInitialNamespace) => info!(
+            "kernel conntrack left alone: not the node's initial network namespace (nf_conntrack_max is read-only here)"
+        ),
+        Ok(Outcome::NoConntrack) => debug!("kernel conntrack not loaded: nothing to tune"),
+        Err(e) => warn!("kernel conntrack not tuned: {e:#}"),
+    }
+}
+
 /// How often expired conntrack entries are swept from user space.
 const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
 
@@ -152,6 +176,7 @@ async fn run(s: Settings) -> Result<()> {
         }
     }
     info!("Using {} Proxier", s.mode);
+    tune_kernel_conntrack(&s);
     // The source first: a missing API server or manifest path fails before the node is touched.
     // The source: manifest files (re-read on change) or the API server (snapshots).
     let (reload_tx, mut reload_rx) = mpsc::channel(1);
@@ -254,6 +279,8 @@ async fn run(s: Settings) -> Result<()> {
     let mut service_counters = TrafficCounters::default();
     let mut backend_counters = TrafficCounters::default();
     let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
+    // Evictions are derived from pinned counters, so they survive restarts; warn about new ones.
+    let mut evicted_reported: Option<u64> = None;
     let mut full_sync_tick = tokio::time::interval(s.sync_period);
     full_sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
     let mut config_sync_tick = tokio::time::interval(s.config_sync_period);
@@ -330,6 +357,20 @@ async fn run(s: Settings) -> Result<()> {
                 match datapath.collect_conntrack_garbage() {
                     Ok(sweep) => {
                         metrics.conntrack_deleted_total.inc_by(sweep.deleted as u64);
+                        metrics
+                            .datapath_events
+                            .with_label_values(&["conntrack_evicted"])
+                            .set(sweep.evicted as f64);
+                        let before = evicted_reported.unwrap_or(sweep.evicted);
+                        if sweep.evicted > before {
+                            warn!(
+                                evicted = sweep.evicted - before,
+                                entries = sweep.remaining,
+                                capacity = sizes.conntrack,
+                                "the conntrack map is full: the kernel evicted tracked flows to make room (their next packets pick a backend again); raise --conntrack-map-size"
+                            );
+                        }
+                        evicted_reported = Some(before.max(sweep.evicted));
                         metrics
                             .map_entries
                             .with_label_values(&[map_names::CONNTRACK])

@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 2;
+pub const MAP_LAYOUT_VERSION: u32 = 3;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -285,10 +285,19 @@ pub enum Stat {
     /// A new non-service flow had the reply tuple of an earlier service flow, whose
     /// conntrack entries were dropped so the new flow's replies pass untranslated.
     ClashResolved = 9,
+    /// Conntrack entries the datapath created (two per tracked flow).
+    ConntrackCreated = 10,
+    /// Conntrack entries the datapath removed (flows re-balanced or replaced).
+    ConntrackRemoved = 11,
+    /// Conntrack entries the agent's garbage collector removed. Written by user space only
+    /// (the datapath never touches this slot), so the agent can add to it without racing.
+    /// With the two counters above and the live entry count, it gives the LRU evictions:
+    /// created - removed - collected - live.
+    ConntrackCollected = 12,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 13;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -300,6 +309,9 @@ impl Stat {
         Stat::ConntrackInsertFailed,
         Stat::RewriteFailed,
         Stat::ClashResolved,
+        Stat::ConntrackCreated,
+        Stat::ConntrackRemoved,
+        Stat::ConntrackCollected,
     ];
 
     /// Label used for the metric.
@@ -315,6 +327,9 @@ impl Stat {
             Stat::ConntrackInsertFailed => "conntrack_insert_failed",
             Stat::RewriteFailed => "rewrite_failed",
             Stat::ClashResolved => "clash_resolved",
+            Stat::ConntrackCreated => "conntrack_created",
+            Stat::ConntrackRemoved => "conntrack_removed",
+            Stat::ConntrackCollected => "conntrack_collected",
         }
     }
 }

@@ -17,7 +17,7 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_NOEXIST, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
         BPF_F_PSEUDO_HDR, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
@@ -334,8 +334,8 @@ fn translate_tracked(
             pkt.key.sport,
             pkt.key.proto,
         );
-        let _ = CONNTRACK.remove(reply);
-        let _ = CONNTRACK.remove(pkt.key);
+        forget(&reply);
+        forget(&pkt.key);
         return Ok(None);
     }
     let (nat_addr, nat_port, service_id, backend_id) =
@@ -385,8 +385,8 @@ fn forget_clashing_flow(pkt: &Packet) {
         ct.nat_port,
         pkt.key.proto,
     );
-    let _ = CONNTRACK.remove(original);
-    let _ = CONNTRACK.remove(reply);
+    forget(&original);
+    forget(&reply);
     bump(Stat::ClashResolved);
 }
 
@@ -433,9 +433,7 @@ fn new_flow(
         backend_id,
         service_id,
     };
-    if CONNTRACK.insert(reply_key, reply, BPF_ANY as u64).is_err()
-        || CONNTRACK.insert(pkt.key, original, BPF_ANY as u64).is_err()
-    {
+    if !track(&reply_key, &reply) || !track(&pkt.key, &original) {
         bump(Stat::ConntrackInsertFailed);
     }
     rewrite(
@@ -462,6 +460,27 @@ fn new_flow(
         u16::from_be(backend.port)
     );
     Ok(TC_ACT_UNSPEC)
+}
+
+/// Removes a conntrack entry, counting it when it was there (LRU evictions are derived
+/// from what was created and removed).
+#[inline(always)]
+fn forget(key: &ConntrackKey) {
+    if CONNTRACK.remove(key).is_ok() {
+        bump(Stat::ConntrackRemoved);
+    }
+}
+
+/// Stores a conntrack entry; counts it as created when the key was new. Returns false when
+/// the map refused it.
+#[inline(always)]
+fn track(key: &ConntrackKey, value: &ConntrackValue) -> bool {
+    if CONNTRACK.insert(key, value, BPF_NOEXIST as u64).is_ok() {
+        bump(Stat::ConntrackCreated);
+        return true;
+    }
+    // Present already (another CPU raced us, or a clashing reply entry): replace it.
+    CONNTRACK.insert(key, value, BPF_ANY as u64).is_ok()
 }
 
 #[inline(always)]

@@ -407,6 +407,74 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
 }
 
 #[test]
+fn evictions_from_a_full_conntrack_map_are_counted_and_rebalancing_is_not() {
+    require_kernel!();
+    let capacity = 256u32;
+    let mut dp = TestDatapath::load(DatapathSizes {
+        conntrack: capacity,
+        ..small()
+    })
+    .expect("load datapath");
+    let f = Frontend {
+        addr: VIP,
+        port: 80,
+        protocol: Protocol::Udp,
+    };
+    dp.set_service(f, &backends()).unwrap();
+    // Fewer flows than fit: nothing evicted, although flows are re-balanced (their entries
+    // removed by the datapath) when a backend goes.
+    for sport in 20000..20050u16 {
+        assert_dnat(&dp, &PacketSpec::udp(CLIENT, sport, VIP, 80, b"x"));
+    }
+    dp.set_service(f, &backends()[1..]).unwrap();
+    for sport in 20000..20050u16 {
+        dp.run(
+            Hook::Ingress,
+            &PacketSpec::udp(CLIENT, sport, VIP, 80, b"x").build(),
+        )
+        .unwrap();
+    }
+    assert!(
+        stat(&dp, Stat::ConntrackRemoved) > 0,
+        "re-balanced flows removed entries"
+    );
+    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+    assert_eq!(sweep.remaining, 100, "two entries per flow");
+    assert_eq!(
+        sweep.evicted, 0,
+        "no eviction while the map has room: {sweep:?}"
+    );
+
+    // Four times what fits: the LRU makes room, and the estimate accounts for all of it.
+    let flows = 2 * capacity as u16;
+    for sport in 30000..30000 + flows {
+        dp.run(
+            Hook::Ingress,
+            &PacketSpec::udp(CLIENT, sport, VIP, 80, b"x").build(),
+        )
+        .unwrap();
+    }
+    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+    assert!(sweep.remaining <= capacity as usize, "{sweep:?}");
+    let created = stat(&dp, Stat::ConntrackCreated);
+    let removed = stat(&dp, Stat::ConntrackRemoved);
+    assert_eq!(
+        created,
+        100 + removed + 2 * flows as u64,
+        "every new flow created two entries"
+    );
+    assert_eq!(
+        sweep.evicted,
+        created - removed - sweep.remaining as u64,
+        "evictions are what was created and neither removed nor left"
+    );
+    assert!(
+        sweep.evicted >= (2 * flows as u64 + 100).saturating_sub(capacity as u64),
+        "{sweep:?}"
+    );
+}
+
+#[test]
 fn traffic_is_counted_per_service_port_in_both_directions() {
     require_kernel!();
     let dp = datapath();

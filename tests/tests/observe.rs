@@ -69,6 +69,7 @@ healthzBindAddress: 0.0.0.0:20256
 metricsBindAddress: 127.0.0.1:30249
 iptables: {syncPeriod: 0s}
 winkernel: {enableDSR: false}
+conntrack: {tcpEstablishedTimeout: 2h}
 ---
 apiVersion: proxy-agent.io/v1alpha1
 kind: ProxyAgentConfiguration
@@ -93,6 +94,24 @@ ebpf:
     assert!(
         log.contains("ignored: winkernel"),
         "ignored fields are named once: {log}"
+    );
+    // Kernel conntrack tuning happens only in a node's initial network namespace; the lab's
+    // node namespace is not one, and its sysctls stay as they were.
+    let established = lab
+        .node
+        .exec(
+            "sysctl",
+            &["-n", "net.netfilter.nf_conntrack_tcp_timeout_established"],
+        )
+        .unwrap();
+    assert_ne!(
+        established.trim(),
+        "7200",
+        "kernel conntrack tuned outside the initial netns"
+    );
+    assert!(
+        log.contains("kernel conntrack left alone: not the node's initial network namespace"),
+        "{log}"
     );
 
     let healthz = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 20256);

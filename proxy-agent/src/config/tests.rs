@@ -25,12 +25,16 @@ fn kubeadm_config_loads_unchanged_and_reports_what_it_ignores() {
     assert_eq!(s.healthz_bind_address, None);
     assert_eq!(s.iptables.sync_period, None);
     assert_eq!(s.conntrack.udp_timeout, None);
+    // The kernel's conntrack gets kube-proxy's defaults for the nulls; 0s leaves UDP alone.
+    assert_eq!(
+        s.conntrack.kernel,
+        crate::kernel_conntrack::KernelConntrackTuning::default()
+    );
     for field in [
         "bindAddressHardFail",
         "winkernel",
         "detectLocal",
         "clientConnection.qps",
-        "conntrack.tcpBeLiberal",
     ] {
         assert!(
             s.ignored.iter().any(|f| f == field),
@@ -108,6 +112,11 @@ minSyncPeriod: 250ms
         Some(Duration::from_secs(1800))
     );
     assert_eq!(s.conntrack.udp_timeout, Some(Duration::from_secs(20)));
+    assert_eq!(s.conntrack.kernel.udp_timeout, Duration::from_secs(20));
+    assert_eq!(
+        s.conntrack.kernel.tcp_established_timeout,
+        Duration::from_secs(12 * 3600)
+    );
     assert_eq!(
         s.conntrack.udp_stream_timeout,
         Some(Duration::from_secs(90))
