@@ -12,6 +12,7 @@ use crate::{
     config::{self, FileSettings},
     datapath::DatapathSizes,
     health,
+    model::NodePortAddress,
     pins::DEFAULT_BPFFS_ROOT,
     proxier::ProxyMode,
 };
@@ -69,6 +70,12 @@ pub struct Cli {
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
 
+    /// Serve NodePorts only on this node's addresses in these comma-separated CIDRs (or
+    /// `primary`: the Node's InternalIPs). Default: the Node object's addresses, or every
+    /// local address when there is no Node object.
+    #[arg(long = "nodeport-addresses", value_delimiter = ',')]
+    pub nodeport_addresses: Option<Vec<String>>,
+
     /// The name of this node (default: $NODE_NAME, else the host name).
     #[arg(long = "hostname-override")]
     pub hostname_override: Option<String>,
@@ -102,6 +109,22 @@ pub struct Cli {
 const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
 const DEFAULT_CONFIG_SYNC_PERIOD: Duration = Duration::from_secs(15 * 60);
 
+fn parse_node_port_addresses(list: Vec<String>) -> Result<Vec<NodePortAddress>> {
+    list.iter()
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            if s == "primary" {
+                Ok(NodePortAddress::Primary)
+            } else {
+                s.parse()
+                    .map(NodePortAddress::Cidr)
+                    .map_err(|e| anyhow::anyhow!("--nodeport-addresses: {e}"))
+            }
+        })
+        .collect()
+}
+
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
     s.parse()
 }
@@ -118,6 +141,8 @@ pub struct Settings {
     pub healthz: std::net::SocketAddr,
     pub metrics: std::net::SocketAddr,
     pub node_name: String,
+    /// `--nodeport-addresses` / `nodePortAddresses`: CIDRs or `primary`; empty: unrestricted.
+    pub node_port_addresses: Vec<NodePortAddress>,
     pub backend_metrics: bool,
     pub kubeconfig: Option<PathBuf>,
     pub sync_period: Duration,
@@ -247,6 +272,12 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         healthz: health::bind_address(&healthz, 10256).context("healthzBindAddress")?,
         metrics: health::bind_address(&metrics, 10249).context("metricsBindAddress")?,
         node_name,
+        node_port_addresses: parse_node_port_addresses(
+            cli.nodeport_addresses
+                .clone()
+                .or_else(|| f.map(|f| f.node_port_addresses.clone()))
+                .unwrap_or_default(),
+        )?,
         backend_metrics: cli.backend_metrics || f.and_then(|f| f.backend_metrics).unwrap_or(false),
         kubeconfig: cli
             .kubeconfig

@@ -13,7 +13,10 @@ use proxy_agent::{
     datapath::{Datapath, LoadOptions},
     health::{self, Health},
     metrics::{service_labels, Metrics, TrafficCounters},
-    model::{objects::NodeInfo, ChangeTracker, DesiredState, ServiceChange},
+    model::{
+        local_ipv4_addresses, objects::NodeInfo, ChangeTracker, DesiredState, NodeContext,
+        NodePortAddress, ServiceChange,
+    },
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
     proxier::{ebpf::EbpfProxier, Proxier},
@@ -289,6 +292,7 @@ async fn run(s: Settings) -> Result<()> {
     let mut loop_state = SyncLoop {
         tracker: ChangeTracker::default(),
         node_name: s.node_name.clone(),
+        node_port_filter: s.node_port_addresses.clone(),
         node: None,
         pending: Vec::new(),
         pending_since: None,
@@ -434,6 +438,7 @@ async fn run(s: Settings) -> Result<()> {
 struct SyncLoop {
     tracker: ChangeTracker,
     node_name: String,
+    node_port_filter: Vec<NodePortAddress>,
     /// This node's Node object, as last seen (addresses and zone, for features to come).
     node: Option<NodeInfo>,
     pending: Vec<ServiceChange>,
@@ -448,7 +453,14 @@ struct SyncLoop {
 impl SyncLoop {
     /// Takes a new view of the cluster and queues the changes it makes.
     fn ingest(&mut self, set: manifests::ManifestSet) {
-        let (desired, model_problems) = DesiredState::build(&set.store);
+        let node = set.nodes.iter().find(|n| n.name == self.node_name);
+        let context = NodeContext::new(
+            &self.node_name,
+            node,
+            &self.node_port_filter,
+            &local_ipv4_addresses(),
+        );
+        let (desired, model_problems) = DesiredState::build(&set.store, &context);
         // Problems are reported when they appear, not again on every reload.
         let problems: Vec<String> = set
             .problems

@@ -13,8 +13,8 @@ use std::{
 };
 
 pub use objects::{
-    AddressType, EndpointInfo, FieldError, ObjectName, Protocol, ServiceInfo, ServicePortSpec,
-    SliceInfo, SlicePort, TargetPort,
+    AddressType, Cidr, EndpointInfo, FieldError, NodeInfo, ObjectName, Protocol, ServiceInfo,
+    ServicePortSpec, ServiceType, SliceInfo, SlicePort, TargetPort,
 };
 
 /// Where an object came from, for messages: `path#document` or `api-server`.
@@ -74,14 +74,177 @@ impl fmt::Display for Frontend {
     }
 }
 
+/// This node, as the model needs it: which endpoints are local, its zone for topology,
+/// and the addresses NodePorts are served on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeContext {
+    pub name: String,
+    pub zone: Option<String>,
+    pub node_port_addresses: Vec<Ipv4Addr>,
+}
+
+/// One entry of `nodePortAddresses` / `--nodeport-addresses`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodePortAddress {
+    Cidr(Cidr),
+    /// The node's primary addresses (its Node object's InternalIPs).
+    Primary,
+}
+
+impl NodeContext {
+    /// This node's context. NodePorts are served on the local addresses inside the
+    /// `nodePortAddresses` CIDRs (plus the InternalIPs for `primary`); without any, on the
+    /// Node object's addresses, or on every local address when there is no Node object.
+    pub fn new(
+        name: &str,
+        node: Option<&NodeInfo>,
+        filter: &[NodePortAddress],
+        local: &[Ipv4Addr],
+    ) -> Self {
+        let node_v4 = |only_internal: bool| -> Vec<Ipv4Addr> {
+            node.into_iter()
+                .flat_map(|n| n.addresses.iter())
+                .filter(|(kind, _)| !only_internal || kind == "InternalIP")
+                .filter_map(|(_, a)| match a {
+                    IpAddr::V4(v4) => Some(*v4),
+                    IpAddr::V6(_) => None,
+                })
+                .collect()
+        };
+        let mut addresses: BTreeSet<Ipv4Addr> = BTreeSet::new();
+        if filter.is_empty() {
+            if node.is_some() {
+                addresses.extend(node_v4(false));
+            } else {
+                addresses.extend(local.iter().filter(|a| !a.is_loopback()));
+            }
+        } else {
+            for f in filter {
+                match f {
+                    NodePortAddress::Primary => addresses.extend(node_v4(true)),
+                    NodePortAddress::Cidr(c) => {
+                        addresses.extend(local.iter().filter(|a| c.contains(IpAddr::V4(**a))))
+                    }
+                }
+            }
+        }
+        NodeContext {
+            name: name.to_string(),
+            zone: node.and_then(|n| n.zone.clone()),
+            node_port_addresses: addresses.into_iter().collect(),
+        }
+    }
+}
+
+/// The IPv4 addresses of this network namespace's interfaces.
+pub fn local_ipv4_addresses() -> Vec<Ipv4Addr> {
+    let mut found = Vec::new();
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a linked list that freeifaddrs releases; each
+    // ifa_addr is checked for null and for AF_INET before being read as a sockaddr_in.
+    unsafe {
+        if libc::getifaddrs(&mut list) != 0 {
+            return found;
+        }
+        let mut cur = list;
+        while !cur.is_null() {
+            let addr = (*cur).ifa_addr;
+            if !addr.is_null() && (*addr).sa_family as i32 == libc::AF_INET {
+                let sin = &*(addr as *const libc::sockaddr_in);
+                found.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+            }
+            cur = (*cur).ifa_next;
+        }
+        libc::freeifaddrs(list);
+    }
+    found
+}
+
+/// How clients reach a frontend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FrontendKind {
+    ClusterIp,
+    NodePort,
+    ExternalIp,
+    LoadBalancer,
+}
+
+impl FrontendKind {
+    /// External traffic: subject to `externalTrafficPolicy`.
+    pub fn is_external(self) -> bool {
+        self != FrontendKind::ClusterIp
+    }
+}
+
+/// What a new flow meets when its frontend has no backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WhenEmpty {
+    /// No endpoint serves the Service anywhere: ICMP port unreachable (kube-proxy's REJECT).
+    Refuse,
+    /// The traffic policy is Local and endpoints exist only on other nodes: dropped, as
+    /// kube-proxy does, so a load balancer's health check (not a refusal) steers clients.
+    Drop,
+}
+
+/// One address:port:protocol of a service port and what it leads to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendState {
+    pub frontend: Frontend,
+    pub kind: FrontendKind,
+    /// Endpoints that take new connections, sorted and without duplicates.
+    pub backends: Vec<SocketAddrV4>,
+    pub when_empty: WhenEmpty,
+    /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
+    pub source_ranges: Vec<Cidr>,
+    /// External traffic under `externalTrafficPolicy: Cluster`: source-NATed to the node
+    /// when it goes to an endpoint on another node, so replies come back through here.
+    pub masquerade: bool,
+}
+
 /// What the datapath must do for one service port.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePortState {
     pub name: ServicePortName,
+    /// The cluster IP frontend.
     pub frontend: Frontend,
-    /// Endpoints that take new connections, sorted and without duplicates. Empty means
-    /// "refuse": the Service exists but nothing serves it.
+    /// Endpoints for cluster-IP traffic (after `internalTrafficPolicy` and topology), sorted.
+    /// Empty means refuse or drop, as `when_empty` says.
     pub backends: Vec<SocketAddrV4>,
+    pub when_empty: WhenEmpty,
+    /// NodePort, external IP and load-balancer frontends.
+    pub external: Vec<FrontendState>,
+    /// Endpoints on other nodes (by `nodeName`); the rest are this node's.
+    pub remote: BTreeSet<SocketAddrV4>,
+    /// `sessionAffinity: ClientIP` timeout in seconds.
+    pub affinity_timeout: Option<u32>,
+    /// `healthCheckNodePort` of an `externalTrafficPolicy: Local` service, with the number
+    /// of local endpoints it reports.
+    pub health_check: Option<(u16, usize)>,
+}
+
+impl ServicePortState {
+    /// Every frontend, the cluster IP first.
+    pub fn frontends(&self) -> Vec<FrontendState> {
+        let mut all = vec![FrontendState {
+            frontend: self.frontend,
+            kind: FrontendKind::ClusterIp,
+            backends: self.backends.clone(),
+            when_empty: self.when_empty,
+            source_ranges: Vec::new(),
+            masquerade: false,
+        }];
+        all.extend(self.external.iter().cloned());
+        all
+    }
+
+    /// Every backend of any frontend, sorted, without duplicates.
+    pub fn all_backends(&self) -> BTreeSet<SocketAddrV4> {
+        self.backends
+            .iter()
+            .chain(self.external.iter().flat_map(|f| f.backends.iter()))
+            .copied()
+            .collect()
+    }
 }
 
 /// The desired state of the whole node, independent of any proxy mode.
@@ -93,7 +256,7 @@ pub struct DesiredState {
 impl DesiredState {
     /// Computes the desired state; problems (a named port no slice resolves, two services
     /// claiming the same frontend) are returned and the affected pieces skipped.
-    pub fn build(store: &ObjectStore) -> (DesiredState, Vec<Problem>) {
+    pub fn build(store: &ObjectStore, node: &NodeContext) -> (DesiredState, Vec<Problem>) {
         let mut problems = Vec::new();
         let mut slices_by_service: BTreeMap<&ObjectName, Vec<&(SliceInfo, Origin)>> =
             BTreeMap::new();
@@ -124,30 +287,110 @@ impl DesiredState {
                     port: spec.name.clone(),
                     protocol: spec.protocol,
                 };
+                let mut claim = |frontend: Frontend, what: &str| -> bool {
+                    if let Some(owner) = claimed.get(&frontend) {
+                        problems.push(Problem {
+                            origin: origin.clone(),
+                            object: format!("Service {}", svc.name),
+                            message: format!(
+                                "port {}: {what} {frontend} is already served by {owner}; skipped",
+                                spec.port
+                            ),
+                        });
+                        return false;
+                    }
+                    claimed.insert(frontend, name.clone());
+                    true
+                };
                 let frontend = Frontend {
                     addr: cluster_ip,
                     port: spec.port,
                     protocol: spec.protocol,
                 };
-                if let Some(owner) = claimed.get(&frontend) {
-                    problems.push(Problem {
-                        origin: origin.clone(),
-                        object: format!("Service {}", svc.name),
-                        message: format!(
-                            "port {}: frontend {frontend} is already served by {owner}; skipped",
-                            spec.port
-                        ),
-                    });
+                if !claim(frontend, "frontend") {
                     continue;
                 }
-                claimed.insert(frontend, name.clone());
-                let backends = resolve_backends(spec, slices, &mut problems, &svc.name);
+                let mut external_frontends = Vec::new();
+                if let (Some(node_port), ServiceType::NodePort | ServiceType::LoadBalancer) =
+                    (spec.node_port, svc.service_type)
+                {
+                    for addr in &node.node_port_addresses {
+                        external_frontends.push((*addr, node_port, FrontendKind::NodePort));
+                    }
+                }
+                for ip in &svc.external_ips {
+                    if let IpAddr::V4(addr) = ip {
+                        external_frontends.push((*addr, spec.port, FrontendKind::ExternalIp));
+                    }
+                }
+                for ip in &svc.load_balancer_ips {
+                    if let IpAddr::V4(addr) = ip {
+                        external_frontends.push((*addr, spec.port, FrontendKind::LoadBalancer));
+                    }
+                }
+                let mut external_claimed = Vec::new();
+                for (addr, port, kind) in external_frontends {
+                    let f = Frontend {
+                        addr,
+                        port,
+                        protocol: spec.protocol,
+                    };
+                    if claim(f, "frontend") {
+                        external_claimed.push((f, kind));
+                    }
+                }
+
+                let endpoints = resolve_endpoints(spec, slices, &mut problems, &svc.name);
+                let picked = categorize(&endpoints, svc, node);
+                let policy = |local: bool| {
+                    if local {
+                        let when_empty = if picked.any_serving {
+                            WhenEmpty::Drop
+                        } else {
+                            WhenEmpty::Refuse
+                        };
+                        (picked.local.clone(), when_empty)
+                    } else {
+                        (picked.cluster.clone(), WhenEmpty::Refuse)
+                    }
+                };
+                let (backends, when_empty) = policy(svc.internal_local);
+                let (external_backends, external_when_empty) = policy(svc.external_local);
+                let external = external_claimed
+                    .into_iter()
+                    .map(|(frontend, kind)| FrontendState {
+                        frontend,
+                        kind,
+                        backends: external_backends.clone(),
+                        when_empty: external_when_empty,
+                        source_ranges: if kind == FrontendKind::LoadBalancer {
+                            svc.source_ranges.clone()
+                        } else {
+                            Vec::new()
+                        },
+                        masquerade: !svc.external_local,
+                    })
+                    .collect();
+                let remote = endpoints
+                    .iter()
+                    .filter(|(_, ep)| !is_local(ep, node))
+                    .map(|(addr, _)| *addr)
+                    .collect();
+                let health_check = svc
+                    .health_check_node_port
+                    .filter(|_| svc.external_local)
+                    .map(|p| (p, picked.local.len()));
                 ports.insert(
                     name.clone(),
                     Arc::new(ServicePortState {
                         name,
                         frontend,
                         backends,
+                        when_empty,
+                        external,
+                        remote,
+                        affinity_timeout: svc.affinity_timeout,
+                        health_check,
                     }),
                 );
             }
@@ -156,17 +399,96 @@ impl DesiredState {
     }
 }
 
-/// The ready IPv4 endpoints of one service port, with the target port resolved per slice:
-/// the EndpointSlice controller writes each slice's resolved port under the service port's
-/// name, and pods whose named port differs land in different slices.
-fn resolve_backends(
+fn is_local(ep: &EndpointInfo, node: &NodeContext) -> bool {
+    ep.node_name.as_deref() == Some(node.name.as_str())
+}
+
+/// Endpoints of one service port sorted into the sets kube-proxy's `CategorizeEndpoints`
+/// makes, so every proxy mode serves the same ones.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Categorized {
+    /// For Cluster policy: ready endpoints (in this node's zone when topology applies);
+    /// when none is ready anywhere, the serving-and-terminating ones (KEP-1669).
+    cluster: Vec<SocketAddrV4>,
+    /// For Local policy: this node's ready endpoints, else its serving-and-terminating ones.
+    local: Vec<SocketAddrV4>,
+    /// Some endpoint anywhere is ready or serving-and-terminating.
+    any_serving: bool,
+}
+
+fn serving_terminating(ep: &EndpointInfo) -> bool {
+    ep.serving && ep.terminating
+}
+
+fn categorize(
+    endpoints: &[(SocketAddrV4, &EndpointInfo)],
+    svc: &ServiceInfo,
+    node: &NodeContext,
+) -> Categorized {
+    let pick = |keep: &dyn Fn(&EndpointInfo) -> bool| -> Vec<SocketAddrV4> {
+        let set: BTreeSet<SocketAddrV4> = endpoints
+            .iter()
+            .filter(|(_, ep)| keep(ep))
+            .map(|(a, _)| *a)
+            .collect();
+        set.into_iter().collect()
+    };
+    let topology = use_topology(endpoints, svc, node);
+    let zone = node.zone.as_deref().unwrap_or_default();
+    let mut cluster =
+        pick(&|ep| ep.ready && (!topology || ep.zone_hints.iter().any(|z| z == zone)));
+    if cluster.is_empty() {
+        cluster = pick(&serving_terminating);
+    }
+    let mut local = pick(&|ep| ep.ready && is_local(ep, node));
+    if local.is_empty() {
+        local = pick(&|ep| serving_terminating(ep) && is_local(ep, node));
+    }
+    let any_serving = endpoints
+        .iter()
+        .any(|(_, ep)| ep.ready || serving_terminating(ep));
+    Categorized {
+        cluster,
+        local,
+        any_serving,
+    }
+}
+
+/// kube-proxy's `canUseTopology`: the Service asks for it, this node has a zone, every ready
+/// endpoint carries zone hints, and at least one is hinted for this node's zone (else
+/// topology would leave the zone with nothing, and it is ignored).
+fn use_topology(
+    endpoints: &[(SocketAddrV4, &EndpointInfo)],
+    svc: &ServiceInfo,
+    node: &NodeContext,
+) -> bool {
+    if !svc.prefer_same_zone {
+        return false;
+    }
+    let Some(zone) = node.zone.as_deref() else {
+        return false;
+    };
+    let mut for_zone = false;
+    for (_, ep) in endpoints.iter().filter(|(_, ep)| ep.ready) {
+        if ep.zone_hints.is_empty() {
+            return false;
+        }
+        for_zone |= ep.zone_hints.iter().any(|z| z == zone);
+    }
+    for_zone
+}
+
+/// The IPv4 endpoints of one service port with their conditions, the target port resolved
+/// per slice: the EndpointSlice controller writes each slice's resolved port under the
+/// service port's name, and pods whose named port differs land in different slices.
+fn resolve_endpoints<'a>(
     spec: &ServicePortSpec,
-    slices: &[&(SliceInfo, Origin)],
+    slices: &[&'a (SliceInfo, Origin)],
     problems: &mut Vec<Problem>,
     service: &ObjectName,
-) -> Vec<SocketAddrV4> {
-    let mut backends = BTreeSet::new();
-    for (slice, origin) in slices {
+) -> Vec<(SocketAddrV4, &'a EndpointInfo)> {
+    let mut endpoints = Vec::new();
+    for (slice, origin) in slices.iter().map(|e| (&e.0, &e.1)) {
         if slice.address_type != AddressType::IPv4 {
             continue;
         }
@@ -197,15 +519,12 @@ fn resolve_backends(
             }
         };
         for ep in &slice.endpoints {
-            if !ep.ready {
-                continue;
-            }
             if let IpAddr::V4(addr) = ep.addr {
-                backends.insert(SocketAddrV4::new(addr, port));
+                endpoints.push((SocketAddrV4::new(addr, port), ep));
             }
         }
     }
-    backends.into_iter().collect()
+    endpoints
 }
 
 /// One service port that differs between two desired states.
@@ -230,12 +549,11 @@ impl ServiceChange {
     /// The number of endpoints that changed, for the `endpoint_changes` metrics.
     pub fn endpoint_changes(&self) -> usize {
         match self {
-            ServiceChange::Added(s) | ServiceChange::Removed(s) => s.backends.len(),
-            ServiceChange::Updated { old, new } => {
-                let a: BTreeSet<_> = old.backends.iter().collect();
-                let b: BTreeSet<_> = new.backends.iter().collect();
-                a.symmetric_difference(&b).count()
-            }
+            ServiceChange::Added(s) | ServiceChange::Removed(s) => s.all_backends().len(),
+            ServiceChange::Updated { old, new } => old
+                .all_backends()
+                .symmetric_difference(&new.all_backends())
+                .count(),
         }
     }
 }

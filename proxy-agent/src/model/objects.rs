@@ -107,15 +107,99 @@ pub struct ServicePortSpec {
     pub protocol: Protocol,
     pub port: u16,
     pub target_port: TargetPort,
+    /// The node port, for NodePort and LoadBalancer services (unless allocation is off).
+    pub node_port: Option<u16>,
 }
+
+/// `spec.type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServiceType {
+    ClusterIp,
+    NodePort,
+    LoadBalancer,
+    ExternalName,
+}
+
+/// An address block (`10.0.0.0/8`), as in `loadBalancerSourceRanges`, `clusterCIDR` and
+/// `nodePortAddresses`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                u32::from(net) & mask == u32::from(ip) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                u128::from(net) & mask == u128::from(ip) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (addr, len) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not a CIDR (address/length)"))?;
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{s:?}: {addr:?} is not an IP address"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        match len.parse::<u8>() {
+            Ok(prefix) if prefix <= max => Ok(Cidr { addr, prefix }),
+            _ => Err(format!("{s:?}: prefix length must be 0-{max}")),
+        }
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// Annotation that turns on topology-aware routing (and its deprecated predecessor).
+pub const TOPOLOGY_MODE_ANNOTATION: &str = "service.kubernetes.io/topology-mode";
+pub const TOPOLOGY_HINTS_ANNOTATION: &str = "service.kubernetes.io/topology-aware-hints";
+
+/// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceInfo {
     pub name: ObjectName,
+    pub service_type: ServiceType,
     /// Cluster IPs, primary first; empty for headless and ExternalName services, which the
     /// proxy does not serve.
     pub cluster_ips: Vec<IpAddr>,
     pub ports: Vec<ServicePortSpec>,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip`, except those with `ipMode: Proxy` (the load
+    /// balancer then delivers to the node, not to the IP).
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges`; empty means everyone.
+    pub source_ranges: Vec<Cidr>,
+    /// `sessionAffinity: ClientIP`: the affinity timeout in seconds.
+    pub affinity_timeout: Option<u32>,
+    /// `externalTrafficPolicy: Local`.
+    pub external_local: bool,
+    /// `internalTrafficPolicy: Local`.
+    pub internal_local: bool,
+    pub health_check_node_port: Option<u16>,
+    /// Topology-aware routing asked for: `trafficDistribution: PreferClose` (or
+    /// `PreferSameZone`), or the `topology-mode: Auto` annotation.
+    pub prefer_same_zone: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -143,6 +227,8 @@ pub struct EndpointInfo {
     pub terminating: bool,
     pub node_name: Option<String>,
     pub zone: Option<String>,
+    /// `hints.forZones[].name`: the zones the EndpointSlice controller assigned it to.
+    pub zone_hints: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -211,15 +297,32 @@ impl ServiceInfo {
                     Err(_) => TargetPort::Name(s.clone()),
                 },
             };
+            let node_port = match p.node_port {
+                None | Some(0) => None,
+                Some(n) => Some(port_number(n, &format!("spec.ports[{i}].nodePort"))?),
+            };
             ports.push(ServicePortSpec {
                 name: p.name.clone().unwrap_or_default(),
                 protocol,
                 port,
                 target_port,
+                node_port,
             });
         }
 
-        let external_name = spec.type_.as_deref() == Some("ExternalName");
+        let service_type = match spec.type_.as_deref().unwrap_or("ClusterIP") {
+            "ClusterIP" | "" => ServiceType::ClusterIp,
+            "NodePort" => ServiceType::NodePort,
+            "LoadBalancer" => ServiceType::LoadBalancer,
+            "ExternalName" => ServiceType::ExternalName,
+            other => {
+                return Err(field_error(
+                    "spec.type",
+                    format!("unknown type {other:?} (expected ClusterIP, NodePort, LoadBalancer or ExternalName)"),
+                ))
+            }
+        };
+        let external_name = service_type == ServiceType::ExternalName;
         let mut cluster_ips = Vec::new();
         if !external_name {
             let listed: Vec<(String, &str)> = match &spec.cluster_ips {
@@ -244,10 +347,112 @@ impl ServiceInfo {
                 cluster_ips.push(addr);
             }
         }
+        let ip = |field: String, text: &str| {
+            text.parse::<IpAddr>()
+                .map_err(|_| field_error(field, format!("{text:?} is not an IP address")))
+        };
+        let mut external_ips = Vec::new();
+        for (i, text) in spec.external_ips.iter().flatten().enumerate() {
+            external_ips.push(ip(format!("spec.externalIPs[{i}]"), text)?);
+        }
+        let mut load_balancer_ips = Vec::new();
+        if service_type == ServiceType::LoadBalancer {
+            let ingress = svc
+                .status
+                .as_ref()
+                .and_then(|s| s.load_balancer.as_ref())
+                .and_then(|lb| lb.ingress.as_ref());
+            for (i, entry) in ingress.into_iter().flatten().enumerate() {
+                let Some(text) = entry.ip.as_deref().filter(|t| !t.is_empty()) else {
+                    continue; // hostname-only ingress: nothing to program
+                };
+                if entry.ip_mode.as_deref() == Some("Proxy") {
+                    continue;
+                }
+                load_balancer_ips.push(ip(format!("status.loadBalancer.ingress[{i}].ip"), text)?);
+            }
+        }
+        let mut source_ranges = Vec::new();
+        for (i, text) in spec
+            .load_balancer_source_ranges
+            .iter()
+            .flatten()
+            .enumerate()
+        {
+            source_ranges.push(
+                text.parse::<Cidr>()
+                    .map_err(|m| field_error(format!("spec.loadBalancerSourceRanges[{i}]"), m))?,
+            );
+        }
+        let affinity_timeout = match spec.session_affinity.as_deref() {
+            None | Some("None") | Some("") => None,
+            Some("ClientIP") => {
+                let t = spec
+                    .session_affinity_config
+                    .as_ref()
+                    .and_then(|c| c.client_ip.as_ref())
+                    .and_then(|c| c.timeout_seconds);
+                match t {
+                    None => Some(DEFAULT_AFFINITY_TIMEOUT),
+                    Some(t) if (1..=86400).contains(&t) => Some(t as u32),
+                    Some(t) => {
+                        return Err(field_error(
+                            "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                            format!("{t} must be 1-86400"),
+                        ))
+                    }
+                }
+            }
+            Some(other) => {
+                return Err(field_error(
+                    "spec.sessionAffinity",
+                    format!("unknown affinity {other:?} (expected None or ClientIP)"),
+                ))
+            }
+        };
+        let policy = |field: &str, value: Option<&str>| match value {
+            None | Some("") | Some("Cluster") => Ok(false),
+            Some("Local") => Ok(true),
+            Some(other) => Err(field_error(
+                field,
+                format!("unknown policy {other:?} (expected Cluster or Local)"),
+            )),
+        };
+        let external_local = policy(
+            "spec.externalTrafficPolicy",
+            spec.external_traffic_policy.as_deref(),
+        )?;
+        let internal_local = policy(
+            "spec.internalTrafficPolicy",
+            spec.internal_traffic_policy.as_deref(),
+        )?;
+        let health_check_node_port = match spec.health_check_node_port {
+            None | Some(0) => None,
+            Some(n) => Some(port_number(n, "spec.healthCheckNodePort")?),
+        };
+        let annotations = svc.metadata.annotations.clone().unwrap_or_default();
+        let topology_annotation = annotations
+            .get(TOPOLOGY_MODE_ANNOTATION)
+            .or_else(|| annotations.get(TOPOLOGY_HINTS_ANNOTATION))
+            .is_some_and(|v| v.eq_ignore_ascii_case("auto"));
+        let prefer_same_zone = topology_annotation
+            || matches!(
+                spec.traffic_distribution.as_deref(),
+                Some("PreferClose") | Some("PreferSameZone")
+            );
         Ok(ServiceInfo {
             name,
+            service_type,
             cluster_ips,
             ports,
+            external_ips,
+            load_balancer_ips,
+            source_ranges,
+            affinity_timeout,
+            external_local,
+            internal_local,
+            health_check_node_port,
+            prefer_same_zone,
         })
     }
 }
@@ -327,6 +532,14 @@ impl SliceInfo {
                     terminating: conditions.terminating.unwrap_or(false),
                     node_name: ep.node_name.clone(),
                     zone: ep.zone.clone(),
+                    zone_hints: ep
+                        .hints
+                        .as_ref()
+                        .and_then(|h| h.for_zones.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .map(|z| z.name.clone())
+                        .collect(),
                 });
             }
         }
@@ -425,5 +638,103 @@ impl fmt::Display for NodeInfo {
             write!(f, " zone={z}")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(
+        spec: serde_json::Value,
+        status: serde_json::Value,
+    ) -> Result<ServiceInfo, FieldError> {
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web", "namespace": "shop",
+                          "annotations": {"service.kubernetes.io/topology-mode": "Auto"}},
+            "spec": spec,
+            "status": status,
+        }))
+        .unwrap();
+        ServiceInfo::from_api(&svc)
+    }
+
+    #[test]
+    fn load_balancer_fields_are_read_and_proxy_mode_ingress_is_skipped() {
+        let s = parse(
+            serde_json::json!({
+                "type": "LoadBalancer", "clusterIP": "10.96.0.9",
+                "ports": [{"port": 80, "targetPort": 8080, "nodePort": 30080}],
+                "externalIPs": ["203.0.113.1"],
+                "loadBalancerSourceRanges": ["198.51.100.0/24"],
+                "sessionAffinity": "ClientIP",
+                "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
+                "healthCheckNodePort": 32001,
+            }),
+            serde_json::json!({"loadBalancer": {"ingress": [
+                {"ip": "198.51.100.7"},
+                {"ip": "198.51.100.8", "ipMode": "Proxy"},
+                {"hostname": "lb.example.com"},
+            ]}}),
+        )
+        .unwrap();
+        assert_eq!(s.service_type, ServiceType::LoadBalancer);
+        assert_eq!(s.ports[0].node_port, Some(30080));
+        assert_eq!(
+            s.external_ips,
+            vec!["203.0.113.1".parse::<IpAddr>().unwrap()]
+        );
+        assert_eq!(
+            s.load_balancer_ips,
+            vec!["198.51.100.7".parse::<IpAddr>().unwrap()]
+        );
+        assert_eq!(s.source_ranges[0].to_string(), "198.51.100.0/24");
+        assert_eq!(s.affinity_timeout, Some(DEFAULT_AFFINITY_TIMEOUT));
+        assert!(s.external_local && s.internal_local && s.prefer_same_zone);
+        assert_eq!(s.health_check_node_port, Some(32001));
+    }
+
+    #[test]
+    fn invalid_fields_are_named() {
+        let cases = [
+            (serde_json::json!({"type": "Balanced"}), "spec.type"),
+            (
+                serde_json::json!({"loadBalancerSourceRanges": ["10.0.0.0/40"]}),
+                "spec.loadBalancerSourceRanges[0]",
+            ),
+            (
+                serde_json::json!({"sessionAffinity": "ClientIP",
+                    "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}),
+                "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+            ),
+            (
+                serde_json::json!({"externalTrafficPolicy": "Nearby"}),
+                "spec.externalTrafficPolicy",
+            ),
+            (
+                serde_json::json!({"externalIPs": ["nope"]}),
+                "spec.externalIPs[0]",
+            ),
+            (
+                serde_json::json!({"ports": [{"port": 80, "nodePort": 70000}]}),
+                "spec.ports[0].nodePort",
+            ),
+        ];
+        for (spec, field) in cases {
+            let err = parse(spec, serde_json::json!({})).unwrap_err();
+            assert_eq!(err.field, field);
+        }
+    }
+
+    #[test]
+    fn cidrs_contain_their_addresses_only() {
+        let c: Cidr = "10.1.0.0/16".parse().unwrap();
+        assert!(c.contains("10.1.255.3".parse().unwrap()));
+        assert!(!c.contains("10.2.0.1".parse().unwrap()));
+        assert!(!c.contains("::1".parse().unwrap()));
+        let all: Cidr = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains("8.8.8.8".parse().unwrap()));
+        let host: Cidr = "fd00::1/128".parse().unwrap();
+        assert!(host.contains("fd00::1".parse().unwrap()));
     }
 }

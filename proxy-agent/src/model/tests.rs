@@ -12,8 +12,17 @@ fn name(ns: &str, n: &str) -> ObjectName {
 fn service(n: &str, ip: &str, ports: Vec<ServicePortSpec>) -> ServiceInfo {
     ServiceInfo {
         name: name("default", n),
+        service_type: ServiceType::ClusterIp,
         cluster_ips: vec![ip.parse().unwrap()],
         ports,
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        source_ranges: vec![],
+        affinity_timeout: None,
+        external_local: false,
+        internal_local: false,
+        health_check_node_port: None,
+        prefer_same_zone: false,
     }
 }
 
@@ -23,6 +32,7 @@ fn port(n: &str, port: u16, target: TargetPort) -> ServicePortSpec {
         protocol: Protocol::Tcp,
         port,
         target_port: target,
+        node_port: None,
     }
 }
 
@@ -34,6 +44,7 @@ fn endpoint(addr: &str, ready: bool) -> EndpointInfo {
         terminating: false,
         node_name: None,
         zone: None,
+        zone_hints: vec![],
     }
 }
 
@@ -96,7 +107,7 @@ fn only_ready_endpoints_serve() {
             vec![endpoint("10.0.0.1", true), endpoint("10.0.0.2", false)],
         )],
     );
-    let (state, problems) = DesiredState::build(&st);
+    let (state, problems) = DesiredState::build(&st, &NodeContext::default());
     assert!(problems.is_empty());
     assert_eq!(
         state.ports[&spn("a", "")].backends,
@@ -114,7 +125,7 @@ fn named_target_port_without_slice_ports_is_reported_not_guessed() {
         )],
         vec![slice("a-1", "a", None, vec![endpoint("10.0.0.1", true)])],
     );
-    let (state, problems) = DesiredState::build(&st);
+    let (state, problems) = DesiredState::build(&st, &NodeContext::default());
     assert_eq!(problems.len(), 1);
     assert!(
         problems[0]
@@ -137,7 +148,7 @@ fn numeric_target_port_applies_to_slices_without_ports() {
         )],
         vec![slice("a-1", "a", None, vec![endpoint("10.0.0.1", true)])],
     );
-    let (state, _) = DesiredState::build(&st);
+    let (state, _) = DesiredState::build(&st, &NodeContext::default());
     assert_eq!(
         state.ports[&spn("a", "")].backends,
         addrs(&["10.0.0.1:9000"])
@@ -174,7 +185,7 @@ fn slices_of_other_services_and_families_are_ignored() {
             ),
         ],
     );
-    let (state, _) = DesiredState::build(&st);
+    let (state, _) = DesiredState::build(&st, &NodeContext::default());
     assert_eq!(state.ports[&spn("a", "")].backends, addrs(&["10.0.0.1:80"]));
 }
 
@@ -188,7 +199,8 @@ fn headless_and_ipv6_only_services_are_not_proxied() {
         vec![port("", 80, TargetPort::Number(80))],
     );
     v6.cluster_ips = vec!["fd00::10".parse::<IpAddr>().unwrap()];
-    let (state, problems) = DesiredState::build(&store(vec![headless, v6], vec![]));
+    let (state, problems) =
+        DesiredState::build(&store(vec![headless, v6], vec![]), &NodeContext::default());
     assert!(state.ports.is_empty());
     assert!(problems.is_empty());
 }
@@ -202,7 +214,7 @@ fn two_services_on_one_frontend_keep_the_first_and_report_the_second() {
         ],
         vec![],
     );
-    let (state, problems) = DesiredState::build(&st);
+    let (state, problems) = DesiredState::build(&st, &NodeContext::default());
     assert!(state.ports.contains_key(&spn("a", "")));
     assert!(!state.ports.contains_key(&spn("b", "")));
     assert_eq!(problems.len(), 1);
@@ -227,12 +239,14 @@ fn diff_reports_exactly_what_changed() {
         )
     };
     let mut tracker = ChangeTracker::default();
-    let first = tracker.update(DesiredState::build(&base()).0);
+    let first = tracker.update(DesiredState::build(&base(), &NodeContext::default()).0);
     assert_eq!(first.len(), 2);
     assert!(first.iter().all(|c| matches!(c, ServiceChange::Added(_))));
 
     assert!(
-        tracker.update(DesiredState::build(&base()).0).is_empty(),
+        tracker
+            .update(DesiredState::build(&base(), &NodeContext::default()).0)
+            .is_empty(),
         "no change, no diff"
     );
 
@@ -250,7 +264,7 @@ fn diff_reports_exactly_what_changed() {
         .unwrap()
         .0
         .endpoints = vec![endpoint("10.0.0.1", true), endpoint("10.0.0.5", true)];
-    let changes = tracker.update(DesiredState::build(&next).0);
+    let changes = tracker.update(DesiredState::build(&next, &NodeContext::default()).0);
     let summary: Vec<(String, &str, usize)> = changes
         .iter()
         .map(|c| {
@@ -270,4 +284,311 @@ fn diff_reports_exactly_what_changed() {
             ("default/b/TCP".to_string(), "removed", 0),
         ]
     );
+}
+
+/// An endpoint for the selection table: `R` ready, `S` serving-and-terminating, `T`
+/// terminating and not serving, `U` not ready; on node `n1` (this node) or `n2`; hinted for
+/// the zones listed.
+fn ep(spec: &str, last_octet: u8, node: &str, hints: &[&str]) -> EndpointInfo {
+    let (ready, serving, terminating) = match spec {
+        "R" => (true, true, false),
+        "S" => (false, true, true),
+        "T" => (false, false, true),
+        "U" => (false, false, false),
+        other => panic!("{other}"),
+    };
+    EndpointInfo {
+        addr: format!("10.0.0.{last_octet}").parse().unwrap(),
+        ready,
+        serving,
+        terminating,
+        node_name: Some(node.into()),
+        zone: None,
+        zone_hints: hints.iter().map(|h| h.to_string()).collect(),
+    }
+}
+
+struct SelectionCase {
+    what: &'static str,
+    endpoints: Vec<EndpointInfo>,
+    internal_local: bool,
+    external_local: bool,
+    prefer_same_zone: bool,
+    /// Last octets chosen for cluster-IP traffic, and for NodePort traffic.
+    internal: (&'static [u8], WhenEmpty),
+    external: (&'static [u8], WhenEmpty),
+}
+
+#[test]
+fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
+    use WhenEmpty::{Drop, Refuse};
+    let cases = vec![
+        SelectionCase {
+            what: "ready endpoints anywhere serve Cluster policy",
+            endpoints: vec![
+                ep("R", 1, "n1", &[]),
+                ep("R", 2, "n2", &[]),
+                ep("U", 3, "n1", &[]),
+            ],
+            internal_local: false,
+            external_local: false,
+            prefer_same_zone: false,
+            internal: (&[1, 2], Refuse),
+            external: (&[1, 2], Refuse),
+        },
+        SelectionCase {
+            what: "terminating endpoints are not used while any is ready",
+            endpoints: vec![ep("R", 1, "n2", &[]), ep("S", 2, "n1", &[])],
+            internal_local: false,
+            external_local: false,
+            prefer_same_zone: false,
+            internal: (&[1], Refuse),
+            external: (&[1], Refuse),
+        },
+        SelectionCase {
+            what: "no ready endpoint: serving-and-terminating ones take over (KEP-1669)",
+            endpoints: vec![
+                ep("S", 1, "n1", &[]),
+                ep("S", 2, "n2", &[]),
+                ep("T", 3, "n1", &[]),
+            ],
+            internal_local: false,
+            external_local: false,
+            prefer_same_zone: false,
+            internal: (&[1, 2], Refuse),
+            external: (&[1, 2], Refuse),
+        },
+        SelectionCase {
+            what: "nothing ready or serving: refused",
+            endpoints: vec![ep("T", 1, "n1", &[]), ep("U", 2, "n2", &[])],
+            internal_local: false,
+            external_local: true,
+            prefer_same_zone: false,
+            internal: (&[], Refuse),
+            external: (&[], Refuse),
+        },
+        SelectionCase {
+            what: "externalTrafficPolicy Local: only this node's ready endpoints",
+            endpoints: vec![ep("R", 1, "n1", &[]), ep("R", 2, "n2", &[])],
+            internal_local: false,
+            external_local: true,
+            prefer_same_zone: false,
+            internal: (&[1, 2], Refuse),
+            external: (&[1], Drop),
+        },
+        SelectionCase {
+            what: "Local with endpoints only elsewhere: dropped, not refused",
+            endpoints: vec![ep("R", 2, "n2", &[])],
+            internal_local: true,
+            external_local: true,
+            prefer_same_zone: false,
+            internal: (&[], Drop),
+            external: (&[], Drop),
+        },
+        SelectionCase {
+            what: "Local falls back to this node's serving-and-terminating endpoints",
+            endpoints: vec![ep("S", 1, "n1", &[]), ep("R", 2, "n2", &[])],
+            internal_local: true,
+            external_local: false,
+            prefer_same_zone: false,
+            internal: (&[1], Drop),
+            external: (&[2], Refuse),
+        },
+        SelectionCase {
+            what: "topology: endpoints hinted for this node's zone",
+            endpoints: vec![
+                ep("R", 1, "n2", &["z1"]),
+                ep("R", 2, "n2", &["z2"]),
+                ep("R", 3, "n1", &["z1", "z2"]),
+            ],
+            internal_local: false,
+            external_local: false,
+            prefer_same_zone: true,
+            internal: (&[1, 3], Refuse),
+            external: (&[1, 3], Refuse),
+        },
+        SelectionCase {
+            what: "topology ignored when an endpoint lacks hints",
+            endpoints: vec![ep("R", 1, "n2", &["z1"]), ep("R", 2, "n2", &[])],
+            internal_local: false,
+            external_local: false,
+            prefer_same_zone: true,
+            internal: (&[1, 2], Refuse),
+            external: (&[1, 2], Refuse),
+        },
+        SelectionCase {
+            what: "topology ignored when nothing is hinted for this zone",
+            endpoints: vec![ep("R", 1, "n2", &["z2"]), ep("R", 2, "n2", &["z3"])],
+            internal_local: false,
+            external_local: false,
+            prefer_same_zone: true,
+            internal: (&[1, 2], Refuse),
+            external: (&[1, 2], Refuse),
+        },
+        SelectionCase {
+            what: "hints without PreferClose or the topology annotation mean nothing",
+            endpoints: vec![ep("R", 1, "n2", &["z1"]), ep("R", 2, "n2", &["z2"])],
+            internal_local: false,
+            external_local: false,
+            prefer_same_zone: false,
+            internal: (&[1, 2], Refuse),
+            external: (&[1, 2], Refuse),
+        },
+        SelectionCase {
+            what: "Local policy is not narrowed by topology",
+            endpoints: vec![ep("R", 1, "n1", &["z2"]), ep("R", 2, "n2", &["z1"])],
+            internal_local: true,
+            external_local: false,
+            prefer_same_zone: true,
+            internal: (&[1], Drop),
+            external: (&[2], Refuse),
+        },
+    ];
+    let node = NodeContext {
+        name: "n1".into(),
+        zone: Some("z1".into()),
+        node_port_addresses: vec!["192.168.0.1".parse().unwrap()],
+    };
+    for case in cases {
+        let mut svc = service(
+            "a",
+            "10.96.0.1",
+            vec![port("", 80, TargetPort::Number(8080))],
+        );
+        svc.service_type = ServiceType::NodePort;
+        svc.ports[0].node_port = Some(30080);
+        svc.internal_local = case.internal_local;
+        svc.external_local = case.external_local;
+        svc.prefer_same_zone = case.prefer_same_zone;
+        let st = store(vec![svc], vec![slice("a-1", "a", None, case.endpoints)]);
+        let (state, problems) = DesiredState::build(&st, &node);
+        assert!(problems.is_empty(), "{}: {problems:?}", case.what);
+        let s = &state.ports[&spn("a", "")];
+        let chosen = |octets: &[u8]| -> Vec<SocketAddrV4> {
+            octets
+                .iter()
+                .map(|o| SocketAddrV4::new(std::net::Ipv4Addr::new(10, 0, 0, *o), 8080))
+                .collect()
+        };
+        assert_eq!(
+            (s.backends.clone(), s.when_empty),
+            (chosen(case.internal.0), case.internal.1),
+            "cluster IP: {}",
+            case.what
+        );
+        assert_eq!(s.external.len(), 1, "{}", case.what);
+        let np = &s.external[0];
+        assert_eq!(np.kind, FrontendKind::NodePort);
+        assert_eq!(np.frontend.to_string(), "192.168.0.1:30080/TCP");
+        assert_eq!(
+            (np.backends.clone(), np.when_empty),
+            (chosen(case.external.0), case.external.1),
+            "NodePort: {}",
+            case.what
+        );
+        assert_eq!(np.masquerade, !case.external_local, "{}", case.what);
+    }
+}
+
+#[test]
+fn external_frontends_come_from_node_ports_external_ips_and_load_balancer_status() {
+    let mut svc = service(
+        "lb",
+        "10.96.0.7",
+        vec![port("http", 80, TargetPort::Number(8080))],
+    );
+    svc.service_type = ServiceType::LoadBalancer;
+    svc.ports[0].node_port = Some(31000);
+    svc.external_ips = vec![
+        "203.0.113.5".parse().unwrap(),
+        "2001:db8::5".parse().unwrap(),
+    ];
+    svc.load_balancer_ips = vec!["198.51.100.9".parse().unwrap()];
+    svc.source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
+    svc.external_local = true;
+    svc.health_check_node_port = Some(32000);
+    svc.affinity_timeout = Some(60);
+    let node = NodeContext {
+        name: "n1".into(),
+        zone: None,
+        node_port_addresses: vec!["192.168.0.1".parse().unwrap(), "10.1.0.1".parse().unwrap()],
+    };
+    let eps = vec![
+        ep("R", 1, "n1", &[]),
+        ep("R", 2, "n1", &[]),
+        ep("R", 3, "n2", &[]),
+    ];
+    let st = store(
+        vec![svc],
+        vec![slice("lb-1", "lb", Some(vec![("http", 8080)]), eps)],
+    );
+    let (state, _) = DesiredState::build(&st, &node);
+    let s = &state.ports[&spn("lb", "http")];
+    let kinds: Vec<(String, FrontendKind, usize)> = s
+        .external
+        .iter()
+        .map(|f| (f.frontend.to_string(), f.kind, f.source_ranges.len()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            (
+                "192.168.0.1:31000/TCP".to_string(),
+                FrontendKind::NodePort,
+                0
+            ),
+            ("10.1.0.1:31000/TCP".to_string(), FrontendKind::NodePort, 0),
+            (
+                "203.0.113.5:80/TCP".to_string(),
+                FrontendKind::ExternalIp,
+                0
+            ),
+            (
+                "198.51.100.9:80/TCP".to_string(),
+                FrontendKind::LoadBalancer,
+                1
+            ),
+        ]
+    );
+    assert_eq!(s.health_check, Some((32000, 2)), "two local endpoints");
+    assert_eq!(s.affinity_timeout, Some(60));
+    assert_eq!(
+        s.remote.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+        ["10.0.0.3:8080"]
+    );
+    assert_eq!(
+        s.frontends().len(),
+        5,
+        "cluster IP first, then the four above"
+    );
+}
+
+#[test]
+fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
+    let node = NodeInfo {
+        name: "n1".into(),
+        addresses: vec![
+            ("InternalIP".into(), "10.0.0.5".parse().unwrap()),
+            ("ExternalIP".into(), "203.0.113.5".parse().unwrap()),
+            ("InternalIP".into(), "fd00::5".parse().unwrap()),
+        ],
+        zone: Some("z1".into()),
+    };
+    let local: Vec<std::net::Ipv4Addr> = ["127.0.0.1", "10.0.0.5", "192.168.7.1"]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+    let v4 = |list: &[&str]| -> Vec<std::net::Ipv4Addr> {
+        list.iter().map(|a| a.parse().unwrap()).collect()
+    };
+    let ctx = NodeContext::new("n1", Some(&node), &[], &local);
+    assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "203.0.113.5"]));
+    assert_eq!(ctx.zone.as_deref(), Some("z1"));
+    let ctx = NodeContext::new("n1", None, &[], &local);
+    assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
+    let cidr = NodePortAddress::Cidr("192.168.0.0/16".parse().unwrap());
+    let ctx = NodeContext::new("n1", Some(&node), &[cidr.clone()], &local);
+    assert_eq!(ctx.node_port_addresses, v4(&["192.168.7.1"]));
+    let ctx = NodeContext::new("n1", Some(&node), &[cidr, NodePortAddress::Primary], &local);
+    assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
 }

@@ -1,7 +1,9 @@
 use std::{net::Ipv4Addr, sync::Arc};
 
 use super::{maps::InMemoryMaps, sync::service_key, *};
-use crate::model::{diff, Frontend, ObjectName, Protocol, ServicePortName, ServicePortState};
+use crate::model::{
+    diff, Frontend, ObjectName, Protocol, ServicePortName, ServicePortState, WhenEmpty,
+};
 
 fn state(name: &str, vip: [u8; 4], backends: &[&str]) -> Arc<ServicePortState> {
     Arc::new(ServicePortState {
@@ -19,6 +21,11 @@ fn state(name: &str, vip: [u8; 4], backends: &[&str]) -> Arc<ServicePortState> {
             protocol: Protocol::Tcp,
         },
         backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
+        when_empty: WhenEmpty::Refuse,
+        external: Vec::new(),
+        remote: Default::default(),
+        affinity_timeout: None,
+        health_check: None,
     })
 }
 

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use tower_test::mock;
 
 use super::*;
-use crate::model::{DesiredState, Protocol, ServicePortName};
+use crate::model::{DesiredState, NodeContext, Protocol, ServicePortName};
 
 const SERVICES: &str = "/api/v1/services";
 const SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
@@ -251,7 +251,7 @@ async fn relists_skips_foreign_services_and_recovers_from_watch_errors() {
     let mut saw_foreign = false;
     let done = tokio::time::timeout(Duration::from_secs(15), async {
         while let Some(snapshot) = rx.recv().await {
-            let (state, _) = DesiredState::build(&snapshot.store);
+            let (state, _) = DesiredState::build(&snapshot.store, &NodeContext::default());
             saw_gone |= state.ports.contains_key(&port("gone"));
             saw_foreign |= state.ports.contains_key(&port("foreign"));
             let web = backends(&state, "web");
@@ -332,7 +332,7 @@ async fn invalid_objects_are_reported_and_the_rest_served() {
     })
     .await
     .unwrap();
-    let (state, _) = DesiredState::build(&snapshot.store);
+    let (state, _) = DesiredState::build(&snapshot.store, &NodeContext::default());
     assert_eq!(backends(&state, "web").unwrap().len(), 1);
     assert_eq!(snapshot.problems.len(), 1);
     let p = snapshot.problems[0].to_string();

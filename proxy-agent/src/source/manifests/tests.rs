@@ -3,7 +3,7 @@ use std::{fs, net::SocketAddrV4, os::unix::fs::symlink, time::Duration};
 use tokio::sync::mpsc;
 
 use super::*;
-use crate::model::{DesiredState, ObjectName, Protocol, ServicePortName};
+use crate::model::{DesiredState, NodeContext, ObjectName, Protocol, ServicePortName};
 
 const MIXED: &str = r#"
 # A Service with a named and a numeric target port, served by two slices.
@@ -137,7 +137,7 @@ fn one_broken_document_costs_only_itself() {
 #[test]
 fn named_and_numeric_target_ports_resolve_per_slice_and_duplicates_merge() {
     let set = parse(MIXED);
-    let (state, problems) = DesiredState::build(&set.store);
+    let (state, problems) = DesiredState::build(&set.store, &NodeContext::default());
     assert!(problems.is_empty(), "{problems:#?}");
     let http = &state.ports[&port("shop", "web", "http", Protocol::Tcp)];
     assert_eq!(http.frontend.addr.to_string(), "10.96.0.10");
@@ -180,7 +180,7 @@ fn lists_and_json_documents_are_read() {
         set.nodes[0].to_string(),
         "node node-a InternalIP=192.0.2.7 zone=z2"
     );
-    let (state, _) = DesiredState::build(&set.store);
+    let (state, _) = DesiredState::build(&set.store, &NodeContext::default());
     let a = &state.ports[&port("x", "a", "", Protocol::Udp)];
     assert_eq!(
         a.backends,
