@@ -587,7 +587,7 @@ fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
     let ctx = NodeContext::new("n1", None, &[], &local);
     assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
     let cidr = NodePortAddress::Cidr("192.168.0.0/16".parse().unwrap());
-    let ctx = NodeContext::new("n1", Some(&node), &[cidr.clone()], &local);
+    let ctx = NodeContext::new("n1", Some(&node), std::slice::from_ref(&cidr), &local);
     assert_eq!(ctx.node_port_addresses, v4(&["192.168.7.1"]));
     let ctx = NodeContext::new("n1", Some(&node), &[cidr, NodePortAddress::Primary], &local);
     assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
