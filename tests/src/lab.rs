@@ -26,8 +26,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-const PREFIX: &str = "kpl";
-static LAB_COUNTER: AtomicUsize = AtomicUsize::new(0);
+pub(crate) const PREFIX: &str = "kpl";
+pub(crate) static LAB_COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs a command, failing with its stderr.
 pub fn sh(program: &str, args: &[&str]) -> Result<String> {
@@ -129,7 +129,7 @@ pub fn sweep_stale_namespaces() {
 }
 
 /// Unmounts bpffs instances that labs of killed runs left mounted.
-fn sweep_stale_mounts() {
+pub(crate) fn sweep_stale_mounts() {
     let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else {
         return;
     };
@@ -161,7 +161,7 @@ pub struct LabBpffs {
 }
 
 impl LabBpffs {
-    fn mount(dir: &Path) -> Result<Self> {
+    pub(crate) fn mount(dir: &Path) -> Result<Self> {
         let path = dir.join("bpffs");
         std::fs::create_dir_all(&path)?;
         sh("mount", &["-t", "bpf", "bpf", &path.to_string_lossy()])?;

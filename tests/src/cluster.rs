@@ -1,0 +1,577 @@
+//! The two-node lab: two node namespaces joined by a routed link (each node routes the other
+//! node's pod range via the other node's address, as a CNI in routed mode does), pods on
+//! both, an external client namespace wired to each node's external interface, and one agent
+//! per node. Built from the same pieces as [`crate::lab`] and under the same rules: only
+//! namespaces it creates, every route ends inside the lab, unique names, torn down on drop.
+//!
+//! ```text
+//!   ext ns: eth1 10.250.1.2 ── ext0 10.250.1.1  node-1  fab0 10.251.0.1 ─┐
+//!           eth2 10.250.2.2 ── ext0 10.250.2.1  node-2  fab0 10.251.0.2 ─┘
+//!   node-1 pods 10.244.1.0/24 (lxc*), node-2 pods 10.244.2.0/24 (lxc*)
+//! ```
+//!
+//! Backend pods answer TCP on 8080 and 8081 and UDP on 5353 with a greeting that says who
+//! answered, on which port, and which source address they saw (so tests can check
+//! source NAT and source preservation).
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::lab::{
+    sweep_stale_mounts, sweep_stale_namespaces, Agent, LabBpffs, Netns, LAB_COUNTER, PREFIX,
+};
+
+pub const TCP_PORTS: [u16; 2] = [8080, 8081];
+pub const UDP_PORT: u16 = 5353;
+
+/// Where an external client sits: on each node's external link.
+pub fn external_client_ip(node: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 250, node, 2)
+}
+
+/// A second address of the external client on node `node`'s link (another "user").
+pub fn other_external_client_ip(node: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 250, node, 3)
+}
+
+/// Addresses routed to node-1 from the external namespace: external IPs and load-balancer
+/// IPs in tests live here.
+pub const EXTERNAL_RANGE: &str = "10.252.0.0/24";
+
+pub struct ClusterNode {
+    pub name: String,
+    pub index: u8,
+    /// The node's InternalIP, on the link between the nodes.
+    pub internal_ip: Ipv4Addr,
+    /// The node's ExternalIP, on its external link.
+    pub external_ip: Ipv4Addr,
+    pub bpffs: LabBpffs,
+    pub agent: Option<Agent>,
+    pub ns: Netns,
+}
+
+/// A pod on one node.
+#[derive(Debug)]
+pub struct ClusterPod {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    /// 1 or 2.
+    pub node: u8,
+    pub ns: Netns,
+}
+
+/// Who answered a hello, and what it saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub pod: String,
+    /// The peer address the backend saw (the client, or the node that source-NATed it).
+    pub from: SocketAddrV4,
+    /// The backend's local port.
+    pub port: u16,
+}
+
+impl Hello {
+    fn parse(line: &str) -> Option<Self> {
+        let mut f = line.split_whitespace();
+        Some(Hello {
+            pod: f.next()?.to_string(),
+            from: f.next()?.parse().ok()?,
+            port: f.next()?.parse().ok()?,
+        })
+    }
+}
+
+type ServerThread = JoinHandle<Result<Result<()>>>;
+
+pub struct Cluster {
+    pub id: String,
+    pub dir: tempfile::TempDir,
+    pub pods: Vec<ClusterPod>,
+    pub external: Netns,
+    servers: Vec<(Arc<AtomicBool>, ServerThread)>,
+    // Dropped last: deleting them removes every veth of the lab.
+    pub nodes: Vec<ClusterNode>,
+}
+
+/// The pods every cluster has: a client pod on each node, one backend on node-1, two on
+/// node-2.
+pub const CLIENT: &str = "client";
+pub const CLIENT_2: &str = "client-2";
+pub const CLIENT_2_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 2);
+pub const BACKENDS: [(&str, u8, Ipv4Addr); 3] = [
+    ("web-1a", 1, Ipv4Addr::new(10, 244, 1, 11)),
+    ("web-2a", 2, Ipv4Addr::new(10, 244, 2, 11)),
+    ("web-2b", 2, Ipv4Addr::new(10, 244, 2, 12)),
+];
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
+
+impl Cluster {
+    pub fn new() -> Result<Self> {
+        sweep_stale_namespaces();
+        sweep_stale_mounts();
+        let id = format!(
+            "{PREFIX}-{}-{}",
+            std::process::id(),
+            LAB_COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{id}-"))
+            .tempdir()?;
+        let external = Netns::create(&format!("{id}-ext"))?;
+        let mut nodes = Vec::new();
+        for index in 1..=2u8 {
+            let ns = Netns::create(&format!("{id}-n{index}"))?;
+            ns.sysctl("net.ipv4.ip_forward=1")?;
+            let node_dir = dir.path().join(format!("node-{index}"));
+            std::fs::create_dir_all(&node_dir)?;
+            let ext_if = format!("eth{index}");
+            let external_ip = Ipv4Addr::new(10, 250, index, 1);
+            ns.ip(&[
+                "link",
+                "add",
+                "ext0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &ext_if,
+                "netns",
+                &external.name,
+            ])?;
+            ns.ip(&["addr", "add", &format!("{external_ip}/24"), "dev", "ext0"])?;
+            ns.ip(&["link", "set", "ext0", "up"])?;
+            ns.ip(&[
+                "route",
+                "add",
+                "default",
+                "via",
+                &external_client_ip(index).to_string(),
+            ])?;
+            external.ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", external_client_ip(index)),
+                "dev",
+                &ext_if,
+            ])?;
+            external.ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", other_external_client_ip(index)),
+                "dev",
+                &ext_if,
+            ])?;
+            external.ip(&["link", "set", &ext_if, "up"])?;
+            nodes.push(ClusterNode {
+                name: format!("node-{index}"),
+                index,
+                internal_ip: Ipv4Addr::new(10, 251, 0, index),
+                external_ip,
+                bpffs: LabBpffs::mount(&node_dir)?,
+                agent: None,
+                ns,
+            });
+        }
+        // External IPs and load-balancer IPs arrive at node-1, as a router would send them.
+        external.ip(&["route", "add", EXTERNAL_RANGE, "via", "10.250.1.1"])?;
+        // The link between the nodes, and each node's route to the other's pods.
+        nodes[0].ns.ip(&[
+            "link",
+            "add",
+            "fab0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "fab0",
+            "netns",
+            &nodes[1].ns.name,
+        ])?;
+        for (i, node) in nodes.iter().enumerate() {
+            let other = &format!("10.251.0.{}", 2 - i);
+            node.ns.ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", node.internal_ip),
+                "dev",
+                "fab0",
+            ])?;
+            node.ns.ip(&["link", "set", "fab0", "up"])?;
+            let other_pods = format!("10.244.{}.0/24", 2 - i);
+            node.ns.ip(&["route", "add", &other_pods, "via", other])?;
+        }
+        let mut cluster = Cluster {
+            id,
+            dir,
+            pods: Vec::new(),
+            external,
+            servers: Vec::new(),
+            nodes,
+        };
+        cluster.add_pod(CLIENT, 1, CLIENT_IP)?;
+        cluster.add_pod(CLIENT_2, 2, CLIENT_2_IP)?;
+        for (name, node, ip) in BACKENDS {
+            cluster.add_pod(name, node, ip)?;
+            cluster.start_servers(name)?;
+        }
+        Ok(cluster)
+    }
+
+    pub fn node(&self, index: u8) -> &ClusterNode {
+        &self.nodes[index as usize - 1]
+    }
+
+    pub fn pod(&self, name: &str) -> &ClusterPod {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod {name}"))
+    }
+
+    fn add_pod(&mut self, name: &str, node: u8, ip: Ipv4Addr) -> Result<()> {
+        let ns = Netns::create(&format!("{}-{name}", self.id))?;
+        let node_ns = &self.nodes[node as usize - 1].ns;
+        let host_if = format!("lxc{}", self.pods.iter().filter(|p| p.node == node).count());
+        node_ns.ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+        ])?;
+        node_ns.ip(&["link", "set", &host_if, "up"])?;
+        node_ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
+        node_ns.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp=1"))?;
+        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        ns.ip(&[
+            "route",
+            "add",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ])?;
+        ns.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+        ])?;
+        self.pods.push(ClusterPod {
+            name: name.into(),
+            ip,
+            node,
+            ns,
+        });
+        Ok(())
+    }
+
+    fn start_servers(&mut self, name: &str) -> Result<()> {
+        let pod = self.pod(name);
+        let name = pod.name.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let stop2 = stop.clone();
+        let handle = pod.ns.spawn(move || -> Result<()> {
+            let mut tcp = Vec::new();
+            for port in TCP_PORTS {
+                let l = TcpListener::bind(("0.0.0.0", port))?;
+                l.set_nonblocking(true)?;
+                tcp.push(l);
+            }
+            let udp = UdpSocket::bind(("0.0.0.0", UDP_PORT))?;
+            udp.set_nonblocking(true)?;
+            ready_tx.send(()).ok();
+            let mut fds: Vec<libc::pollfd> = tcp
+                .iter()
+                .map(|l| l.as_raw_fd())
+                .chain([udp.as_raw_fd()])
+                .map(|fd| libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                })
+                .collect();
+            let mut buf = [0u8; 65536];
+            while !stop2.load(Ordering::Relaxed) {
+                // SAFETY: valid pollfd entries.
+                if unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, 50) } <= 0 {
+                    continue;
+                }
+                for l in &tcp {
+                    while let Ok((stream, _)) = l.accept() {
+                        let name = name.clone();
+                        std::thread::spawn(move || serve_tcp(stream, &name));
+                    }
+                }
+                while let Ok((n, from)) = udp.recv_from(&mut buf) {
+                    // Large datagrams are echoed with the greeting in front (fragment tests).
+                    let mut reply = format!("{name} {from} {UDP_PORT}\n").into_bytes();
+                    if n > 100 {
+                        reply.extend_from_slice(&buf[..n]);
+                    }
+                    let _ = udp.send_to(&reply, from);
+                }
+            }
+            Ok(())
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(5))
+            .context("backend servers did not start")?;
+        self.servers.push((stop, handle));
+        Ok(())
+    }
+
+    /// Writes the manifests both agents read; returns the path.
+    pub fn write_manifests(&self, yaml: &str) -> Result<PathBuf> {
+        let path = self.dir.path().join("cluster.yaml");
+        let tmp = self.dir.path().join(".cluster.yaml.tmp");
+        std::fs::write(&tmp, format!("{}{yaml}", self.node_objects()))?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(path)
+    }
+
+    /// The two Node objects (InternalIP on the link between nodes, ExternalIP outside, zones
+    /// z1 and z2).
+    fn node_objects(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| {
+                format!(
+                    "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\n  labels: {{topology.kubernetes.io/zone: z{}}}\nstatus:\n  addresses:\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n---\n",
+                    n.name, n.index, n.internal_ip, n.external_ip
+                )
+            })
+            .collect()
+    }
+
+    /// Starts an agent on every node with `extra` flags and waits until each has attached to
+    /// all its interfaces and synced.
+    pub fn start_agents(&mut self, manifests: &Path, extra: &[&str]) -> Result<()> {
+        for i in 0..self.nodes.len() {
+            let interfaces = 2 + self
+                .pods
+                .iter()
+                .filter(|p| p.node == self.nodes[i].index)
+                .count();
+            let node = &mut self.nodes[i];
+            let root = node.bpffs.root();
+            let mut args = vec![
+                "--bpffs-root",
+                root.to_str().unwrap(),
+                "--interfaces",
+                "lxc*,ext0,fab0",
+                "--hostname-override",
+                &node.name,
+            ];
+            args.extend_from_slice(extra);
+            let log = self.dir.path().join(format!("agent-{}.log", node.name));
+            let agent = Agent::start(&node.ns, Some(manifests), &log, &args)?;
+            node.agent = Some(agent);
+            node.agent.as_mut().unwrap().wait_for_log(|log| {
+                log.matches("attached interface=").count() >= interfaces && log.contains("synced")
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Both agents' logs, for failure messages.
+    pub fn logs(&self) -> String {
+        self.nodes
+            .iter()
+            .filter_map(|n| {
+                n.agent
+                    .as_ref()
+                    .map(|a| format!("--- {}:\n{}", n.name, a.log_text()))
+            })
+            .collect()
+    }
+
+    /// Waits until both agents have logged `count` syncs in total more than `before`.
+    pub fn wait_for_syncs(&mut self, before: usize) -> Result<()> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if self.sync_count() > before + 1 {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("agents did not sync:\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn sync_count(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.agent.as_ref())
+            .map(|a| a.log_text().matches("synced").count())
+            .sum()
+    }
+}
+
+fn serve_tcp(mut stream: TcpStream, name: &str) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let (Ok(peer), Ok(local)) = (stream.peer_addr(), stream.local_addr()) else {
+        return;
+    };
+    if stream
+        .write_all(format!("{name} {peer} {}\n", local.port()).as_bytes())
+        .is_err()
+    {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if stream.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut a) = node.agent.take() {
+                let _ = a.stop();
+            }
+            // What the agent left attached and pinned goes with the lab.
+            let root = node.bpffs.root();
+            if let Ok(bin) = crate::lab::agent_binary() {
+                let _ = std::process::Command::new("ip")
+                    .args(["netns", "exec", &node.ns.name])
+                    .arg(bin)
+                    .args(["--bpffs-root", root.to_str().unwrap(), "--cleanup"])
+                    .output();
+            }
+        }
+        for (stop, _) in &self.servers {
+            stop.store(true, Ordering::Relaxed);
+        }
+        for (_, h) in self.servers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Clients; call them inside a namespace (`Netns::run`).
+pub mod client {
+    use super::*;
+
+    /// Connects (from `source` when given), reads the greeting.
+    pub fn tcp_hello(
+        to: SocketAddrV4,
+        source: Option<Ipv4Addr>,
+        timeout: Duration,
+    ) -> std::io::Result<Hello> {
+        let mut s = match source {
+            None => TcpStream::connect_timeout(&to.into(), timeout)?,
+            Some(ip) => {
+                let socket = socket_bound(ip, libc::SOCK_STREAM)?;
+                let std_socket: std::net::TcpStream = socket.into();
+                connect_stream(std_socket, to, timeout)?
+            }
+        };
+        s.set_read_timeout(Some(timeout))?;
+        let mut line = String::new();
+        BufReader::new(&mut s).read_line(&mut line)?;
+        Hello::parse(&line).ok_or_else(|| std::io::Error::other(format!("bad greeting {line:?}")))
+    }
+
+    /// Sends one datagram of `size` bytes (from `source` when given); returns the answer.
+    pub fn udp_hello(
+        to: SocketAddrV4,
+        source: Option<Ipv4Addr>,
+        size: usize,
+        timeout: Duration,
+    ) -> std::io::Result<(Hello, usize)> {
+        let s = UdpSocket::bind((source.unwrap_or(Ipv4Addr::UNSPECIFIED), 0))?;
+        s.connect(to)?;
+        s.set_read_timeout(Some(timeout))?;
+        s.send(&vec![b'x'; size.max(1)])?;
+        let mut buf = vec![0u8; 70000];
+        let n = s.recv(&mut buf)?;
+        let text = String::from_utf8_lossy(&buf[..n]);
+        let line = text.lines().next().unwrap_or("");
+        let hello = Hello::parse(line)
+            .ok_or_else(|| std::io::Error::other(format!("bad greeting {line:?}")))?;
+        Ok((hello, n))
+    }
+
+    fn socket_bound(ip: Ipv4Addr, kind: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket/bind calls on a fresh descriptor that OwnedFd then owns.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, kind | libc::SOCK_CLOEXEC, 0);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+            let addr = libc::sockaddr_in {
+                sin_family: libc::AF_INET as _,
+                sin_port: 0,
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(ip).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            if libc::bind(
+                fd,
+                &addr as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_in>() as _,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(owned)
+        }
+    }
+
+    fn connect_stream(
+        stream: TcpStream,
+        to: SocketAddrV4,
+        timeout: Duration,
+    ) -> std::io::Result<TcpStream> {
+        let addr = libc::sockaddr_in {
+            sin_family: libc::AF_INET as _,
+            sin_port: to.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*to.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        stream.set_write_timeout(Some(timeout))?;
+        // SAFETY: connect on the stream's own descriptor with a valid sockaddr_in. A blocking
+        // connect is bounded by the kernel's SYN retries; SO_SNDTIMEO bounds it further.
+        let rc = unsafe {
+            libc::connect(
+                stream.as_raw_fd(),
+                &addr as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_in>() as _,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(stream)
+    }
+}

@@ -1,0 +1,411 @@
+//! The conformance suite: what a Service promises, checked with real TCP and UDP in the
+//! two-node lab (`proxy_tests::cluster`), from pods and from an external client. Each row is
+//! written once and run for every proxy mode; a mode that cannot run a row says why and
+//! skips it (printed as `SKIP <row> [<mode>]: <reason>`), it never passes silently.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddrV4,
+    time::Duration,
+};
+
+use proxy_tests::{
+    cluster::{client, Cluster, Hello, CLIENT, CLIENT_2, CLIENT_IP},
+    require_kernel,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Ebpf,
+    Iptables,
+    Ipvs,
+    Nftables,
+    Userspace,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Iptables => "iptables",
+            Mode::Ipvs => "ipvs",
+            Mode::Nftables => "nftables",
+            Mode::Userspace => "userspace",
+        }
+    }
+
+    /// Why this mode cannot run in this build or on this machine, if it cannot.
+    fn unavailable(self) -> Option<&'static str> {
+        match self {
+            Mode::Ebpf => None,
+            _ => Some("this proxier is not built yet (the fallback proxiers are [5 of 6])"),
+        }
+    }
+}
+
+/// Runs `row` for `mode`, or says why not.
+fn run(mode: Mode, row: &str, body: fn(Mode)) {
+    if let Some(reason) = mode.unavailable() {
+        eprintln!("SKIP {row} [{}]: {reason}", mode.name());
+        return;
+    }
+    require_kernel!();
+    body(mode);
+}
+
+/// One `#[test]` per row and mode: `cargo test --test conformance ebpf::` runs a mode,
+/// `cargo test --test conformance node_port` a row everywhere.
+macro_rules! conformance {
+    ($($row:ident),* $(,)?) => {
+        conformance!(@mode ebpf, Ebpf, $($row),*);
+        conformance!(@mode iptables, Iptables, $($row),*);
+        conformance!(@mode ipvs, Ipvs, $($row),*);
+        conformance!(@mode nftables, Nftables, $($row),*);
+        conformance!(@mode userspace, Userspace, $($row),*);
+    };
+    (@mode $module:ident, $mode:ident, $($row:ident),*) => {
+        mod $module {
+            $(
+                #[test]
+                fn $row() {
+                    super::run(super::Mode::$mode, stringify!($row), super::$row);
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    cluster_ip_tcp_and_udp_reach_backends_on_both_nodes,
+    multi_port_service_maps_each_port_to_its_target,
+    named_target_port_is_resolved_per_endpoint,
+    service_without_endpoints_is_refused,
+    terminating_endpoints_serve_only_when_none_is_ready,
+    internal_traffic_policy_local_keeps_traffic_on_the_node,
+    prefer_close_keeps_traffic_in_the_zone,
+);
+
+const T: Duration = Duration::from_secs(2);
+
+// --- manifests ---------------------------------------------------------------------------
+
+/// A Service in namespace `lab`. `ports`: (name, protocol, port, targetPort).
+fn service(name: &str, ip: &str, spec: &str, ports: &[(&str, &str, u16, &str)]) -> String {
+    let ports: String = ports
+        .iter()
+        .map(|(n, proto, port, target)| {
+            format!(
+                "  - {{name: \"{n}\", protocol: {proto}, port: {port}, targetPort: {target}}}\n"
+            )
+        })
+        .collect();
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  clusterIP: {ip}\n{spec}  ports:\n{ports}---\n"
+    )
+}
+
+/// An EndpointSlice of `svc`. `ports`: (name, protocol, port); `endpoints`: (pod, extra
+/// YAML for the endpoint, e.g. conditions and hints; default ready).
+fn slice(
+    cluster: &Cluster,
+    svc: &str,
+    suffix: &str,
+    ports: &[(&str, &str, u16)],
+    endpoints: &[(&str, &str)],
+) -> String {
+    let ports: String = ports
+        .iter()
+        .map(|(n, proto, port)| format!("  - {{name: \"{n}\", protocol: {proto}, port: {port}}}\n"))
+        .collect();
+    let eps: String = endpoints
+        .iter()
+        .map(|(pod, extra)| {
+            let p = cluster.pod(pod);
+            let extra = if extra.is_empty() {
+                "conditions: {ready: true}"
+            } else {
+                extra
+            };
+            format!(
+                "  - addresses: [\"{}\"]\n    nodeName: node-{}\n    {extra}\n",
+                p.ip, p.node
+            )
+        })
+        .collect();
+    format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-{suffix}, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: IPv4\nports:\n{ports}endpoints:\n{eps}---\n"
+    )
+}
+
+const ALL: [&str; 3] = ["web-1a", "web-2a", "web-2b"];
+
+fn ready(pods: &[&'static str]) -> Vec<(&'static str, &'static str)> {
+    pods.iter().map(|p| (*p, "")).collect()
+}
+
+/// A cluster running `mode` on both nodes with `yaml` (built with the cluster, for slices
+/// that name its pods).
+fn cluster(mode: Mode, yaml: impl Fn(&Cluster) -> String) -> Cluster {
+    let mut c = Cluster::new().expect("cluster lab");
+    let path = c.write_manifests(&yaml(&c)).unwrap();
+    c.start_agents(&path, &["--proxy-mode", mode.name()])
+        .expect("agents");
+    c
+}
+
+// --- clients ------------------------------------------------------------------------------
+
+fn addr(ip: &str, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(ip.parse().unwrap(), port)
+}
+
+/// `n` TCP connections from pod `from`; the greetings.
+fn tcp_from_pod(c: &Cluster, from: &str, to: SocketAddrV4, n: usize) -> Vec<Hello> {
+    let logs = c.logs();
+    c.pod(from)
+        .ns
+        .run(move || {
+            (0..n)
+                .map(|i| {
+                    client::tcp_hello(to, None, T)
+                        .unwrap_or_else(|e| panic!("connection {i} to {to}: {e}\n{logs}"))
+                })
+                .collect()
+        })
+        .unwrap()
+}
+
+/// `n` UDP exchanges (each from a new socket) from pod `from`.
+fn udp_from_pod(c: &Cluster, from: &str, to: SocketAddrV4, n: usize) -> Vec<Hello> {
+    let logs = c.logs();
+    c.pod(from)
+        .ns
+        .run(move || {
+            (0..n)
+                .map(|i| {
+                    client::udp_hello(to, None, 10, T)
+                        .unwrap_or_else(|e| panic!("datagram {i} to {to}: {e}\n{logs}"))
+                        .0
+                })
+                .collect()
+        })
+        .unwrap()
+}
+
+fn pods(hellos: &[Hello]) -> BTreeSet<String> {
+    hellos.iter().map(|h| h.pod.clone()).collect()
+}
+
+fn set(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn counts(hellos: &[Hello]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for h in hellos {
+        *m.entry(h.pod.clone()).or_default() += 1;
+    }
+    m
+}
+
+// --- rows ---------------------------------------------------------------------------------
+
+fn cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
+    let c = cluster(mode, |c| {
+        service(
+            "web",
+            "10.96.0.10",
+            "",
+            &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+        ) + &slice(
+            c,
+            "web",
+            "1",
+            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+            &ready(&ALL),
+        )
+    });
+    let tcp = tcp_from_pod(&c, CLIENT, addr("10.96.0.10", 80), 60);
+    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
+    for h in &tcp {
+        assert_eq!(
+            *h.from.ip(),
+            CLIENT_IP,
+            "a pod's source address is kept: {h:?}"
+        );
+        assert_eq!(h.port, 8080);
+    }
+    let udp = udp_from_pod(&c, CLIENT, addr("10.96.0.10", 53), 60);
+    assert_eq!(pods(&udp), set(&ALL), "{:?}", counts(&udp));
+    assert!(udp.iter().all(|h| *h.from.ip() == CLIENT_IP));
+    // From a pod on the other node too.
+    let tcp = tcp_from_pod(&c, CLIENT_2, addr("10.96.0.10", 80), 30);
+    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
+}
+
+fn multi_port_service_maps_each_port_to_its_target(mode: Mode) {
+    let c = cluster(mode, |c| {
+        service(
+            "web",
+            "10.96.0.11",
+            "",
+            &[("a", "TCP", 80, "8080"), ("b", "TCP", 81, "8081")],
+        ) + &slice(
+            c,
+            "web",
+            "1",
+            &[("a", "TCP", 8080), ("b", "TCP", 8081)],
+            &ready(&ALL),
+        )
+    });
+    for (port, target) in [(80, 8080), (81, 8081)] {
+        let hellos = tcp_from_pod(&c, CLIENT, addr("10.96.0.11", port), 20);
+        assert!(
+            hellos.iter().all(|h| h.port == target),
+            "port {port} must reach {target}: {hellos:?}"
+        );
+    }
+}
+
+fn named_target_port_is_resolved_per_endpoint(mode: Mode) {
+    // Pods on node-1 call their "http" port 8080, pods on node-2 8081: the EndpointSlice
+    // controller puts them in different slices, each with its own number.
+    let c = cluster(mode, |c| {
+        service("web", "10.96.0.12", "", &[("", "TCP", 80, "http")])
+            + &slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
+            + &slice(
+                c,
+                "web",
+                "2",
+                &[("", "TCP", 8081)],
+                &ready(&["web-2a", "web-2b"]),
+            )
+    });
+    let hellos = tcp_from_pod(&c, CLIENT, addr("10.96.0.12", 80), 40);
+    assert_eq!(pods(&hellos), set(&ALL));
+    for h in &hellos {
+        let want = if h.pod == "web-1a" { 8080 } else { 8081 };
+        assert_eq!(h.port, want, "{h:?}");
+    }
+}
+
+fn service_without_endpoints_is_refused(mode: Mode) {
+    let c = cluster(mode, |c| {
+        service(
+            "empty",
+            "10.96.0.13",
+            "",
+            &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+        ) + &slice(
+            c,
+            "empty",
+            "1",
+            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+            &[("web-1a", "conditions: {ready: false}")],
+        )
+    });
+    let (tcp, udp) = c
+        .pod(CLIENT)
+        .ns
+        .run(|| {
+            let started = std::time::Instant::now();
+            let tcp = client::tcp_hello(addr("10.96.0.13", 80), None, T)
+                .map(|_| ())
+                .map_err(|e| (e.kind(), started.elapsed()));
+            let udp = client::udp_hello(addr("10.96.0.13", 53), None, 10, T)
+                .map(|_| ())
+                .map_err(|e| e.kind());
+            (tcp, udp)
+        })
+        .unwrap();
+    let (kind, elapsed) = tcp.expect_err("TCP to a service without endpoints");
+    assert_eq!(kind, std::io::ErrorKind::ConnectionRefused);
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "refused at once, not timed out: {elapsed:?}"
+    );
+    assert_eq!(
+        udp.expect_err("UDP to a service without endpoints"),
+        std::io::ErrorKind::ConnectionRefused
+    );
+}
+
+fn terminating_endpoints_serve_only_when_none_is_ready(mode: Mode) {
+    const TERMINATING: &str = "conditions: {ready: false, serving: true, terminating: true}";
+    let mut c = cluster(mode, |c| {
+        service("web", "10.96.0.14", "", &[("", "TCP", 80, "8080")])
+            + &slice(
+                c,
+                "web",
+                "1",
+                &[("", "TCP", 8080)],
+                &[
+                    ("web-1a", ""),
+                    ("web-2a", TERMINATING),
+                    ("web-2b", TERMINATING),
+                ],
+            )
+    });
+    let to = addr("10.96.0.14", 80);
+    let hellos = tcp_from_pod(&c, CLIENT, to, 20);
+    assert_eq!(pods(&hellos), set(&["web-1a"]), "ready endpoints first");
+    // The ready one goes: the serving-and-terminating ones take new connections.
+    let yaml = service("web", "10.96.0.14", "", &[("", "TCP", 80, "8080")])
+        + &slice(
+            &c,
+            "web",
+            "1",
+            &[("", "TCP", 8080)],
+            &[("web-2a", TERMINATING), ("web-2b", TERMINATING)],
+        );
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    let hellos = tcp_from_pod(&c, CLIENT, to, 30);
+    assert_eq!(pods(&hellos), set(&["web-2a", "web-2b"]), "{}", c.logs());
+}
+
+fn internal_traffic_policy_local_keeps_traffic_on_the_node(mode: Mode) {
+    let c = cluster(mode, |c| {
+        service(
+            "web",
+            "10.96.0.15",
+            "  internalTrafficPolicy: Local\n",
+            &[("", "TCP", 80, "8080")],
+        ) + &slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
+    });
+    let to = addr("10.96.0.15", 80);
+    let from_node_1 = tcp_from_pod(&c, CLIENT, to, 20);
+    assert_eq!(pods(&from_node_1), set(&["web-1a"]));
+    let from_node_2 = tcp_from_pod(&c, CLIENT_2, to, 30);
+    assert_eq!(pods(&from_node_2), set(&["web-2a", "web-2b"]));
+}
+
+fn prefer_close_keeps_traffic_in_the_zone(mode: Mode) {
+    let hints = |zone: &str| {
+        format!("conditions: {{ready: true}}\n    hints: {{forZones: [{{name: {zone}}}]}}")
+    };
+    let z1 = hints("z1");
+    let z2 = hints("z2");
+    let c = cluster(mode, move |c| {
+        service(
+            "web",
+            "10.96.0.16",
+            "  trafficDistribution: PreferClose\n",
+            &[("", "TCP", 80, "8080")],
+        ) + &slice(
+            c,
+            "web",
+            "1",
+            &[("", "TCP", 8080)],
+            &[("web-1a", &z1), ("web-2a", &z2), ("web-2b", &z2)],
+        )
+    });
+    let to = addr("10.96.0.16", 80);
+    // node-1 is in zone z1, node-2 in z2 (their Node objects say so).
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, to, 20)), set(&["web-1a"]));
+    assert_eq!(
+        pods(&tcp_from_pod(&c, CLIENT_2, to, 30)),
+        set(&["web-2a", "web-2b"])
+    );
+}
