@@ -210,42 +210,70 @@ impl Attacher {
                     self.attached.remove(&name);
                 }
                 if let Some(dir) = &self.links_dir {
-                    let _ = std::fs::remove_file(link_pin(dir, &name, ifindex));
+                    for direction in ["ingress", "egress"] {
+                        let _ = std::fs::remove_file(link_pin(dir, &name, ifindex, direction));
+                    }
                 }
             }
         }
     }
 
+    /// Attaches the ingress and the egress program; "replaced" when both were.
     fn attach(&self, datapath: &mut Datapath, name: &str, ifindex: u32) -> Result<Attached> {
+        let ingress = self.attach_one(datapath, name, ifindex, TcAttachType::Ingress)?;
+        let egress = self.attach_one(datapath, name, ifindex, TcAttachType::Egress)?;
+        Ok(
+            if ingress == Attached::Replaced && egress == Attached::Replaced {
+                Attached::Replaced
+            } else {
+                Attached::New
+            },
+        )
+    }
+
+    fn attach_one(
+        &self,
+        datapath: &mut Datapath,
+        name: &str,
+        ifindex: u32,
+        hook: TcAttachType,
+    ) -> Result<Attached> {
+        let (program, direction) = match hook {
+            TcAttachType::Egress => (program_names::TC_EGRESS, "egress"),
+            _ => (program_names::TC_INGRESS, "ingress"),
+        };
         let prog: &mut SchedClassifier = datapath
             .ebpf
-            .program_mut(program_names::TC_INGRESS)
-            .context("eBPF object has no ingress program")?
+            .program_mut(program)
+            .with_context(|| format!("eBPF object has no {direction} program"))?
             .try_into()?;
         match self.mode {
             AttachMode::Tcx => {
-                let pin = self.links_dir.as_ref().map(|d| link_pin(d, name, ifindex));
+                let pin = self
+                    .links_dir
+                    .as_ref()
+                    .map(|d| link_pin(d, name, ifindex, direction));
                 if let Some(pin) = pin.as_ref().filter(|p| p.exists()) {
                     let link = PinnedLink::from_pin(pin)
                         .with_context(|| format!("opening {}", pin.display()))?;
                     let link = SchedClassifierLink::try_from(FdLink::from(link))?;
                     let id = prog
                         .attach_to_link(link)
-                        .with_context(|| format!("replacing the program on {name}"))?;
+                        .with_context(|| format!("replacing the program on {name} {direction}"))?;
                     // The pin keeps the link; dropping our handle only closes an fd.
                     drop(prog.take_link(id)?);
                     return Ok(Attached::Replaced);
                 }
                 if let Some(dir) = &self.links_dir {
-                    remove_stale_pins(dir, name);
+                    remove_stale_pins(dir, name, direction);
                 }
                 let id = prog
                     .attach_with_options(
                         name,
-                        TcAttachType::Ingress,
+                        hook,
                         TcAttachOptions::TcxOrder(LinkOrder::default()),
                     )
-                    .with_context(|| format!("attaching to {name} ingress (TCX)"))?;
+                    .with_context(|| format!("attaching to {name} {direction} (TCX)"))?;
                 let link = FdLink::try_from(prog.take_link(id)?)?;
                 match pin {
                     Some(pin) => {
@@ -273,7 +301,7 @@ impl Attacher {
                 }
                 let existing = SchedClassifierLink::attached(
                     name,
-                    TcAttachType::Ingress,
+                    hook,
                     NETLINK_PRIORITY,
                     NETLINK_HANDLE,
                     None,
@@ -287,12 +315,10 @@ impl Attacher {
                             classid: None,
                         };
                         let id = prog
-                            .attach_with_options(
-                                name,
-                                TcAttachType::Ingress,
-                                TcAttachOptions::Netlink(options),
-                            )
-                            .with_context(|| format!("attaching to {name} ingress (netlink)"))?;
+                            .attach_with_options(name, hook, TcAttachOptions::Netlink(options))
+                            .with_context(|| {
+                                format!("attaching to {name} {direction} (netlink)")
+                            })?;
                         (id, Attached::New)
                     }
                 };
@@ -306,10 +332,10 @@ impl Attacher {
     }
 }
 
-/// `<links>/<interface>@<ifindex>-ingress`: the ifindex tells a live attachment from one that
-/// died with a deleted interface of the same name.
-pub fn link_pin(dir: &Path, name: &str, ifindex: u32) -> PathBuf {
-    dir.join(format!("{}-ingress", interface_record(name, ifindex)))
+/// `<links>/<interface>@<ifindex>-<ingress|egress>`: the ifindex tells a live attachment
+/// from one that died with a deleted interface of the same name.
+pub fn link_pin(dir: &Path, name: &str, ifindex: u32, direction: &str) -> PathBuf {
+    dir.join(format!("{}-{direction}", interface_record(name, ifindex)))
 }
 
 /// `<interface>@<ifindex>` as a bpffs file name: bpffs refuses names with dots (reserved by
@@ -325,11 +351,13 @@ pub fn parse_interface_record(record: &str) -> Option<(String, u32)> {
     Some((name.replace("%2e", "."), index))
 }
 
-fn remove_stale_pins(dir: &Path, name: &str) {
+fn remove_stale_pins(dir: &Path, name: &str, direction: &str) {
     let prefix = format!("{}@", name.replace('.', "%2e"));
+    let suffix = format!("-{direction}");
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
-            if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let file = e.file_name().to_string_lossy().into_owned();
+            if file.starts_with(&prefix) && file.ends_with(&suffix) {
                 let _ = std::fs::remove_file(e.path());
             }
         }
@@ -349,7 +377,7 @@ mod tests {
                 parse_interface_record(&record),
                 Some((name.to_string(), index))
             );
-            let pin = link_pin(Path::new("/x"), name, index);
+            let pin = link_pin(Path::new("/x"), name, index, "egress");
             let file = pin.file_name().unwrap().to_str().unwrap();
             assert!(!file.contains('.'), "{file}");
             assert_eq!(

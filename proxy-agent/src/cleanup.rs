@@ -53,10 +53,15 @@ pub async fn cleanup(root: &Path) -> Result<CleanupReport> {
         }
     }
     for (name, _) in &interfaces {
-        match tc::qdisc_detach_program(name, TcAttachType::Ingress, program_names::TC_INGRESS) {
-            Ok(()) => report.filters_removed += 1,
-            Err(tc::TcError::IoError(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => warn!(interface = %name, "removing our tc filter: {e}"),
+        for (hook, program) in [
+            (TcAttachType::Ingress, program_names::TC_INGRESS),
+            (TcAttachType::Egress, program_names::TC_EGRESS),
+        ] {
+            match tc::qdisc_detach_program(name, hook, program) {
+                Ok(()) => report.filters_removed += 1,
+                Err(tc::TcError::IoError(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => warn!(interface = %name, "removing our tc filter: {e}"),
+            }
         }
     }
 

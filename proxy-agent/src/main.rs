@@ -293,6 +293,7 @@ async fn run(s: Settings) -> Result<()> {
         tracker: ChangeTracker::default(),
         node_name: s.node_name.clone(),
         node_port_filter: s.node_port_addresses.clone(),
+        masquerade_addr: None,
         node: None,
         pending: Vec::new(),
         pending_since: None,
@@ -310,6 +311,7 @@ async fn run(s: Settings) -> Result<()> {
             None => bail!("the API-server source stopped"),
         },
     }
+    follow_masquerade_address(&mut datapath, &loop_state);
     loop_state.sync(&mut proxier, false);
     if let Some(client) = api_client {
         // As kube-proxy announces itself on its Node; best effort.
@@ -428,9 +430,28 @@ async fn run(s: Settings) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
         }
+        follow_masquerade_address(&mut datapath, &loop_state);
     }
     info!("stopping; the datapath keeps serving from the pinned state");
     Ok(())
+}
+
+/// Keeps the datapath's masquerade address at this node's InternalIP.
+fn follow_masquerade_address(datapath: &mut Datapath, loop_state: &SyncLoop) {
+    let wanted = loop_state
+        .masquerade_addr
+        .map_or(0, |a| u32::from(a).to_be());
+    if datapath.config.masquerade_addr == wanted {
+        return;
+    }
+    let config = proxy_common::DatapathConfig {
+        masquerade_addr: wanted,
+        ..datapath.config
+    };
+    match datapath.configure(&config) {
+        Ok(()) => info!(address = ?loop_state.masquerade_addr, "masquerade address"),
+        Err(e) => warn!("setting the masquerade address: {e:#}"),
+    }
 }
 
 /// The sync loop's state: changes read but not yet programmed, batched no more often than
@@ -439,6 +460,8 @@ struct SyncLoop {
     tracker: ChangeTracker,
     node_name: String,
     node_port_filter: Vec<NodePortAddress>,
+    /// The source for masqueraded flows: this node's first IPv4 InternalIP.
+    masquerade_addr: Option<std::net::Ipv4Addr>,
     /// This node's Node object, as last seen (addresses and zone, for features to come).
     node: Option<NodeInfo>,
     pending: Vec<ServiceChange>,
@@ -461,6 +484,7 @@ impl SyncLoop {
             &local_ipv4_addresses(),
         );
         let (desired, model_problems) = DesiredState::build(&set.store, &context);
+        self.masquerade_addr = context.masquerade_addr;
         // Problems are reported when they appear, not again on every reload.
         let problems: Vec<String> = set
             .problems

@@ -72,6 +72,17 @@ impl ServiceKey {
     }
 }
 
+/// Header flag: an empty service drops new flows instead of refusing them (traffic policy
+/// Local with endpoints only on other nodes, as kube-proxy drops them).
+pub const SERVICE_FLAG_DROP_WHEN_EMPTY: u16 = 1 << 0;
+/// Header flag: an external frontend (NodePort, external IP, load-balancer IP). Its replies
+/// get their source restored at egress only: a node address restored on ingress would make
+/// the kernel drop the reply as a martian.
+pub const SERVICE_FLAG_EXTERNAL: u16 = 1 << 1;
+/// Header flag: `externalTrafficPolicy: Cluster`; flows sent to a backend on another node
+/// are source-NATed to the node's address so replies come back through this node.
+pub const SERVICE_FLAG_MASQUERADE: u16 = 1 << 2;
+
 /// Value of the `SERVICES` map. In slot 0, `count` and `flags` are meaningful; in the backend
 /// slots, `backend_id` is.
 #[repr(C)]
@@ -111,23 +122,30 @@ pub struct Backend {
     pub addr: u32,
     /// Port, network byte order.
     pub port: u16,
-    pub _pad0: [u8; 2],
+    /// `BACKEND_FLAG_*`.
+    pub flags: u8,
+    pub _pad0: u8,
 }
+
+/// The backend runs on another node (its traffic may need source NAT).
+pub const BACKEND_FLAG_REMOTE: u8 = 1 << 0;
 
 impl Backend {
     pub const EMPTY: Self = Self {
         id: 0,
         addr: 0,
         port: 0,
-        _pad0: [0; 2],
+        flags: 0,
+        _pad0: 0,
     };
 
-    pub const fn new(id: u32, addr_be: u32, port_be: u16) -> Self {
+    pub const fn new(id: u32, addr_be: u32, port_be: u16, flags: u8) -> Self {
         Self {
             id,
             addr: addr_be,
             port: port_be,
-            _pad0: [0; 2],
+            flags,
+            _pad0: 0,
         }
     }
 }
@@ -172,6 +190,15 @@ pub const CT_FLAG_REPLY: u8 = 1 << 0;
 pub const CT_FLAG_SEEN_REPLY: u8 = 1 << 1;
 /// A FIN or RST was seen: the flow is closing and gets the short timeout.
 pub const CT_FLAG_CLOSING: u8 = 1 << 2;
+/// Reply entry of an external frontend's flow: translated at egress only (see
+/// [`SERVICE_FLAG_EXTERNAL`]).
+pub const CT_FLAG_EGRESS_ONLY: u8 = 1 << 3;
+/// Source-NAT entry, keyed by the translated tuple (client -> backend): at egress, the
+/// source becomes `nat_addr:nat_port` (the node's address and a port chosen for the flow).
+pub const CT_FLAG_SNAT: u8 = 1 << 4;
+/// Its reverse, keyed by (backend -> node:port): at ingress, the destination goes back to
+/// `nat_addr:nat_port` (the client).
+pub const CT_FLAG_SNAT_REPLY: u8 = 1 << 5;
 
 /// Value of the `CONNTRACK` map.
 #[repr(C)]
@@ -215,7 +242,9 @@ pub struct DatapathConfig {
     /// Must equal [`MAP_LAYOUT_VERSION`]; 0 means the agent has not configured the datapath
     /// yet, and built-in defaults apply.
     pub layout_version: u32,
-    pub _pad0: [u8; 4],
+    /// The node's address that masqueraded flows take as their source (network byte order);
+    /// 0: none known, such flows go out unmasqueraded.
+    pub masquerade_addr: u32,
 }
 
 impl DatapathConfig {
@@ -228,7 +257,7 @@ impl DatapathConfig {
         udp_timeout_ns: 30 * 1_000_000_000,
         udp_stream_timeout_ns: 120 * 1_000_000_000,
         layout_version: MAP_LAYOUT_VERSION,
-        _pad0: [0; 4],
+        masquerade_addr: 0,
     };
 
     /// How long `value` may stay idle before the flow is over.
@@ -294,10 +323,15 @@ pub enum Stat {
     /// With the two counters above and the live entry count, it gives the LRU evictions:
     /// created - removed - collected - live.
     ConntrackCollected = 12,
+    /// A new flow to a service whose traffic policy is Local, with no endpoint on this node,
+    /// was dropped.
+    NoLocalEndpoint = 13,
+    /// A masqueraded flow found no free source port (the packet went out unmasqueraded).
+    SnatPortsExhausted = 14,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 15;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -312,6 +346,8 @@ impl Stat {
         Stat::ConntrackCreated,
         Stat::ConntrackRemoved,
         Stat::ConntrackCollected,
+        Stat::NoLocalEndpoint,
+        Stat::SnatPortsExhausted,
     ];
 
     /// Label used for the metric.
@@ -330,6 +366,8 @@ impl Stat {
             Stat::ConntrackCreated => "conntrack_created",
             Stat::ConntrackRemoved => "conntrack_removed",
             Stat::ConntrackCollected => "conntrack_collected",
+            Stat::NoLocalEndpoint => "dropped_no_local_endpoint",
+            Stat::SnatPortsExhausted => "snat_ports_exhausted",
         }
     }
 }
@@ -380,7 +418,8 @@ mod tests {
         assert_eq!(offset_of!(Backend, id), 0);
         assert_eq!(offset_of!(Backend, addr), 4);
         assert_eq!(offset_of!(Backend, port), 8);
-        assert_eq!(offset_of!(Backend, _pad0), 10);
+        assert_eq!(offset_of!(Backend, flags), 10);
+        assert_eq!(offset_of!(Backend, _pad0), 11);
     }
 
     #[test]
@@ -410,6 +449,7 @@ mod tests {
         assert_eq!(size_of::<DatapathConfig>(), 48);
         assert_eq!(offset_of!(DatapathConfig, udp_stream_timeout_ns), 32);
         assert_eq!(offset_of!(DatapathConfig, layout_version), 40);
+        assert_eq!(offset_of!(DatapathConfig, masquerade_addr), 44);
     }
 
     #[test]

@@ -30,8 +30,9 @@ use aya_log_ebpf::debug;
 use proxy_common::{
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
     Stat,
-    BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_REFRESH_NS,
-    IPPROTO_TCP, IPPROTO_UDP,
+    BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY,
+    CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
+    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -85,6 +86,11 @@ const ICMP_HLEN: usize = 8;
 /// Ethernet + outer IPv4 + ICMP + quoted IPv4 header + quoted transport bytes.
 const REFUSAL_LEN: usize = ETH_HLEN + IPV4_HLEN + ICMP_HLEN + IPV4_HLEN + REFUSAL_QUOTED_L4;
 const ICMP_DEST_UNREACH: u8 = 3;
+/// Source ports tried for a masqueraded flow when the client's own port is taken for that
+/// backend: 32768..=65535. A port is only used when no reply entry from the backend holds it.
+const SNAT_PORT_MIN: u16 = 32768;
+const SNAT_PORT_SPAN: u32 = 32768;
+const SNAT_PORT_TRIES: u32 = 8;
 const ICMP_PORT_UNREACH: u8 = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -131,12 +137,37 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         let now = unsafe { bpf_ktime_get_ns() };
         // SAFETY: the pointer is to a map value and valid for this program run.
         let ct = unsafe { &mut *ct };
-        if ct.flags & CT_FLAG_REPLY != 0 {
+        let flags = ct.flags;
+        // Each kind of entry acts at one hook only; elsewhere the packet passes as it is.
+        if flags & CT_FLAG_SNAT != 0 {
+            return match hook {
+                Hook::Egress => masquerade(ctx, &pkt, ct, now),
+                Hook::Ingress => Ok(TC_ACT_UNSPEC),
+            };
+        }
+        if flags & CT_FLAG_SNAT_REPLY != 0 {
+            return match hook {
+                Hook::Ingress => unmasquerade(ctx, &pkt, ct, now),
+                Hook::Egress => Ok(TC_ACT_UNSPEC),
+            };
+        }
+        if flags & CT_FLAG_REPLY != 0 {
+            if flags & CT_FLAG_EGRESS_ONLY != 0 && hook == Hook::Ingress {
+                return Ok(TC_ACT_UNSPEC);
+            }
             return translate_reply(ctx, &pkt, ct, now);
+        }
+        if hook == Hook::Egress {
+            return Ok(TC_ACT_UNSPEC);
         }
         if let Some(verdict) = translate_tracked(ctx, &pkt, ct, now)? {
             return Ok(verdict);
         }
+    }
+    // New flows are taken at ingress, where pods and the outside send them; egress only
+    // finishes what ingress started (source NAT, replies to external clients).
+    if hook == Hook::Egress {
+        return Ok(TC_ACT_UNSPEC);
     }
 
     let header_key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
@@ -144,7 +175,12 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         forget_clashing_flow(&pkt);
         return Ok(TC_ACT_UNSPEC);
     };
+    let header = *header;
     if header.count == 0 {
+        if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
+            bump(Stat::NoLocalEndpoint);
+            return Ok(TC_ACT_SHOT);
+        }
         debug!(
             ctx,
             "refused {:i}:{} -> {:i}:{}: no ready endpoint",
@@ -156,7 +192,7 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         return refuse(ctx, &pkt, hook);
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    new_flow(ctx, &pkt, header.count, header.service_id, now)
+    new_flow(ctx, &pkt, &header, now)
 }
 
 #[inline(always)]
@@ -395,11 +431,11 @@ fn forget_clashing_flow(pkt: &Packet) {
 fn new_flow(
     ctx: &TcContext,
     pkt: &Packet,
-    count: u16,
-    service_id: u32,
+    header: &ServiceValue,
     now: u64,
 ) -> Result<i32, Stat> {
-    let slot = random_below(count as u32) as u16 + 1;
+    let service_id = header.service_id;
+    let slot = random_below(header.count as u32) as u16 + 1;
     let (backend_id, backend) = match pick(pkt, slot) {
         Some(found) => found,
         // The agent shrinks a service by lowering the header's count before it deletes
@@ -424,17 +460,25 @@ fn new_flow(
         pkt.key.sport,
         pkt.key.proto,
     );
+    let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
     let reply = ConntrackValue {
         last_seen_ns: now,
         nat_addr: pkt.key.daddr,
         nat_port: pkt.key.dport,
-        flags: CT_FLAG_REPLY,
+        flags: if external {
+            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY
+        } else {
+            CT_FLAG_REPLY
+        },
         _pad0: 0,
         backend_id,
         service_id,
     };
     if !track(&reply_key, &reply) || !track(&pkt.key, &original) {
         bump(Stat::ConntrackInsertFailed);
+    }
+    if header.flags & SERVICE_FLAG_MASQUERADE != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0 {
+        plan_masquerade(pkt, &backend, backend_id, service_id, now);
     }
     rewrite(
         ctx,
@@ -459,6 +503,94 @@ fn new_flow(
         u32::from_be(backend.addr),
         u16::from_be(backend.port)
     );
+    Ok(TC_ACT_UNSPEC)
+}
+
+/// Records the source NAT of a flow sent to a backend on another node, so the backend
+/// replies to this node: at egress the source becomes the node's address and a port free for
+/// that backend (the client's own port when possible), and the reply is mapped back at
+/// ingress. Both steps happen where routing allows them: a node address as the source of a
+/// packet still to be routed would be dropped as a martian.
+#[inline(always)]
+fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id: u32, now: u64) {
+    let masq = config().masquerade_addr;
+    if masq == 0 {
+        return;
+    }
+    let Some(port) = free_snat_port(pkt, backend, masq) else {
+        bump(Stat::SnatPortsExhausted);
+        return;
+    };
+    // Created as established so they live as long as the flow's own entries.
+    let snat_key = ConntrackKey::new(
+        pkt.key.saddr,
+        backend.addr,
+        pkt.key.sport,
+        backend.port,
+        pkt.key.proto,
+    );
+    let snat = ConntrackValue {
+        last_seen_ns: now,
+        nat_addr: masq,
+        nat_port: port,
+        flags: CT_FLAG_SNAT | CT_FLAG_SEEN_REPLY,
+        _pad0: 0,
+        backend_id,
+        service_id,
+    };
+    let unsnat_key = ConntrackKey::new(backend.addr, masq, backend.port, port, pkt.key.proto);
+    let unsnat = ConntrackValue {
+        last_seen_ns: now,
+        nat_addr: pkt.key.saddr,
+        nat_port: pkt.key.sport,
+        flags: CT_FLAG_SNAT_REPLY | CT_FLAG_SEEN_REPLY,
+        _pad0: 0,
+        backend_id,
+        service_id,
+    };
+    if !track(&unsnat_key, &unsnat) || !track(&snat_key, &snat) {
+        bump(Stat::ConntrackInsertFailed);
+    }
+}
+
+/// Tries the client's port, then a few random ones, for a (node address, port) whose reply
+/// tuple from `backend` is not in use.
+#[inline(always)]
+fn free_snat_port(pkt: &Packet, backend: &Backend, masq: u32) -> Option<u16> {
+    let mut port = pkt.key.sport;
+    let mut tries = 0;
+    while tries < SNAT_PORT_TRIES {
+        let reply = ConntrackKey::new(backend.addr, masq, backend.port, port, pkt.key.proto);
+        if unsafe { CONNTRACK.get(reply) }.is_none() {
+            return Some(port);
+        }
+        port = ((unsafe { bpf_get_prandom_u32() } % SNAT_PORT_SPAN) as u16 + SNAT_PORT_MIN).to_be();
+        tries += 1;
+    }
+    None
+}
+
+/// Egress, a masqueraded flow leaving for its backend's node: the node becomes the source.
+#[inline(always)]
+fn masquerade(ctx: &TcContext, pkt: &Packet, ct: &mut ConntrackValue, now: u64) -> Result<i32, Stat> {
+    let (addr, port) = (ct.nat_addr, ct.nat_port);
+    touch(ct, pkt, now, 0);
+    rewrite(ctx, pkt, Side::Source, pkt.key.saddr, addr, pkt.key.sport, port)?;
+    Ok(TC_ACT_UNSPEC)
+}
+
+/// Ingress, the backend's reply to a masqueraded flow: back to the client as destination;
+/// the source becomes the frontend at egress, by the flow's own reply entry.
+#[inline(always)]
+fn unmasquerade(
+    ctx: &TcContext,
+    pkt: &Packet,
+    ct: &mut ConntrackValue,
+    now: u64,
+) -> Result<i32, Stat> {
+    let (addr, port) = (ct.nat_addr, ct.nat_port);
+    touch(ct, pkt, now, 0);
+    rewrite(ctx, pkt, Side::Destination, pkt.key.daddr, addr, pkt.key.dport, port)?;
     Ok(TC_ACT_UNSPEC)
 }
 

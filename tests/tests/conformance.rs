@@ -10,7 +10,7 @@ use std::{
 };
 
 use proxy_tests::{
-    cluster::{client, Cluster, Hello, CLIENT, CLIENT_2, CLIENT_IP},
+    cluster::{client, external_client_ip, Cluster, Hello, CLIENT, CLIENT_2, CLIENT_IP},
     require_kernel,
 };
 
@@ -83,6 +83,10 @@ conformance!(
     terminating_endpoints_serve_only_when_none_is_ready,
     internal_traffic_policy_local_keeps_traffic_on_the_node,
     prefer_close_keeps_traffic_in_the_zone,
+    node_port_reaches_every_backend_from_outside_with_replies_through_the_node,
+    external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address,
+    node_port_addresses_restrict_where_node_ports_listen,
+    external_ips_and_load_balancer_ips_are_served,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -184,6 +188,39 @@ fn udp_from_pod(c: &Cluster, from: &str, to: SocketAddrV4, n: usize) -> Vec<Hell
             (0..n)
                 .map(|i| {
                     client::udp_hello(to, None, 10, T)
+                        .unwrap_or_else(|e| panic!("datagram {i} to {to}: {e}\n{logs}"))
+                        .0
+                })
+                .collect()
+        })
+        .unwrap()
+}
+
+/// `n` TCP connections from the external client's address on node `via`'s link.
+fn tcp_from_outside(c: &Cluster, via: u8, to: SocketAddrV4, n: usize) -> Vec<Hello> {
+    let logs = c.logs();
+    let source = external_client_ip(via);
+    c.external
+        .run(move || {
+            (0..n)
+                .map(|i| {
+                    client::tcp_hello(to, Some(source), T)
+                        .unwrap_or_else(|e| panic!("connection {i} to {to}: {e}\n{logs}"))
+                })
+                .collect()
+        })
+        .unwrap()
+}
+
+/// `n` UDP exchanges from the external client's address on node `via`'s link.
+fn udp_from_outside(c: &Cluster, via: u8, to: SocketAddrV4, n: usize) -> Vec<Hello> {
+    let logs = c.logs();
+    let source = external_client_ip(via);
+    c.external
+        .run(move || {
+            (0..n)
+                .map(|i| {
+                    client::udp_hello(to, Some(source), 10, T)
                         .unwrap_or_else(|e| panic!("datagram {i} to {to}: {e}\n{logs}"))
                         .0
                 })
@@ -408,4 +445,126 @@ fn prefer_close_keeps_traffic_in_the_zone(mode: Mode) {
         pods(&tcp_from_pod(&c, CLIENT_2, to, 30)),
         set(&["web-2a", "web-2b"])
     );
+}
+
+/// A NodePort service on TCP 30080 -> 8080 and UDP 30053 -> 5353 with every backend.
+fn node_port_service(c: &Cluster, name: &str, ip: &str, spec: &str) -> String {
+    let ports = "  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}\n  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: 30053}\n";
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  type: NodePort\n  clusterIP: {ip}\n{spec}  ports:\n{ports}---\n"
+    ) + &slice(
+        c,
+        name,
+        "1",
+        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+        &ready(&ALL),
+    )
+}
+
+fn node_port_reaches_every_backend_from_outside_with_replies_through_the_node(mode: Mode) {
+    let c = cluster(mode, |c| node_port_service(c, "web", "10.96.0.20", ""));
+    for via in [1u8, 2] {
+        let node = c.node(via);
+        let to = SocketAddrV4::new(node.external_ip, 30080);
+        let hellos = tcp_from_outside(&c, via, to, 60);
+        assert_eq!(
+            pods(&hellos),
+            set(&ALL),
+            "via node-{via}: {:?}",
+            counts(&hellos)
+        );
+        for h in &hellos {
+            let local = c.pod(&h.pod).node == via;
+            // externalTrafficPolicy Cluster: a backend on the other node sees the node that
+            // forwarded (so its reply goes back the same way); a local one sees the client.
+            let want = if local {
+                external_client_ip(via)
+            } else {
+                node.internal_ip
+            };
+            assert_eq!(*h.from.ip(), want, "via node-{via}: {h:?}");
+        }
+        let udp = udp_from_outside(&c, via, SocketAddrV4::new(node.external_ip, 30053), 60);
+        assert_eq!(
+            pods(&udp),
+            set(&ALL),
+            "UDP via node-{via}: {:?}",
+            counts(&udp)
+        );
+    }
+    // A pod reaches the NodePort on the other node's address as well.
+    let to = SocketAddrV4::new(c.node(2).internal_ip, 30080);
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, to, 40)), set(&ALL));
+}
+
+fn external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address(mode: Mode) {
+    let c = cluster(mode, |c| {
+        node_port_service(c, "web", "10.96.0.21", "  externalTrafficPolicy: Local\n")
+    });
+    for (via, local) in [(1u8, set(&["web-1a"])), (2, set(&["web-2a", "web-2b"]))] {
+        let to = SocketAddrV4::new(c.node(via).external_ip, 30080);
+        let hellos = tcp_from_outside(&c, via, to, 30);
+        assert_eq!(pods(&hellos), local, "via node-{via}");
+        for h in &hellos {
+            assert_eq!(
+                *h.from.ip(),
+                external_client_ip(via),
+                "client address kept: {h:?}"
+            );
+        }
+    }
+    // Cluster-IP traffic is not affected by the external policy.
+    assert_eq!(
+        pods(&tcp_from_pod(&c, CLIENT, addr("10.96.0.21", 80), 40)),
+        set(&ALL)
+    );
+}
+
+fn node_port_addresses_restrict_where_node_ports_listen(mode: Mode) {
+    let mut c = Cluster::new().expect("cluster lab");
+    let path = c
+        .write_manifests(&node_port_service(&c, "web", "10.96.0.22", ""))
+        .unwrap();
+    c.start_agents(
+        &path,
+        &[
+            "--proxy-mode",
+            mode.name(),
+            "--nodeport-addresses",
+            "10.250.0.0/16",
+        ],
+    )
+    .expect("agents");
+    let on_external = SocketAddrV4::new(c.node(1).external_ip, 30080);
+    assert_eq!(pods(&tcp_from_outside(&c, 1, on_external, 30)), set(&ALL));
+    // node-1's InternalIP is outside the CIDR: nothing listens there.
+    let on_internal = SocketAddrV4::new(c.node(1).internal_ip, 30080);
+    let refused = c
+        .pod(CLIENT_2)
+        .ns
+        .run(move || client::tcp_hello(on_internal, None, T).map_err(|e| e.kind()))
+        .unwrap();
+    assert_eq!(
+        refused.map(|h| h.pod),
+        Err(std::io::ErrorKind::ConnectionRefused),
+        "{}",
+        c.logs()
+    );
+}
+
+fn external_ips_and_load_balancer_ips_are_served(mode: Mode) {
+    let c = cluster(mode, |c| {
+        let svc = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: lab}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.23\n  externalIPs: [10.252.0.5]\n  ports:\n  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30081}\nstatus:\n  loadBalancer:\n    ingress: [{ip: 10.252.0.9}, {ip: 10.252.0.10, ipMode: Proxy}]\n---\n";
+        svc.to_string() + &slice(c, "lb", "1", &[("http", "TCP", 8080)], &ready(&ALL))
+    });
+    for ip in ["10.252.0.5", "10.252.0.9"] {
+        let hellos = tcp_from_outside(&c, 1, addr(ip, 80), 40);
+        assert_eq!(pods(&hellos), set(&ALL), "{ip}");
+    }
+    // ipMode Proxy: the load balancer proxies to the nodes; the IP itself is not served.
+    let proxied = c
+        .external
+        .run(|| client::tcp_hello(addr("10.252.0.10", 80), Some(external_client_ip(1)), T).is_err())
+        .unwrap();
+    assert!(proxied, "an ipMode: Proxy address must not be programmed");
 }

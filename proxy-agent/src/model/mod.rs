@@ -81,6 +81,8 @@ pub struct NodeContext {
     pub name: String,
     pub zone: Option<String>,
     pub node_port_addresses: Vec<Ipv4Addr>,
+    /// The source address of masqueraded flows: the node's first IPv4 InternalIP.
+    pub masquerade_addr: Option<Ipv4Addr>,
 }
 
 /// One entry of `nodePortAddresses` / `--nodeport-addresses`.
@@ -132,6 +134,7 @@ impl NodeContext {
             name: name.to_string(),
             zone: node.and_then(|n| n.zone.clone()),
             node_port_addresses: addresses.into_iter().collect(),
+            masquerade_addr: node_v4(true).first().copied(),
         }
     }
 }

@@ -448,6 +448,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
         name: "n1".into(),
         zone: Some("z1".into()),
         node_port_addresses: vec!["192.168.0.1".parse().unwrap()],
+        masquerade_addr: None,
     };
     for case in cases {
         let mut svc = service(
@@ -512,6 +513,7 @@ fn external_frontends_come_from_node_ports_external_ips_and_load_balancer_status
         name: "n1".into(),
         zone: None,
         node_port_addresses: vec!["192.168.0.1".parse().unwrap(), "10.1.0.1".parse().unwrap()],
+        masquerade_addr: None,
     };
     let eps = vec![
         ep("R", 1, "n1", &[]),
@@ -584,6 +586,7 @@ fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
     let ctx = NodeContext::new("n1", Some(&node), &[], &local);
     assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "203.0.113.5"]));
     assert_eq!(ctx.zone.as_deref(), Some("z1"));
+    assert_eq!(ctx.masquerade_addr, Some("10.0.0.5".parse().unwrap()));
     let ctx = NodeContext::new("n1", None, &[], &local);
     assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
     let cidr = NodePortAddress::Cidr("192.168.0.0/16".parse().unwrap());

@@ -8,9 +8,16 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use anyhow::Result;
 use tracing::{debug, error};
 
-use self::{maps::ServiceMaps, sync::MapSync};
+use proxy_common::{SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE};
+
+use self::{
+    maps::{MapError, ServiceMaps},
+    sync::MapSync,
+};
 use super::{Proxier, ProxyMode, SyncReport};
-use crate::model::{DesiredState, Frontend, ServiceChange, ServicePortName};
+use crate::model::{
+    DesiredState, Frontend, ServiceChange, ServicePortName, ServicePortState, WhenEmpty,
+};
 
 pub struct EbpfProxier<M: ServiceMaps> {
     sync: MapSync<M>,
@@ -66,6 +73,35 @@ impl<M: ServiceMaps> EbpfProxier<M> {
         self.sync.maps_mut()
     }
 
+    /// Writes every frontend of one service port; stops at the first that fails.
+    fn write_service_port(&mut self, state: &ServicePortState) -> Result<usize, MapError> {
+        let mut ops = 0;
+        for f in state.frontends() {
+            let mut flags = 0;
+            if f.when_empty == WhenEmpty::Drop {
+                flags |= SERVICE_FLAG_DROP_WHEN_EMPTY;
+            }
+            if f.kind.is_external() {
+                flags |= SERVICE_FLAG_EXTERNAL;
+            }
+            if f.masquerade {
+                flags |= SERVICE_FLAG_MASQUERADE;
+            }
+            ops += self
+                .sync
+                .set_with(&f.frontend, &f.backends, flags, &state.remote)
+                .map_err(|e| match e {
+                    MapError::Other { map, message } => MapError::Other {
+                        map,
+                        message: format!("{}: {message}", f.frontend),
+                    },
+                    e => e,
+                })?;
+            self.names.insert(f.frontend, state.name.clone());
+        }
+        Ok(ops)
+    }
+
     /// Service ports not currently programmed, with the reason.
     pub fn failed(&self) -> &BTreeMap<ServicePortName, String> {
         &self.failed
@@ -80,7 +116,12 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
         let mut report = SyncReport::default();
         if std::mem::take(&mut self.prune_on_next_sync) {
-            let wanted: HashSet<Frontend> = desired.ports.values().map(|s| s.frontend).collect();
+            let wanted: HashSet<Frontend> = desired
+                .ports
+                .values()
+                .flat_map(|s| s.frontends())
+                .map(|f| f.frontend)
+                .collect();
             let stale: Vec<Frontend> = self
                 .sync
                 .frontends()
@@ -98,15 +139,26 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
         // Removals first: a frontend that moves from one Service to another is freed
         // before it is claimed again.
         for change in changes {
-            let old = match change {
-                ServiceChange::Removed(old) => old,
-                ServiceChange::Updated { old, new } if old.frontend != new.frontend => old,
-                _ => continue,
+            let (old, kept): (_, HashSet<Frontend>) = match change {
+                ServiceChange::Removed(old) => (old, HashSet::new()),
+                ServiceChange::Updated { old, new } => {
+                    (old, new.frontends().iter().map(|f| f.frontend).collect())
+                }
+                ServiceChange::Added(_) => continue,
             };
-            self.failed.remove(&old.name);
-            self.names.remove(&old.frontend);
-            if let Err(e) = self.sync.remove(&old.frontend) {
-                error!(service = %old.name, frontend = %old.frontend, "removing from the datapath: {e}");
+            if kept.is_empty() {
+                self.failed.remove(&old.name);
+            }
+            for gone in old
+                .frontends()
+                .into_iter()
+                .filter(|f| !kept.contains(&f.frontend))
+            {
+                let f = gone.frontend;
+                self.names.remove(&f);
+                if let Err(e) = self.sync.remove(&f) {
+                    error!(service = %old.name, frontend = %f, "removing from the datapath: {e}");
+                }
             }
         }
         let mut to_write: Vec<&ServicePortName> = changes
@@ -124,15 +176,14 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
                 self.failed.remove(name);
                 continue;
             };
-            match self.sync.set(&state.frontend, &state.backends) {
+            match self.write_service_port(state) {
                 Ok(ops) => {
-                    self.names.insert(state.frontend, name.clone());
-                    debug!(service = %name, frontend = %state.frontend, backends = state.backends.len(), ops, "programmed");
+                    debug!(service = %name, frontends = state.external.len() + 1, backends = state.backends.len(), ops, "programmed");
                     self.failed.remove(name);
                     report.services_written += 1;
                 }
                 Err(e) => {
-                    error!(service = %name, frontend = %state.frontend, "not programmed: {e}");
+                    error!(service = %name, "not programmed: {e}");
                     self.failed.insert(name.clone(), e.to_string());
                     report.services_failed += 1;
                 }

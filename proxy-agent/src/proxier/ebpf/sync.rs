@@ -15,7 +15,8 @@ use std::{
 };
 
 use proxy_common::{
-    Backend, ServiceKey, ServiceValue, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK, MAX_BACKENDS,
+    Backend, ServiceKey, ServiceValue, BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK,
+    MAX_BACKENDS,
 };
 
 use super::maps::{MapError, ServiceMaps};
@@ -25,6 +26,8 @@ use crate::model::{Frontend, Protocol};
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Written {
     service_id: u32,
+    /// The header's `SERVICE_FLAG_*`.
+    flags: u16,
     /// Slot `i + 1` holds `slots[i]`.
     slots: Vec<(u32, SocketAddrV4)>,
 }
@@ -50,8 +53,14 @@ fn backend_addr(b: &Backend) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
 }
 
-pub fn backend_value(id: u32, addr: &SocketAddrV4) -> Backend {
-    Backend::new(id, u32::from(*addr.ip()).to_be(), addr.port().to_be())
+pub fn backend_value(id: u32, addr: &SocketAddrV4, remote: bool) -> Backend {
+    let flags = if remote { BACKEND_FLAG_REMOTE } else { 0 };
+    Backend::new(
+        id,
+        u32::from(*addr.ip()).to_be(),
+        addr.port().to_be(),
+        flags,
+    )
 }
 
 /// Hands out slots of an array map: next-fit, so a freed slot is the last to be taken again.
@@ -247,6 +256,7 @@ impl<M: ServiceMaps> MapSync<M> {
                         frontend,
                         Written {
                             service_id: header.service_id,
+                            flags: header.flags,
                             slots: list,
                         },
                     );
@@ -283,6 +293,18 @@ impl<M: ServiceMaps> MapSync<M> {
         frontend: &Frontend,
         backends: &[SocketAddrV4],
     ) -> Result<usize, MapError> {
+        self.set_with(frontend, backends, 0, &BTreeSet::new())
+    }
+
+    /// Like [`MapSync::set`], with the header's `SERVICE_FLAG_*` and the backends that run on
+    /// other nodes.
+    pub fn set_with(
+        &mut self,
+        frontend: &Frontend,
+        backends: &[SocketAddrV4],
+        flags: u16,
+        remote: &BTreeSet<SocketAddrV4>,
+    ) -> Result<usize, MapError> {
         if backends.len() > u16::MAX as usize {
             return Err(MapError::Other {
                 map: "SERVICES",
@@ -313,12 +335,20 @@ impl<M: ServiceMaps> MapSync<M> {
                 return Err(e);
             }
         };
-        match self.write(frontend, service_id, old.is_none(), &old_slots, &new_slots) {
+        let header_changed = old.as_ref().is_none_or(|w| w.flags != flags);
+        match self.write(
+            frontend,
+            (service_id, flags, header_changed),
+            &old_slots,
+            &new_slots,
+            remote,
+        ) {
             Ok(ops) => {
                 self.written.insert(
                     *frontend,
                     Written {
                         service_id,
+                        flags,
                         slots: new_slots,
                     },
                 );
@@ -380,20 +410,23 @@ impl<M: ServiceMaps> MapSync<M> {
         Ok(slots.into_iter().flatten().collect())
     }
 
+    /// `header`: (service id, flags, whether the header must be written even if its count
+    /// stays).
     fn write(
         &mut self,
         frontend: &Frontend,
-        service_id: u32,
-        is_new: bool,
+        (service_id, flags, header_changed): (u32, u16, bool),
         old: &[(u32, SocketAddrV4)],
         new: &[(u32, SocketAddrV4)],
+        remote: &BTreeSet<SocketAddrV4>,
     ) -> Result<usize, MapError> {
         let mut ops = 0;
         let old_ids: HashSet<u32> = old.iter().map(|s| s.0).collect();
         let new_ids: HashSet<u32> = new.iter().map(|s| s.0).collect();
         // 1. new backends first
         for (id, addr) in new.iter().filter(|s| !old_ids.contains(&s.0)) {
-            self.maps.set_backend(*id, backend_value(*id, addr))?;
+            self.maps
+                .set_backend(*id, backend_value(*id, addr, remote.contains(addr)))?;
             ops += 1;
         }
         // 2. slots that changed
@@ -410,13 +443,13 @@ impl<M: ServiceMaps> MapSync<M> {
                 ops += 1;
             }
         }
-        // 3. the header, when new or when its count changes
-        if is_new || old.len() != new.len() {
+        // 3. the header, when new or when its count or flags change
+        if header_changed || old.len() != new.len() {
             let header = ServiceValue {
                 backend_id: 0,
                 service_id,
                 count: new.len() as u16,
-                flags: 0,
+                flags,
             };
             self.maps.set_service(service_key(frontend, 0), header)?;
             ops += 1;

@@ -285,7 +285,7 @@ fn adoption_repairs_what_an_interrupted_agent_left_half_written() {
     maps.services.remove(&service_key(&frontend(1), 2));
     let v = maps.services[&service_key(&frontend(2), 1)];
     maps.services.insert(service_key(&frontend(2), 7), v);
-    maps.backends.insert(4242, Backend::new(4242, 1, 1));
+    maps.backends.insert(4242, Backend::new(4242, 1, 1, 0));
     maps.services.insert(service_key(&frontend(5), 1), v);
 
     let mut second = MapSync::new(maps);
