@@ -92,6 +92,22 @@ impl TestDatapath {
         Ok(())
     }
 
+    /// Like [`TestDatapath::set_service`], with header flags (`SERVICE_FLAG_*`) and the
+    /// backends that are on other nodes.
+    pub fn set_service_with(
+        &mut self,
+        frontend: Frontend,
+        backends: &[SocketAddrV4],
+        flags: u16,
+        remote: &[SocketAddrV4],
+    ) -> Result<()> {
+        let remote = remote.iter().copied().collect();
+        self.sync
+            .set_with(&frontend, backends, flags, &remote)
+            .with_context(|| format!("programming {frontend}"))?;
+        Ok(())
+    }
+
     fn test_run(&self, hook: Hook, frame: &[u8], repeat: u32) -> Result<(TestRunResult, Vec<u8>)> {
         let prog = self.datapath.program(hook.program())?;
         let mut out = vec![0u8; frame.len() + 256];

@@ -13,7 +13,7 @@ use proxy_agent::{
 use proxy_common::Stat;
 use proxy_tests::{
     kernel::{Hook, TestDatapath, TC_ACT_REDIRECT, TC_ACT_UNSPEC},
-    packet::{parse, PacketSpec, ETH_HLEN, IPPROTO_ICMP, TCP_ACK, TCP_FIN, TCP_SYN},
+    packet::{parse, PacketSpec, ETH_HLEN, IPPROTO_ICMP, L4, TCP_ACK, TCP_FIN, TCP_SYN},
     require_kernel,
 };
 
@@ -150,6 +150,108 @@ fn reverse_translation_also_happens_at_egress() {
     let p = parse(&out);
     assert_eq!((p.src, p.sport), (VIP, 80));
     assert!(p.ip_checksum_ok() && p.l4_checksum_ok());
+}
+
+/// A frame after the classifier, checked: verdict "next", both checksums right.
+fn pass(dp: &TestDatapath, hook: Hook, frame: &[u8]) -> (proxy_tests::packet::Parsed, Vec<u8>) {
+    let (verdict, out) = dp.run(hook, frame).unwrap();
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    let p = parse(&out);
+    assert!(p.ip_checksum_ok(), "IPv4 checksum");
+    assert!(p.l4_checksum_ok(), "L4 checksum");
+    (p, out)
+}
+
+#[test]
+fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_egress() {
+    require_kernel!();
+    let mut dp = TestDatapath::load(small()).expect("load datapath");
+    let node_external = Ipv4Addr::new(10, 250, 1, 1);
+    let node_internal = Ipv4Addr::new(10, 251, 0, 1);
+    let client = Ipv4Addr::new(10, 250, 1, 2);
+    let other_client = Ipv4Addr::new(10, 250, 1, 3);
+    let remote = SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 8080);
+    dp.datapath
+        .configure(&proxy_common::DatapathConfig {
+            masquerade_addr: u32::from(node_internal).to_be(),
+            ..proxy_common::DatapathConfig::DEFAULT
+        })
+        .unwrap();
+    for protocol in [Protocol::Tcp, Protocol::Udp] {
+        let f = Frontend {
+            addr: node_external,
+            port: 30080,
+            protocol,
+        };
+        let flags = proxy_common::SERVICE_FLAG_EXTERNAL | proxy_common::SERVICE_FLAG_MASQUERADE;
+        dp.set_service_with(f, &[remote], flags, &[remote]).unwrap();
+    }
+    let specs = [
+        (
+            PacketSpec::tcp(client, 40000, node_external, 30080, TCP_SYN),
+            PacketSpec::tcp(other_client, 40000, node_external, 30080, TCP_SYN),
+        ),
+        (
+            PacketSpec::udp(client, 40000, node_external, 30080, b"x"),
+            PacketSpec::udp(other_client, 40000, node_external, 30080, b"x"),
+        ),
+    ];
+    for (first, second) in specs {
+        // Ingress on the external interface: DNAT only; the source is still the client.
+        let (p, frame) = pass(&dp, Hook::Ingress, &first.build());
+        assert_eq!((p.dst, p.dport), (*remote.ip(), remote.port()));
+        assert_eq!((p.src, p.sport), (client, 40000));
+        // Egress toward the other node: the node's address, the client's port.
+        let (p, _) = pass(&dp, Hook::Egress, &frame);
+        assert_eq!((p.src, p.sport), (node_internal, 40000));
+        assert_eq!((p.dst, p.dport), (*remote.ip(), remote.port()));
+        // A second client with the same port gets another one.
+        let (_, frame) = pass(&dp, Hook::Ingress, &second.build());
+        let (q, _) = pass(&dp, Hook::Egress, &frame);
+        assert_eq!(q.src, node_internal);
+        assert_ne!(q.sport, 40000, "the reply tuples would collide");
+
+        // The backend answers the node: ingress gives the client back as destination...
+        let mut reply = first.clone();
+        (reply.src, reply.sport) = (*remote.ip(), remote.port());
+        (reply.dst, reply.dport) = (node_internal, 40000);
+        if let L4::Tcp { flags, .. } = &mut reply.l4 {
+            *flags = TCP_SYN | TCP_ACK;
+        }
+        let (r, frame) = pass(&dp, Hook::Ingress, &reply.build());
+        assert_eq!((r.dst, r.dport), (client, 40000));
+        assert_eq!((r.src, r.sport), (*remote.ip(), remote.port()));
+        // ... an ingress elsewhere leaves it alone (the node address as source would be a
+        // martian before routing) ...
+        let (_, again) = pass(&dp, Hook::Ingress, &frame);
+        assert_eq!(again, frame);
+        // ... and egress toward the client restores the NodePort as the source.
+        let (r, _) = pass(&dp, Hook::Egress, &frame);
+        assert_eq!((r.src, r.sport), (node_external, 30080));
+        assert_eq!((r.dst, r.dport), (client, 40000));
+    }
+}
+
+#[test]
+fn local_policy_without_local_endpoints_drops_instead_of_refusing() {
+    require_kernel!();
+    let mut dp = TestDatapath::load(small()).expect("load datapath");
+    let f = Frontend {
+        addr: DEAD_VIP,
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    dp.set_service_with(f, &[], proxy_common::SERVICE_FLAG_DROP_WHEN_EMPTY, &[])
+        .unwrap();
+    let (verdict, _) = dp
+        .run(
+            Hook::Ingress,
+            &PacketSpec::tcp(CLIENT, 41000, DEAD_VIP, 80, TCP_SYN).build(),
+        )
+        .unwrap();
+    assert_eq!(verdict, proxy_tests::kernel::TC_ACT_SHOT);
+    assert_eq!(stat(&dp, Stat::NoLocalEndpoint), 1);
+    assert_eq!(stat(&dp, Stat::Refused), 0);
 }
 
 #[test]

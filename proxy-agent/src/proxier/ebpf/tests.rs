@@ -114,3 +114,75 @@ fn a_full_sync_repairs_drift_and_writes_nothing_when_nothing_drifted() {
     );
     assert_eq!(header_count(&proxier, &a.frontend), Some(2));
 }
+
+#[test]
+fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_them() {
+    use crate::model::{FrontendKind, FrontendState};
+    use proxy_common::{
+        BACKEND_FLAG_REMOTE, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
+        SERVICE_FLAG_MASQUERADE,
+    };
+    let node_port = Frontend {
+        addr: Ipv4Addr::new(192, 168, 0, 1),
+        port: 30080,
+        protocol: Protocol::Tcp,
+    };
+    let local: std::net::SocketAddrV4 = "10.0.0.1:80".parse().unwrap();
+    let remote: std::net::SocketAddrV4 = "10.0.1.1:80".parse().unwrap();
+    let plain = state("a", [10, 96, 0, 1], &["10.0.0.1:80", "10.0.1.1:80"]);
+    let mut exposed = (*plain).clone();
+    exposed.remote = [remote].into_iter().collect();
+    exposed.external = vec![FrontendState {
+        frontend: node_port,
+        kind: FrontendKind::NodePort,
+        backends: vec![local, remote],
+        when_empty: WhenEmpty::Refuse,
+        source_ranges: vec![],
+        masquerade: true,
+    }];
+    let exposed = Arc::new(exposed);
+    let mut proxier = EbpfProxier::new(InMemoryMaps::default());
+    let first = desired(&[exposed.clone()]);
+    proxier
+        .sync(&first, &diff(&DesiredState::default(), &first))
+        .unwrap();
+    let maps = proxier.map_sync().maps();
+    let header = maps.services[&service_key(&node_port, 0)];
+    assert_eq!(
+        header.flags,
+        SERVICE_FLAG_EXTERNAL | SERVICE_FLAG_MASQUERADE
+    );
+    assert_eq!(maps.services[&service_key(&exposed.frontend, 0)].flags, 0);
+    let remote_flags: Vec<(u32, u8)> = maps
+        .backends
+        .values()
+        .map(|b| (u32::from_be(b.addr), b.flags))
+        .collect();
+    assert!(remote_flags.contains(&(u32::from(*remote.ip()), BACKEND_FLAG_REMOTE)));
+    assert!(remote_flags.contains(&(u32::from(*local.ip()), 0)));
+    assert_eq!(
+        proxier.programmed(),
+        (2, 4),
+        "two frontends, two backends each"
+    );
+
+    // Local policy with no local endpoint: the header flips to "drop" in place.
+    let mut dropping = (*exposed).clone();
+    dropping.external[0].backends.clear();
+    dropping.external[0].when_empty = WhenEmpty::Drop;
+    dropping.external[0].masquerade = false;
+    let second = desired(&[Arc::new(dropping)]);
+    proxier.sync(&second, &diff(&first, &second)).unwrap();
+    let header = proxier.map_sync().maps().services[&service_key(&node_port, 0)];
+    assert_eq!(
+        (header.count, header.flags),
+        (0, SERVICE_FLAG_DROP_WHEN_EMPTY | SERVICE_FLAG_EXTERNAL)
+    );
+
+    // Back to a ClusterIP service: the NodePort frontend is gone from the maps.
+    let third = desired(&[plain.clone()]);
+    proxier.sync(&third, &diff(&second, &third)).unwrap();
+    assert_eq!(header_count(&proxier, &node_port), None);
+    assert_eq!(header_count(&proxier, &plain.frontend), Some(2));
+    assert_eq!(proxier.programmed(), (1, 2));
+}
