@@ -142,7 +142,7 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
     }];
     let exposed = Arc::new(exposed);
     let mut proxier = EbpfProxier::new(InMemoryMaps::default());
-    let first = desired(&[exposed.clone()]);
+    let first = desired(std::slice::from_ref(&exposed));
     proxier
         .sync(&first, &diff(&DesiredState::default(), &first))
         .unwrap();
@@ -180,7 +180,7 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
     );
 
     // Back to a ClusterIP service: the NodePort frontend is gone from the maps.
-    let third = desired(&[plain.clone()]);
+    let third = desired(std::slice::from_ref(&plain));
     proxier.sync(&third, &diff(&second, &third)).unwrap();
     assert_eq!(header_count(&proxier, &node_port), None);
     assert_eq!(header_count(&proxier, &plain.frontend), Some(2));
