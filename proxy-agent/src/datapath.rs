@@ -167,7 +167,11 @@ impl Datapath {
             .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
             // Service ids index it; there are never more service ports than SERVICES entries.
             .map_max_entries(map_names::SERVICE_STATS, sizes.services)
-            .map_max_entries(map_names::BACKEND_STATS, sizes.backends);
+            .map_max_entries(map_names::BACKEND_STATS, sizes.backends)
+            // One client per flow at most, so never more than conntrack holds.
+            .map_max_entries(map_names::AFFINITY, sizes.conntrack)
+            // Ranges are per frontend; as many as SERVICES has entries is ample.
+            .map_max_entries(map_names::SOURCE_RANGES, sizes.services);
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -177,6 +181,8 @@ impl Datapath {
                 map_names::STATS,
                 map_names::SERVICE_STATS,
                 map_names::BACKEND_STATS,
+                map_names::AFFINITY,
+                map_names::SOURCE_RANGES,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -246,9 +252,14 @@ impl Datapath {
             .ebpf
             .take_map(map_names::BACKENDS)
             .context("eBPF object has no BACKENDS map")?;
+        let source_ranges = self
+            .ebpf
+            .take_map(map_names::SOURCE_RANGES)
+            .context("eBPF object has no SOURCE_RANGES map")?;
         Ok(KernelMaps {
             services: BpfHashMap::try_from(services)?,
             backends: Array::try_from(backends)?,
+            source_ranges: aya::maps::LpmTrie::try_from(source_ranges)?,
             services_capacity: self.sizes.services,
         })
     }

@@ -10,8 +10,8 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::maps::{Array, MapData, MapInfo, MapType};
 use proxy_common::{
-    map_names, Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats,
-    ServiceValue, MAP_LAYOUT_VERSION,
+    map_names, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue, DatapathConfig,
+    ServiceKey, ServiceStats, ServiceValue, SourceRangeKey, MAP_LAYOUT_VERSION,
 };
 use tracing::{info, warn};
 
@@ -140,7 +140,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 7] {
+fn expected() -> [Expected; 9] {
     use std::mem::size_of;
     [
         Expected {
@@ -192,6 +192,22 @@ fn expected() -> [Expected; 7] {
             key_size: 4,
             value_size: size_of::<ServiceStats>(),
             // Sized like BACKENDS.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::AFFINITY,
+            map_type: MapType::LruHash,
+            key_size: size_of::<AffinityKey>(),
+            value_size: size_of::<AffinityValue>(),
+            // Sized like CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SOURCE_RANGES,
+            map_type: MapType::LpmTrie,
+            key_size: 4 + size_of::<SourceRangeKey>(),
+            value_size: 1,
+            // Sized like SERVICES.
             configurable: false,
         },
     ]

@@ -27,6 +27,8 @@ pub mod map_names {
     pub const STATS: &str = "STATS";
     pub const SERVICE_STATS: &str = "SERVICE_STATS";
     pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    pub const AFFINITY: &str = "AFFINITY";
+    pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
 }
 
 /// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
@@ -82,13 +84,17 @@ pub const SERVICE_FLAG_EXTERNAL: u16 = 1 << 1;
 /// Header flag: `externalTrafficPolicy: Cluster`; flows sent to a backend on another node
 /// are source-NATed to the node's address so replies come back through this node.
 pub const SERVICE_FLAG_MASQUERADE: u16 = 1 << 2;
+/// Header flag: `loadBalancerSourceRanges` apply; new flows from sources outside the
+/// frontend's ranges in `SOURCE_RANGES` are dropped.
+pub const SERVICE_FLAG_SOURCE_RANGES: u16 = 1 << 3;
 
 /// Value of the `SERVICES` map. In slot 0, `count` and `flags` are meaningful; in the backend
 /// slots, `backend_id` is.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ServiceValue {
-    /// Backend slots: the backend's id (see [`Backend`]).
+    /// Backend slots: the backend's id (see [`Backend`]). Header slot: the
+    /// `sessionAffinity: ClientIP` timeout in seconds (0: no affinity).
     pub backend_id: u32,
     /// Stable identifier of the service port (for statistics and debugging).
     pub service_id: u32,
@@ -221,6 +227,36 @@ pub struct ConntrackValue {
     pub service_id: u32,
 }
 
+/// Key of the `AFFINITY` LRU map: one client of one frontend (`sessionAffinity: ClientIP`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    /// Client IPv4 address, network byte order.
+    pub client: u32,
+    pub service_id: u32,
+}
+
+/// Value of the `AFFINITY` map: the backend the client's new flows go to while it keeps
+/// opening them within the timeout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityValue {
+    /// When the client last opened a flow to the frontend.
+    pub last_seen_ns: u64,
+    pub backend_id: u32,
+    pub _pad0: u32,
+}
+
+/// The data of a `SOURCE_RANGES` LPM-trie key: a frontend's id, then a source address. The
+/// key's prefix length is 32 (the whole id) plus the range's prefix length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SourceRangeKey {
+    pub service_id: u32,
+    /// IPv4 address, network byte order (so prefixes match its leading bits).
+    pub addr: u32,
+}
+
 /// Entries are refreshed at most this often.
 pub const CT_REFRESH_NS: u64 = 1_000_000_000;
 
@@ -328,10 +364,13 @@ pub enum Stat {
     NoLocalEndpoint = 13,
     /// A masqueraded flow found no free source port (the packet went out unmasqueraded).
     SnatPortsExhausted = 14,
+    /// A new flow to a load-balancer IP from outside its `loadBalancerSourceRanges` was
+    /// dropped.
+    SourceRangeDenied = 15,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 15;
+    pub const COUNT: u32 = 16;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -348,6 +387,7 @@ impl Stat {
         Stat::ConntrackCollected,
         Stat::NoLocalEndpoint,
         Stat::SnatPortsExhausted,
+        Stat::SourceRangeDenied,
     ];
 
     /// Label used for the metric.
@@ -368,6 +408,7 @@ impl Stat {
             Stat::ConntrackCollected => "conntrack_collected",
             Stat::NoLocalEndpoint => "dropped_no_local_endpoint",
             Stat::SnatPortsExhausted => "snat_ports_exhausted",
+            Stat::SourceRangeDenied => "source_range_denied",
         }
     }
 }
@@ -383,6 +424,9 @@ mod pod {
     unsafe impl aya::Pod for super::ConntrackValue {}
     unsafe impl aya::Pod for super::DatapathConfig {}
     unsafe impl aya::Pod for super::ServiceStats {}
+    unsafe impl aya::Pod for super::AffinityKey {}
+    unsafe impl aya::Pod for super::AffinityValue {}
+    unsafe impl aya::Pod for super::SourceRangeKey {}
 }
 
 #[cfg(test)]
@@ -442,6 +486,15 @@ mod tests {
         assert_eq!(offset_of!(ConntrackValue, backend_id), 16);
         assert_eq!(offset_of!(ConntrackValue, service_id), 20);
         assert_eq!(size_of::<ServiceStats>(), 24);
+    }
+
+    #[test]
+    fn affinity_and_source_range_layouts() {
+        assert_eq!(size_of::<AffinityKey>(), 8);
+        assert_eq!(size_of::<AffinityValue>(), 16);
+        assert_eq!(offset_of!(AffinityValue, backend_id), 8);
+        assert_eq!(size_of::<SourceRangeKey>(), 8);
+        assert_eq!(offset_of!(SourceRangeKey, addr), 4);
     }
 
     #[test]

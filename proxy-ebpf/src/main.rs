@@ -23,11 +23,12 @@ use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
     Global,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
+    AffinityKey, AffinityValue, SourceRangeKey, SERVICE_FLAG_SOURCE_RANGES,
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
     Stat,
     BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY,
@@ -52,6 +53,10 @@ static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 0);
 static SERVICE_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(65536, 0);
 #[map]
 static BACKEND_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(65536, 0);
+#[map]
+static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::with_max_entries(65536, 0);
+#[map]
+static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(65536, 0);
 
 /// Set by the agent at load time (`--backend-metrics`); read-only, so when it is 0 the
 /// verifier drops the per-backend accounting altogether.
@@ -435,14 +440,37 @@ fn new_flow(
     now: u64,
 ) -> Result<i32, Stat> {
     let service_id = header.service_id;
-    let slot = random_below(header.count as u32) as u16 + 1;
-    let (backend_id, backend) = match pick(pkt, slot) {
-        Some(found) => found,
-        // The agent shrinks a service by lowering the header's count before it deletes
-        // slots; a packet that read the old count can land on a deleted slot. Slot 1 always
-        // exists while count > 0.
-        None => pick(pkt, 1).ok_or(Stat::RewriteFailed)?,
+    if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0 && !source_allowed(pkt, service_id) {
+        bump(Stat::SourceRangeDenied);
+        return Ok(TC_ACT_SHOT);
+    }
+    // The header slot's backend_id is the ClientIP affinity timeout in seconds.
+    let affinity_ns = header.backend_id as u64 * 1_000_000_000;
+    let affinity_key = AffinityKey {
+        client: pkt.key.saddr,
+        service_id,
     };
+    let (backend_id, backend) = match sticky_backend(&affinity_key, affinity_ns, now) {
+        Some(found) => found,
+        None => {
+            let slot = random_below(header.count as u32) as u16 + 1;
+            match pick(pkt, slot) {
+                Some(found) => found,
+                // The agent shrinks a service by lowering the header's count before it
+                // deletes slots; a packet that read the old count can land on a deleted
+                // slot. Slot 1 always exists while count > 0.
+                None => pick(pkt, 1).ok_or(Stat::RewriteFailed)?,
+            }
+        }
+    };
+    if affinity_ns != 0 {
+        let value = AffinityValue {
+            last_seen_ns: now,
+            backend_id,
+            _pad0: 0,
+        };
+        let _ = AFFINITY.insert(&affinity_key, &value, BPF_ANY as u64);
+    }
 
     let original = ConntrackValue {
         last_seen_ns: now,
@@ -504,6 +532,34 @@ fn new_flow(
         u16::from_be(backend.port)
     );
     Ok(TC_ACT_UNSPEC)
+}
+
+/// `loadBalancerSourceRanges`: is the client inside one of the frontend's ranges?
+#[inline(always)]
+fn source_allowed(pkt: &Packet, service_id: u32) -> bool {
+    let key = LpmKey::new(
+        64,
+        SourceRangeKey {
+            service_id,
+            addr: pkt.key.saddr,
+        },
+    );
+    SOURCE_RANGES.get(&key).is_some()
+}
+
+/// The backend a client with ClientIP affinity used last, while within the timeout and
+/// still serving this frontend (ids are per frontend, so a live id is still in it).
+#[inline(always)]
+fn sticky_backend(key: &AffinityKey, timeout_ns: u64, now: u64) -> Option<(u32, Backend)> {
+    if timeout_ns == 0 {
+        return None;
+    }
+    let last = unsafe { AFFINITY.get(key) }?;
+    if now.wrapping_sub(last.last_seen_ns) > timeout_ns {
+        return None;
+    }
+    let id = last.backend_id;
+    Some((id, backend(id)?))
 }
 
 /// Records the source NAT of a flow sent to a backend on another node, so the backend

@@ -11,7 +11,10 @@ use aya::{
 use proxy_agent::{
     datapath::{Datapath, DatapathSizes, LoadOptions},
     model::Frontend,
-    proxier::ebpf::{maps::KernelMaps, sync::MapSync},
+    proxier::ebpf::{
+        maps::KernelMaps,
+        sync::{HeaderSettings, MapSync},
+    },
 };
 use proxy_common::program_names;
 
@@ -92,18 +95,18 @@ impl TestDatapath {
         Ok(())
     }
 
-    /// Like [`TestDatapath::set_service`], with header flags (`SERVICE_FLAG_*`) and the
+    /// Like [`TestDatapath::set_service`], with header settings (flags, affinity) and the
     /// backends that are on other nodes.
     pub fn set_service_with(
         &mut self,
         frontend: Frontend,
         backends: &[SocketAddrV4],
-        flags: u16,
+        header: HeaderSettings,
         remote: &[SocketAddrV4],
     ) -> Result<()> {
         let remote = remote.iter().copied().collect();
         self.sync
-            .set_with(&frontend, backends, flags, &remote)
+            .set_with(&frontend, backends, header, &remote, &[])
             .with_context(|| format!("programming {frontend}"))?;
         Ok(())
     }

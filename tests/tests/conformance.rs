@@ -10,7 +10,10 @@ use std::{
 };
 
 use proxy_tests::{
-    cluster::{client, external_client_ip, Cluster, Hello, CLIENT, CLIENT_2, CLIENT_IP},
+    cluster::{
+        client, external_client_ip, other_external_client_ip, Cluster, Hello, CLIENT, CLIENT_2,
+        CLIENT_IP,
+    },
     require_kernel,
 };
 
@@ -87,6 +90,8 @@ conformance!(
     external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address,
     node_port_addresses_restrict_where_node_ports_listen,
     external_ips_and_load_balancer_ips_are_served,
+    load_balancer_source_ranges_admit_only_listed_clients,
+    session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -567,4 +572,66 @@ fn external_ips_and_load_balancer_ips_are_served(mode: Mode) {
         .run(|| client::tcp_hello(addr("10.252.0.10", 80), Some(external_client_ip(1)), T).is_err())
         .unwrap();
     assert!(proxied, "an ipMode: Proxy address must not be programmed");
+}
+
+fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
+    let allowed = external_client_ip(1);
+    let c = cluster(mode, move |c| {
+        let svc = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: lab}}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.24\n  loadBalancerSourceRanges: [\"{allowed}/32\", 192.0.2.0/24]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30082}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: 10.252.0.11}}]\n---\n");
+        svc + &slice(c, "lb", "1", &[("http", "TCP", 8080)], &ready(&ALL))
+    });
+    let lb = addr("10.252.0.11", 80);
+    assert_eq!(pods(&tcp_from_outside(&c, 1, lb, 20)), set(&ALL));
+    let denied = other_external_client_ip(1);
+    let outcome = c
+        .external
+        .run(move || {
+            client::tcp_hello(lb, Some(denied), Duration::from_secs(1)).map_err(|e| e.kind())
+        })
+        .unwrap();
+    assert!(
+        outcome.is_err(),
+        "{denied} is outside the source ranges: {outcome:?}"
+    );
+}
+
+fn session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
+    let c = cluster(mode, |c| {
+        service(
+            "sticky",
+            "10.96.0.25",
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n",
+            &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+        ) + &slice(
+            c,
+            "sticky",
+            "1",
+            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+            &ready(&ALL),
+        )
+    });
+    let tcp = addr("10.96.0.25", 80);
+    let udp = addr("10.96.0.25", 53);
+    // Each round: many new flows within the timeout all go to one backend. Between rounds
+    // the timeout passes, so the next round may choose again.
+    let mut chosen = BTreeSet::new();
+    for round in 0..8 {
+        let hellos = tcp_from_pod(&c, CLIENT, tcp, 10);
+        let round_pods = pods(&hellos);
+        assert_eq!(round_pods.len(), 1, "round {round}: {:?}", counts(&hellos));
+        chosen.extend(round_pods);
+        std::thread::sleep(Duration::from_millis(1300));
+    }
+    // 8 independent choices among 3 all alike: probability 3^-7.
+    assert!(
+        chosen.len() > 1,
+        "the timeout never let the client move: {chosen:?}"
+    );
+    let datagrams = udp_from_pod(&c, CLIENT, udp, 10);
+    assert_eq!(
+        pods(&datagrams).len(),
+        1,
+        "UDP too: {:?}",
+        counts(&datagrams)
+    );
 }

@@ -9,6 +9,7 @@ use std::{
 use proxy_agent::{
     datapath::DatapathSizes,
     model::{Frontend, Protocol},
+    proxier::ebpf::sync::HeaderSettings,
 };
 use proxy_common::Stat;
 use proxy_tests::{
@@ -183,8 +184,12 @@ fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_eg
             port: 30080,
             protocol,
         };
-        let flags = proxy_common::SERVICE_FLAG_EXTERNAL | proxy_common::SERVICE_FLAG_MASQUERADE;
-        dp.set_service_with(f, &[remote], flags, &[remote]).unwrap();
+        let header = HeaderSettings {
+            flags: proxy_common::SERVICE_FLAG_EXTERNAL | proxy_common::SERVICE_FLAG_MASQUERADE,
+            affinity_timeout: 0,
+        };
+        dp.set_service_with(f, &[remote], header, &[remote])
+            .unwrap();
     }
     let specs = [
         (
@@ -241,8 +246,11 @@ fn local_policy_without_local_endpoints_drops_instead_of_refusing() {
         port: 80,
         protocol: Protocol::Tcp,
     };
-    dp.set_service_with(f, &[], proxy_common::SERVICE_FLAG_DROP_WHEN_EMPTY, &[])
-        .unwrap();
+    let header = HeaderSettings {
+        flags: proxy_common::SERVICE_FLAG_DROP_WHEN_EMPTY,
+        affinity_timeout: 0,
+    };
+    dp.set_service_with(f, &[], header, &[]).unwrap();
     let (verdict, _) = dp
         .run(
             Hook::Ingress,

@@ -1,11 +1,20 @@
-//! The two maps the agent writes (`SERVICES`, `BACKENDS`) behind a small trait, so the sync
+//! The maps the agent writes (`SERVICES`, `BACKENDS`, `SOURCE_RANGES`) behind a small trait, so the sync
 //! logic is tested against [`InMemoryMaps`] without a kernel and runs against [`KernelMaps`]
 //! in production.
 
 use std::collections::BTreeMap;
 
-use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError as AyaMapError};
-use proxy_common::{Backend, ServiceKey, ServiceValue, BACKEND_INDEX_MASK};
+use std::collections::BTreeSet;
+
+use aya::maps::{
+    lpm_trie::{Key as LpmKey, LpmTrie},
+    Array, HashMap as BpfHashMap, MapData, MapError as AyaMapError,
+};
+use proxy_common::{Backend, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_INDEX_MASK};
+
+/// One `loadBalancerSourceRanges` entry of a frontend: (service id, IPv4 address in network
+/// byte order, prefix length).
+pub type SourceRange = (u32, u32, u8);
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MapError {
@@ -22,6 +31,8 @@ pub trait ServiceMaps {
     fn remove_service(&mut self, key: &ServiceKey) -> Result<(), MapError>;
     fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError>;
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError>;
+    fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
+    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
     /// Number of `BACKENDS` slots (slot 0 is never used).
     fn backend_slots(&self) -> u32;
     /// Number of `SERVICE_STATS` slots, which service ids index (slot 0 is never used).
@@ -35,6 +46,7 @@ pub trait ServiceMaps {
 pub struct MapContents {
     pub services: Vec<(ServiceKey, ServiceValue)>,
     pub backends: Vec<Backend>,
+    pub source_ranges: Vec<SourceRange>,
 }
 
 /// A map-shaped model of the kernel maps, with the same capacity behaviour (an insert of a
@@ -45,6 +57,7 @@ pub struct MapContents {
 pub struct InMemoryMaps {
     pub services: BTreeMap<ServiceKey, ServiceValue>,
     pub backends: BTreeMap<u32, Backend>,
+    pub source_ranges: BTreeSet<SourceRange>,
     pub services_capacity: Option<usize>,
     /// Size of the modelled `BACKENDS` array.
     pub backend_slots: u32,
@@ -58,6 +71,7 @@ impl Default for InMemoryMaps {
         Self {
             services: BTreeMap::new(),
             backends: BTreeMap::new(),
+            source_ranges: BTreeSet::new(),
             services_capacity: None,
             backend_slots: 65536,
             operations: 0,
@@ -116,6 +130,18 @@ impl ServiceMaps for InMemoryMaps {
         Ok(())
     }
 
+    fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
+        self.operations += 1;
+        self.source_ranges.insert(range);
+        Ok(())
+    }
+
+    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
+        self.operations += 1;
+        self.source_ranges.remove(&range);
+        Ok(())
+    }
+
     fn backend_slots(&self) -> u32 {
         self.backend_slots
     }
@@ -130,14 +156,21 @@ impl ServiceMaps for InMemoryMaps {
         Ok(MapContents {
             services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
             backends: self.backends.values().copied().collect(),
+            source_ranges: self.source_ranges.iter().copied().collect(),
         })
     }
+}
+
+/// The LPM key of a source range: the whole service id, then the range's prefix.
+fn lpm_key((service_id, addr, prefix): SourceRange) -> LpmKey<SourceRangeKey> {
+    LpmKey::new(32 + prefix as u32, SourceRangeKey { service_id, addr })
 }
 
 /// The kernel's maps, through aya.
 pub struct KernelMaps {
     pub services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
     pub backends: Array<MapData, Backend>,
+    pub source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     pub services_capacity: u32,
 }
 
@@ -191,6 +224,18 @@ impl ServiceMaps for KernelMaps {
             .map_err(|e| classify("BACKENDS", capacity, e))
     }
 
+    fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
+        self.source_ranges
+            .insert(&lpm_key(range), 1, 0)
+            .map_err(|e| classify("SOURCE_RANGES", self.services_capacity, e))
+    }
+
+    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
+        self.source_ranges
+            .remove(&lpm_key(range))
+            .or_else(|e| ignore_missing("SOURCE_RANGES", self.services_capacity, e))
+    }
+
     fn backend_slots(&self) -> u32 {
         self.backends.len()
     }
@@ -215,6 +260,15 @@ impl ServiceMaps for KernelMaps {
             if b.id != 0 {
                 contents.backends.push(b);
             }
+        }
+        for key in self.source_ranges.keys() {
+            let key = key.map_err(other("SOURCE_RANGES"))?;
+            let data = key.data();
+            contents.source_ranges.push((
+                data.service_id,
+                data.addr,
+                key.prefix_len().saturating_sub(32) as u8,
+            ));
         }
         Ok(contents)
     }

@@ -12,7 +12,7 @@ use proxy_common::{SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_
 
 use self::{
     maps::{MapError, ServiceMaps},
-    sync::MapSync,
+    sync::{HeaderSettings, MapSync},
 };
 use super::{Proxier, ProxyMode, SyncReport};
 use crate::model::{
@@ -87,9 +87,21 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             if f.masquerade {
                 flags |= SERVICE_FLAG_MASQUERADE;
             }
+            let header = HeaderSettings {
+                flags,
+                affinity_timeout: state.affinity_timeout.unwrap_or(0),
+            };
+            let ranges: Vec<(std::net::Ipv4Addr, u8)> = f
+                .source_ranges
+                .iter()
+                .filter_map(|c| match c.addr {
+                    std::net::IpAddr::V4(a) => Some((a, c.prefix)),
+                    std::net::IpAddr::V6(_) => None,
+                })
+                .collect();
             ops += self
                 .sync
-                .set_with(&f.frontend, &f.backends, flags, &state.remote)
+                .set_with(&f.frontend, &f.backends, header, &state.remote, &ranges)
                 .map_err(|e| match e {
                     MapError::Other { map, message } => MapError::Other {
                         map,

@@ -16,7 +16,7 @@ use std::{
 
 use proxy_common::{
     Backend, ServiceKey, ServiceValue, BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK,
-    MAX_BACKENDS,
+    MAX_BACKENDS, SERVICE_FLAG_SOURCE_RANGES,
 };
 
 use super::maps::{MapError, ServiceMaps};
@@ -26,8 +26,9 @@ use crate::model::{Frontend, Protocol};
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Written {
     service_id: u32,
-    /// The header's `SERVICE_FLAG_*`.
-    flags: u16,
+    header: HeaderSettings,
+    /// `loadBalancerSourceRanges` in `SOURCE_RANGES`: (address, network byte order; prefix).
+    source_ranges: BTreeSet<(u32, u8)>,
     /// Slot `i + 1` holds `slots[i]`.
     slots: Vec<(u32, SocketAddrV4)>,
 }
@@ -61,6 +62,15 @@ pub fn backend_value(id: u32, addr: &SocketAddrV4, remote: bool) -> Backend {
         addr.port().to_be(),
         flags,
     )
+}
+
+/// What a frontend's header carries besides its count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeaderSettings {
+    /// `SERVICE_FLAG_*` (`SERVICE_FLAG_SOURCE_RANGES` is set from the ranges given).
+    pub flags: u16,
+    /// `sessionAffinity: ClientIP` timeout in seconds; 0: no affinity.
+    pub affinity_timeout: u32,
 }
 
 /// Hands out slots of an array map: next-fit, so a freed slot is the last to be taken again.
@@ -234,6 +244,10 @@ impl<M: ServiceMaps> MapSync<M> {
                 None => stray.push(key),
             }
         }
+        let mut ranges: HashMap<u32, BTreeSet<(u32, u8)>> = HashMap::new();
+        for (id, addr, prefix) in &contents.source_ranges {
+            ranges.entry(*id).or_default().insert((*addr, *prefix));
+        }
         let mut referenced = HashSet::new();
         for (frontend, header) in headers {
             let mut found = slots.remove(&frontend).unwrap_or_default();
@@ -256,7 +270,11 @@ impl<M: ServiceMaps> MapSync<M> {
                         frontend,
                         Written {
                             service_id: header.service_id,
-                            flags: header.flags,
+                            header: HeaderSettings {
+                                flags: header.flags,
+                                affinity_timeout: header.backend_id,
+                            },
+                            source_ranges: ranges.remove(&header.service_id).unwrap_or_default(),
                             slots: list,
                         },
                     );
@@ -282,6 +300,12 @@ impl<M: ServiceMaps> MapSync<M> {
         for id in backends.keys().filter(|id| !referenced.contains(id)) {
             self.maps.remove_backend(*id)?;
         }
+        // Ranges of frontends that are gone.
+        for (id, set) in ranges {
+            for (addr, prefix) in set {
+                self.maps.remove_source_range((id, addr, prefix))?;
+            }
+        }
         Ok(self.written.len())
     }
 
@@ -293,18 +317,34 @@ impl<M: ServiceMaps> MapSync<M> {
         frontend: &Frontend,
         backends: &[SocketAddrV4],
     ) -> Result<usize, MapError> {
-        self.set_with(frontend, backends, 0, &BTreeSet::new())
+        self.set_with(
+            frontend,
+            backends,
+            HeaderSettings::default(),
+            &BTreeSet::new(),
+            &[],
+        )
     }
 
-    /// Like [`MapSync::set`], with the header's `SERVICE_FLAG_*` and the backends that run on
-    /// other nodes.
+    /// Like [`MapSync::set`], with the header's settings and the backends that run on other
+    /// nodes.
     pub fn set_with(
         &mut self,
         frontend: &Frontend,
         backends: &[SocketAddrV4],
-        flags: u16,
+        mut header: HeaderSettings,
         remote: &BTreeSet<SocketAddrV4>,
+        source_ranges: &[(Ipv4Addr, u8)],
     ) -> Result<usize, MapError> {
+        let ranges: BTreeSet<(u32, u8)> = source_ranges
+            .iter()
+            .map(|(a, p)| (u32::from(*a).to_be(), *p))
+            .collect();
+        if ranges.is_empty() {
+            header.flags &= !SERVICE_FLAG_SOURCE_RANGES;
+        } else {
+            header.flags |= SERVICE_FLAG_SOURCE_RANGES;
+        }
         if backends.len() > u16::MAX as usize {
             return Err(MapError::Other {
                 map: "SERVICES",
@@ -321,6 +361,10 @@ impl<M: ServiceMaps> MapSync<M> {
             None => self.service_ids.allocate()?,
         };
         let old_slots = old.as_ref().map(|w| w.slots.clone()).unwrap_or_default();
+        let old_ranges = old
+            .as_ref()
+            .map(|w| w.source_ranges.clone())
+            .unwrap_or_default();
         let new_slots = match self.assign_slots(&old_slots, backends) {
             Ok(slots) => slots,
             Err((e, allocated)) => {
@@ -335,20 +379,21 @@ impl<M: ServiceMaps> MapSync<M> {
                 return Err(e);
             }
         };
-        let header_changed = old.as_ref().is_none_or(|w| w.flags != flags);
+        let header_changed = old.as_ref().is_none_or(|w| w.header != header);
         match self.write(
             frontend,
-            (service_id, flags, header_changed),
-            &old_slots,
-            &new_slots,
+            (service_id, header, header_changed),
+            (&old_slots, &new_slots),
             remote,
+            (&old_ranges, &ranges),
         ) {
             Ok(ops) => {
                 self.written.insert(
                     *frontend,
                     Written {
                         service_id,
-                        flags,
+                        header,
+                        source_ranges: ranges,
                         slots: new_slots,
                     },
                 );
@@ -358,6 +403,9 @@ impl<M: ServiceMaps> MapSync<M> {
                 let slot_count = old_slots.len().max(new_slots.len());
                 let ids: BTreeSet<u32> = old_slots.iter().chain(&new_slots).map(|s| s.0).collect();
                 let _ = self.purge(frontend, slot_count, ids);
+                for (addr, prefix) in old_ranges.union(&ranges) {
+                    let _ = self.maps.remove_source_range((service_id, *addr, *prefix));
+                }
                 self.service_ids.release(service_id);
                 Err(e)
             }
@@ -410,15 +458,16 @@ impl<M: ServiceMaps> MapSync<M> {
         Ok(slots.into_iter().flatten().collect())
     }
 
-    /// `header`: (service id, flags, whether the header must be written even if its count
+    /// `header`: (service id, settings, whether the header must be written even if its count
     /// stays).
+    #[allow(clippy::type_complexity)]
     fn write(
         &mut self,
         frontend: &Frontend,
-        (service_id, flags, header_changed): (u32, u16, bool),
-        old: &[(u32, SocketAddrV4)],
-        new: &[(u32, SocketAddrV4)],
+        (service_id, settings, header_changed): (u32, HeaderSettings, bool),
+        (old, new): (&[(u32, SocketAddrV4)], &[(u32, SocketAddrV4)]),
         remote: &BTreeSet<SocketAddrV4>,
+        (old_ranges, new_ranges): (&BTreeSet<(u32, u8)>, &BTreeSet<(u32, u8)>),
     ) -> Result<usize, MapError> {
         let mut ops = 0;
         let old_ids: HashSet<u32> = old.iter().map(|s| s.0).collect();
@@ -443,13 +492,18 @@ impl<M: ServiceMaps> MapSync<M> {
                 ops += 1;
             }
         }
+        // 2b. source ranges it gains, before the header can ask for them
+        for (addr, prefix) in new_ranges.difference(old_ranges) {
+            self.maps.add_source_range((service_id, *addr, *prefix))?;
+            ops += 1;
+        }
         // 3. the header, when new or when its count or flags change
         if header_changed || old.len() != new.len() {
             let header = ServiceValue {
-                backend_id: 0,
+                backend_id: settings.affinity_timeout,
                 service_id,
                 count: new.len() as u16,
-                flags,
+                flags: settings.flags,
             };
             self.maps.set_service(service_key(frontend, 0), header)?;
             ops += 1;
@@ -465,6 +519,11 @@ impl<M: ServiceMaps> MapSync<M> {
             self.backend_ids.release(*id);
             ops += 1;
         }
+        for (addr, prefix) in old_ranges.difference(new_ranges) {
+            self.maps
+                .remove_source_range((service_id, *addr, *prefix))?;
+            ops += 1;
+        }
         Ok(ops)
     }
 
@@ -475,11 +534,17 @@ impl<M: ServiceMaps> MapSync<M> {
             return Ok(0);
         };
         self.service_ids.release(old.service_id);
-        self.purge(
+        let mut ops = self.purge(
             frontend,
             old.slots.len(),
             old.slots.iter().map(|s| s.0).collect(),
-        )
+        )?;
+        for (addr, prefix) in &old.source_ranges {
+            self.maps
+                .remove_source_range((old.service_id, *addr, *prefix))?;
+            ops += 1;
+        }
+        Ok(ops)
     }
 
     fn purge(

@@ -62,6 +62,19 @@ struct CheckedMaps {
 impl CheckedMaps {
     fn check(&mut self) {
         self.checks += 1;
+        // A header that asks for source ranges always finds some: a moment without them
+        // would drop every new flow.
+        if let Some(h) = self.inner.services.get(&service_key(&self.watched, 0)) {
+            if h.flags & proxy_common::SERVICE_FLAG_SOURCE_RANGES != 0 {
+                assert!(
+                    self.inner
+                        .source_ranges
+                        .iter()
+                        .any(|(id, _, _)| *id == h.service_id),
+                    "header asks for source ranges that are not written"
+                );
+            }
+        }
         if let Some(view) = datapath_view(&self.inner, &self.watched) {
             if self.nonempty {
                 assert!(!view.is_empty(), "service went through zero backends");
@@ -94,6 +107,22 @@ impl ServiceMaps for CheckedMaps {
     }
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError> {
         self.inner.remove_backend(id)?;
+        self.check();
+        Ok(())
+    }
+    fn add_source_range(
+        &mut self,
+        range: crate::proxier::ebpf::maps::SourceRange,
+    ) -> Result<(), MapError> {
+        self.inner.add_source_range(range)?;
+        self.check();
+        Ok(())
+    }
+    fn remove_source_range(
+        &mut self,
+        range: crate::proxier::ebpf::maps::SourceRange,
+    ) -> Result<(), MapError> {
+        self.inner.remove_source_range(range)?;
         self.check();
         Ok(())
     }
@@ -314,5 +343,43 @@ fn adoption_repairs_what_an_interrupted_agent_left_half_written() {
     assert_eq!(
         datapath_view(second.maps(), &frontend(1)).unwrap(),
         pods(1..4)
+    );
+}
+
+#[test]
+fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after() {
+    let f = frontend(7);
+    let mut sync = MapSync::new(CheckedMaps {
+        inner: InMemoryMaps::default(),
+        watched: f,
+        nonempty: false,
+        allowed: pods(1..10),
+        checks: 0,
+    });
+    let none = BTreeSet::new();
+    let a = (Ipv4Addr::new(198, 51, 100, 0), 24);
+    let b = (Ipv4Addr::new(203, 0, 113, 7), 32);
+    let header = HeaderSettings::default();
+    sync.set_with(&f, &pods(1..3), header, &none, &[a]).unwrap();
+    sync.set_with(&f, &pods(1..3), header, &none, &[a, b])
+        .unwrap();
+    sync.set_with(&f, &pods(1..3), header, &none, &[b]).unwrap();
+    let ranges: Vec<_> = sync
+        .maps
+        .inner
+        .source_ranges
+        .iter()
+        .map(|r| (r.1, r.2))
+        .collect();
+    assert_eq!(ranges, vec![(u32::from(b.0).to_be(), 32)]);
+    sync.set_with(&f, &pods(1..3), header, &none, &[]).unwrap();
+    let h = sync.maps.inner.services[&service_key(&f, 0)];
+    assert_eq!(h.flags & proxy_common::SERVICE_FLAG_SOURCE_RANGES, 0);
+    assert!(sync.maps.inner.source_ranges.is_empty());
+    sync.set_with(&f, &pods(1..3), header, &none, &[a]).unwrap();
+    sync.remove(&f).unwrap();
+    assert!(
+        sync.maps.inner.source_ranges.is_empty(),
+        "removed with the frontend"
     );
 }
