@@ -40,6 +40,11 @@ impl Default for DatapathSizes {
     }
 }
 
+/// `FRAGMENTS` entries for a given `CONNTRACK` size.
+pub fn fragments_size(conntrack: u32) -> u32 {
+    (conntrack / 8).max(1024)
+}
+
 /// Optional parts of the classifier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LoadOptions {
@@ -171,7 +176,9 @@ impl Datapath {
             // One client per flow at most, so never more than conntrack holds.
             .map_max_entries(map_names::AFFINITY, sizes.conntrack)
             // Ranges are per frontend; as many as SERVICES has entries is ample.
-            .map_max_entries(map_names::SOURCE_RANGES, sizes.services);
+            .map_max_entries(map_names::SOURCE_RANGES, sizes.services)
+            // Datagrams in flight in pieces: a small share of the flows at any time.
+            .map_max_entries(map_names::FRAGMENTS, fragments_size(sizes.conntrack));
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -183,6 +190,7 @@ impl Datapath {
                 map_names::BACKEND_STATS,
                 map_names::AFFINITY,
                 map_names::SOURCE_RANGES,
+                map_names::FRAGMENTS,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }

@@ -12,4 +12,5 @@ pub mod model;
 pub mod pins;
 pub mod privileges;
 pub mod proxier;
+pub mod service_health;
 pub mod source;

@@ -20,6 +20,7 @@ use proxy_agent::{
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
     proxier::{ebpf::EbpfProxier, Proxier},
+    service_health::{self, ServiceHealthServers},
     source::{api, manifests},
 };
 use proxy_common::map_names;
@@ -300,6 +301,7 @@ async fn run(s: Settings) -> Result<()> {
         reported: Vec::new(),
         last_sync: None,
         min_sync_period: s.min_sync_period,
+        service_health: ServiceHealthServers::new(health.clone()),
         health,
         metrics: metrics.clone(),
     };
@@ -471,6 +473,7 @@ struct SyncLoop {
     min_sync_period: Duration,
     health: Health,
     metrics: Arc<Metrics>,
+    service_health: ServiceHealthServers,
 }
 
 impl SyncLoop {
@@ -563,6 +566,8 @@ impl SyncLoop {
         } else {
             self.metrics.sync_partial_duration.observe(elapsed);
         }
+        self.service_health
+            .sync(service_health::wanted(self.tracker.current()));
         let (ports, backends) = proxier.programmed();
         let mode = proxier.mode().as_str();
         self.metrics

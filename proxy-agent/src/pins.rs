@@ -11,7 +11,8 @@ use anyhow::{bail, Context, Result};
 use aya::maps::{Array, MapData, MapInfo, MapType};
 use proxy_common::{
     map_names, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue, DatapathConfig,
-    ServiceKey, ServiceStats, ServiceValue, SourceRangeKey, MAP_LAYOUT_VERSION,
+    FragmentKey, FragmentValue, ServiceKey, ServiceStats, ServiceValue, SourceRangeKey,
+    MAP_LAYOUT_VERSION,
 };
 use tracing::{info, warn};
 
@@ -140,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 9] {
+fn expected() -> [Expected; 10] {
     use std::mem::size_of;
     [
         Expected {
@@ -208,6 +209,14 @@ fn expected() -> [Expected; 9] {
             key_size: 4 + size_of::<SourceRangeKey>(),
             value_size: 1,
             // Sized like SERVICES.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::FRAGMENTS,
+            map_type: MapType::LruHash,
+            key_size: size_of::<FragmentKey>(),
+            value_size: size_of::<FragmentValue>(),
+            // Sized from CONNTRACK.
             configurable: false,
         },
     ]

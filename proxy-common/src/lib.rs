@@ -29,6 +29,7 @@ pub mod map_names {
     pub const BACKEND_STATS: &str = "BACKEND_STATS";
     pub const AFFINITY: &str = "AFFINITY";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
+    pub const FRAGMENTS: &str = "FRAGMENTS";
 }
 
 /// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
@@ -206,6 +207,15 @@ pub const CT_FLAG_SNAT: u8 = 1 << 4;
 /// `nat_addr:nat_port` (the client).
 pub const CT_FLAG_SNAT_REPLY: u8 = 1 << 5;
 
+/// A flow from a pod to a service that chose that same pod ("hairpin"): its source is
+/// rewritten to [`HAIRPIN_SOURCE`] (a pod drops packets from its own address as martians),
+/// and its reply entry is keyed by that address.
+pub const CT_FLAG_HAIRPIN: u8 = 1 << 6;
+
+/// The link-local address hairpin flows come from, as the pod sees them. Never on any
+/// interface; pods reach it through their default route, i.e. through the node.
+pub const HAIRPIN_SOURCE: [u8; 4] = [169, 254, 42, 1];
+
 /// Value of the `CONNTRACK` map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -255,6 +265,31 @@ pub struct SourceRangeKey {
     pub service_id: u32,
     /// IPv4 address, network byte order (so prefixes match its leading bits).
     pub addr: u32,
+}
+
+/// Key of the `FRAGMENTS` LRU map: one fragmented IPv4 datagram as it arrived (fragments
+/// after the first carry no ports, so they are matched by the IP identification instead).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragmentKey {
+    pub saddr: u32,
+    pub daddr: u32,
+    /// IPv4 identification, network byte order.
+    pub id: u16,
+    pub proto: u8,
+    pub _pad0: u8,
+}
+
+/// Value of the `FRAGMENTS` map: the addresses the first fragment left with, and the hook
+/// that translated it; the datagram's other fragments get the same there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragmentValue {
+    pub saddr: u32,
+    pub daddr: u32,
+    /// 0: ingress, 1: egress.
+    pub hook: u8,
+    pub _pad0: [u8; 3],
 }
 
 /// Entries are refreshed at most this often.
@@ -367,10 +402,12 @@ pub enum Stat {
     /// A new flow to a load-balancer IP from outside its `loadBalancerSourceRanges` was
     /// dropped.
     SourceRangeDenied = 15,
+    /// A fragment after the first was translated like its datagram's first fragment.
+    FragmentTranslated = 16,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 17;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -388,6 +425,7 @@ impl Stat {
         Stat::NoLocalEndpoint,
         Stat::SnatPortsExhausted,
         Stat::SourceRangeDenied,
+        Stat::FragmentTranslated,
     ];
 
     /// Label used for the metric.
@@ -409,6 +447,7 @@ impl Stat {
             Stat::NoLocalEndpoint => "dropped_no_local_endpoint",
             Stat::SnatPortsExhausted => "snat_ports_exhausted",
             Stat::SourceRangeDenied => "source_range_denied",
+            Stat::FragmentTranslated => "fragment_translated",
         }
     }
 }
@@ -427,6 +466,8 @@ mod pod {
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::SourceRangeKey {}
+    unsafe impl aya::Pod for super::FragmentKey {}
+    unsafe impl aya::Pod for super::FragmentValue {}
 }
 
 #[cfg(test)]
@@ -495,6 +536,10 @@ mod tests {
         assert_eq!(offset_of!(AffinityValue, backend_id), 8);
         assert_eq!(size_of::<SourceRangeKey>(), 8);
         assert_eq!(offset_of!(SourceRangeKey, addr), 4);
+        assert_eq!(size_of::<FragmentKey>(), 12);
+        assert_eq!(offset_of!(FragmentKey, id), 8);
+        assert_eq!(size_of::<FragmentValue>(), 12);
+        assert_eq!(offset_of!(FragmentValue, hook), 8);
     }
 
     #[test]

@@ -28,11 +28,12 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
+    FragmentKey, FragmentValue,
     AffinityKey, AffinityValue, SourceRangeKey, SERVICE_FLAG_SOURCE_RANGES,
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
     Stat,
     BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY,
-    CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
+    CT_FLAG_HAIRPIN, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, HAIRPIN_SOURCE, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
     SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
 };
 
@@ -56,6 +57,8 @@ static BACKEND_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(
 #[map]
 static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::with_max_entries(65536, 0);
 #[map]
+static FRAGMENTS: LruHashMap<FragmentKey, FragmentValue> = LruHashMap::with_max_entries(16384, 0);
+#[map]
 static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(65536, 0);
 
 /// Set by the agent at load time (`--backend-metrics`); read-only, so when it is 0 the
@@ -78,6 +81,8 @@ const IP_SADDR_OFF: usize = ETH_HLEN + 12;
 const IP_DADDR_OFF: usize = ETH_HLEN + 16;
 const TCP_CSUM_OFF: usize = 16;
 const UDP_CSUM_OFF: usize = 6;
+const IP_MORE_FRAGMENTS: u16 = 0x2000;
+const IP_OFFSET_MASK: u16 = 0x1fff;
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
@@ -116,7 +121,7 @@ pub fn proxy_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn run(ctx: &TcContext, hook: Hook) -> i32 {
-    match try_translate(ctx, hook) {
+    match try_run(ctx, hook) {
         Ok(verdict) => verdict,
         Err(stat) => {
             bump(stat);
@@ -125,19 +130,105 @@ fn run(ctx: &TcContext, hook: Hook) -> i32 {
     }
 }
 
+#[inline(always)]
+fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
+    match parse(ctx) {
+        Some(Parsed::Flow(pkt)) => {
+            let verdict = try_translate(ctx, hook, &pkt)?;
+            if pkt.more_fragments && verdict == TC_ACT_UNSPEC {
+                remember_fragment(ctx, &pkt, hook);
+            }
+            Ok(verdict)
+        }
+        Some(Parsed::LaterFragment(key)) => translate_fragment(ctx, &key, hook),
+        None => Ok(TC_ACT_UNSPEC),
+    }
+}
+
 /// The fields of a packet the translation needs, read once up front.
 struct Packet {
     l4_off: usize,
     key: ConntrackKey,
     tcp_flags: u8,
+    /// First fragment of a fragmented datagram (the rest follow without ports).
+    more_fragments: bool,
+    /// IPv4 identification, network byte order.
+    ip_id: u16,
+}
+
+enum Parsed {
+    Flow(Packet),
+    /// A fragment after the first: no transport header, matched by IP identification.
+    LaterFragment(FragmentKey),
+}
+
+const HOOK_INGRESS: u8 = 0;
+const HOOK_EGRESS: u8 = 1;
+
+impl Hook {
+    fn number(self) -> u8 {
+        match self {
+            Hook::Ingress => HOOK_INGRESS,
+            Hook::Egress => HOOK_EGRESS,
+        }
+    }
+}
+
+/// After the first fragment of a datagram was translated, records the addresses it left
+/// with, so the datagram's other fragments get the same at this hook.
+#[inline(always)]
+fn remember_fragment(ctx: &TcContext, pkt: &Packet, hook: Hook) {
+    let (Some(saddr), Some(daddr)) = (read::<u32>(ctx, IP_SADDR_OFF), read::<u32>(ctx, IP_DADDR_OFF))
+    else {
+        return;
+    };
+    if saddr == pkt.key.saddr && daddr == pkt.key.daddr {
+        return;
+    }
+    let key = FragmentKey {
+        saddr: pkt.key.saddr,
+        daddr: pkt.key.daddr,
+        id: pkt.ip_id,
+        proto: pkt.key.proto,
+        _pad0: 0,
+    };
+    let value = FragmentValue {
+        saddr,
+        daddr,
+        hook: hook.number(),
+        _pad0: [0; 3],
+    };
+    let _ = FRAGMENTS.insert(&key, &value, BPF_ANY as u64);
+}
+
+/// A fragment after the first: the addresses its first fragment got (only the IPv4
+/// checksum covers them here; the transport checksum was fixed in the first fragment).
+/// Fragments that arrive before their first one pass unchanged.
+#[inline(always)]
+fn translate_fragment(ctx: &TcContext, key: &FragmentKey, hook: Hook) -> Result<i32, Stat> {
+    let Some(to) = (unsafe { FRAGMENTS.get(key) }) else {
+        return Ok(TC_ACT_UNSPEC);
+    };
+    if to.hook != hook.number() {
+        return Ok(TC_ACT_UNSPEC);
+    }
+    let (saddr, daddr) = (to.saddr, to.daddr);
+    for (off, old, new) in [
+        (IP_SADDR_OFF, key.saddr, saddr),
+        (IP_DADDR_OFF, key.daddr, daddr),
+    ] {
+        if old != new {
+            ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)
+                .map_err(|_| Stat::RewriteFailed)?;
+            ctx.store(off, &new, 0).map_err(|_| Stat::RewriteFailed)?;
+        }
+    }
+    bump(Stat::FragmentTranslated);
+    Ok(TC_ACT_UNSPEC)
 }
 
 #[inline(always)]
-fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
-    let Some(pkt) = parse(ctx) else {
-        return Ok(TC_ACT_UNSPEC);
-    };
-
+fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat> {
     if let Some(ct) = CONNTRACK.get_ptr_mut(pkt.key) {
         let now = unsafe { bpf_ktime_get_ns() };
         // SAFETY: the pointer is to a map value and valid for this program run.
@@ -146,13 +237,13 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         // Each kind of entry acts at one hook only; elsewhere the packet passes as it is.
         if flags & CT_FLAG_SNAT != 0 {
             return match hook {
-                Hook::Egress => masquerade(ctx, &pkt, ct, now),
+                Hook::Egress => masquerade(ctx, pkt, ct, now),
                 Hook::Ingress => Ok(TC_ACT_UNSPEC),
             };
         }
         if flags & CT_FLAG_SNAT_REPLY != 0 {
             return match hook {
-                Hook::Ingress => unmasquerade(ctx, &pkt, ct, now),
+                Hook::Ingress => unmasquerade(ctx, pkt, ct, now),
                 Hook::Egress => Ok(TC_ACT_UNSPEC),
             };
         }
@@ -160,12 +251,12 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
             if flags & CT_FLAG_EGRESS_ONLY != 0 && hook == Hook::Ingress {
                 return Ok(TC_ACT_UNSPEC);
             }
-            return translate_reply(ctx, &pkt, ct, now);
+            return translate_reply(ctx, pkt, ct, now);
         }
         if hook == Hook::Egress {
             return Ok(TC_ACT_UNSPEC);
         }
-        if let Some(verdict) = translate_tracked(ctx, &pkt, ct, now)? {
+        if let Some(verdict) = translate_tracked(ctx, pkt, ct, now)? {
             return Ok(verdict);
         }
     }
@@ -177,7 +268,7 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
 
     let header_key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
     let Some(header) = (unsafe { SERVICES.get(header_key) }) else {
-        forget_clashing_flow(&pkt);
+        forget_clashing_flow(pkt);
         return Ok(TC_ACT_UNSPEC);
     };
     let header = *header;
@@ -194,14 +285,14 @@ fn try_translate(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
             u32::from_be(pkt.key.daddr),
             u16::from_be(pkt.key.dport)
         );
-        return refuse(ctx, &pkt, hook);
+        return refuse(ctx, pkt, hook);
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    new_flow(ctx, &pkt, &header, now)
+    new_flow(ctx, pkt, &header, now)
 }
 
 #[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Packet> {
+fn parse(ctx: &TcContext) -> Option<Parsed> {
     let eth_proto: u16 = u16::from_be(read(ctx, 12)?);
     if eth_proto != ETH_P_IP {
         return None;
@@ -211,17 +302,23 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
     if ver_ihl >> 4 != 4 || ihl < IPV4_HLEN {
         return None;
     }
-    // Fragments other than the first carry no ports; they are left to the kernel for now.
-    let frag: u16 = u16::from_be(read(ctx, ETH_HLEN + 6)?);
-    if frag & 0x1fff != 0 {
-        return None;
-    }
     let proto: u8 = read(ctx, ETH_HLEN + 9)?;
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
     let saddr: u32 = read(ctx, IP_SADDR_OFF)?;
     let daddr: u32 = read(ctx, IP_DADDR_OFF)?;
+    let ip_id: u16 = read(ctx, ETH_HLEN + 4)?;
+    let frag: u16 = u16::from_be(read(ctx, ETH_HLEN + 6)?);
+    if frag & IP_OFFSET_MASK != 0 {
+        return Some(Parsed::LaterFragment(FragmentKey {
+            saddr,
+            daddr,
+            id: ip_id,
+            proto,
+            _pad0: 0,
+        }));
+    }
     let l4_off = ETH_HLEN + ihl;
     let sport: u16 = read(ctx, l4_off)?;
     let dport: u16 = read(ctx, l4_off + 2)?;
@@ -230,11 +327,13 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
     } else {
         0
     };
-    Some(Packet {
+    Some(Parsed::Flow(Packet {
         l4_off,
         key: ConntrackKey::new(saddr, daddr, sport, dport, proto),
         tcp_flags,
-    })
+        more_fragments: frag & IP_MORE_FRAGMENTS != 0,
+        ip_id,
+    }))
 }
 
 /// Reads a `T` at `off` after checking it lies inside the packet.
@@ -314,13 +413,31 @@ fn translate_reply(
 ) -> Result<i32, Stat> {
     let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
     let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
+    let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
+    // A hairpin reply goes back to the pod that is also the backend.
+    let client = if hairpin {
+        pkt.key.saddr
+    } else {
+        pkt.key.daddr
+    };
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt, now, CT_FLAG_SEEN_REPLY);
+    if hairpin {
+        rewrite(
+            ctx,
+            pkt,
+            Side::Destination,
+            pkt.key.daddr,
+            client,
+            pkt.key.dport,
+            pkt.key.dport,
+        )?;
+    }
     if first_reply || closing {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
         let original = ConntrackKey::new(
-            pkt.key.daddr,
+            client,
             nat_addr,
             pkt.key.dport,
             nat_port,
@@ -370,7 +487,7 @@ fn translate_tracked(
         });
         let reply = ConntrackKey::new(
             ct.nat_addr,
-            pkt.key.saddr,
+            client_as_seen(pkt.key.saddr, ct.flags),
             ct.nat_port,
             pkt.key.sport,
             pkt.key.proto,
@@ -381,6 +498,17 @@ fn translate_tracked(
     }
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
+    if ct.flags & CT_FLAG_HAIRPIN != 0 {
+        rewrite(
+            ctx,
+            pkt,
+            Side::Source,
+            pkt.key.saddr,
+            HAIRPIN,
+            pkt.key.sport,
+            pkt.key.sport,
+        )?;
+    }
     touch(ct, pkt, now, 0);
     rewrite(
         ctx,
@@ -472,18 +600,23 @@ fn new_flow(
         let _ = AFFINITY.insert(&affinity_key, &value, BPF_ANY as u64);
     }
 
+    let hairpin_flag = if backend.addr == pkt.key.saddr {
+        CT_FLAG_HAIRPIN
+    } else {
+        0
+    };
     let original = ConntrackValue {
         last_seen_ns: now,
         nat_addr: backend.addr,
         nat_port: backend.port,
-        flags: 0,
+        flags: hairpin_flag,
         _pad0: 0,
         backend_id,
         service_id,
     };
     let reply_key = ConntrackKey::new(
         backend.addr,
-        pkt.key.saddr,
+        client_as_seen(pkt.key.saddr, hairpin_flag),
         backend.port,
         pkt.key.sport,
         pkt.key.proto,
@@ -494,9 +627,9 @@ fn new_flow(
         nat_addr: pkt.key.daddr,
         nat_port: pkt.key.dport,
         flags: if external {
-            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY
+            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY | hairpin_flag
         } else {
-            CT_FLAG_REPLY
+            CT_FLAG_REPLY | hairpin_flag
         },
         _pad0: 0,
         backend_id,
@@ -517,6 +650,17 @@ fn new_flow(
         pkt.key.dport,
         backend.port,
     )?;
+    if hairpin_flag != 0 {
+        rewrite(
+            ctx,
+            pkt,
+            Side::Source,
+            pkt.key.saddr,
+            HAIRPIN,
+            pkt.key.sport,
+            pkt.key.sport,
+        )?;
+    }
     bump(Stat::NewFlow);
     account(ctx, service_id, backend_id, true);
     // Compiled in, but dead code the verifier removes unless the agent runs with -v 4.
@@ -648,6 +792,20 @@ fn unmasquerade(
     touch(ct, pkt, now, 0);
     rewrite(ctx, pkt, Side::Destination, pkt.key.daddr, addr, pkt.key.dport, port)?;
     Ok(TC_ACT_UNSPEC)
+}
+
+/// [`HAIRPIN_SOURCE`] as it sits in a packet (network byte order).
+const HAIRPIN: u32 = u32::from_ne_bytes(HAIRPIN_SOURCE);
+
+/// The client address a backend sees (and replies to): the hairpin address for a flow from
+/// the backend itself.
+#[inline(always)]
+fn client_as_seen(saddr: u32, flags: u8) -> u32 {
+    if flags & CT_FLAG_HAIRPIN != 0 {
+        HAIRPIN
+    } else {
+        saddr
+    }
 }
 
 /// Removes a conntrack entry, counting it when it was there (LRU evictions are derived

@@ -92,6 +92,9 @@ conformance!(
     external_ips_and_load_balancer_ips_are_served,
     load_balancer_source_ranges_admit_only_listed_clients,
     session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
+    health_check_node_port_reports_local_endpoints,
+    a_pod_reaches_itself_through_its_service,
+    fragmented_udp_reaches_one_backend_and_returns_translated,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -634,4 +637,108 @@ fn session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mo
         "UDP too: {:?}",
         counts(&datagrams)
     );
+}
+
+/// A plain HTTP/1.0 GET; (status, body).
+fn http_get(ns: &proxy_tests::lab::Netns, to: SocketAddrV4) -> (u16, String) {
+    use std::io::{Read, Write};
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect_timeout(&to.into(), T).expect("connect");
+        s.set_read_timeout(Some(T)).unwrap();
+        s.write_all(b"GET / HTTP/1.0\r\nHost: lb\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        let code = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+        (code, body)
+    })
+    .unwrap()
+}
+
+fn health_check_node_port_reports_local_endpoints(mode: Mode) {
+    let mut c = cluster(mode, |c| {
+        let svc = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: lab}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.26\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n  ports:\n  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30083}\n---\n";
+        svc.to_string() + &slice(c, "lb", "1", &[("http", "TCP", 8080)], &ready(&ALL))
+    });
+    for (node, want) in [(1u8, 1), (2, 2)] {
+        let to = SocketAddrV4::new(c.node(node).external_ip, 32100);
+        let (code, body) = http_get(&c.external, to);
+        assert_eq!(code, 200, "node-{node}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["localEndpoints"], want, "node-{node}: {body}");
+        assert_eq!(v["service"]["name"], "lb");
+        assert_eq!(v["service"]["namespace"], "lab");
+    }
+    // web-1a goes: node-1 has no local endpoint left and says so.
+    let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: lab}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.26\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n  ports:\n  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30083}\n---\n".to_string()
+        + &slice(&c, "lb", "1", &[("http", "TCP", 8080)], &ready(&["web-2a", "web-2b"]));
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    let (code, body) = http_get(&c.external, SocketAddrV4::new(c.node(1).external_ip, 32100));
+    assert_eq!(code, 503, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["localEndpoints"], 0);
+}
+
+fn a_pod_reaches_itself_through_its_service(mode: Mode) {
+    let c = cluster(mode, |c| {
+        service("self", "10.96.0.27", "", &[("", "TCP", 80, "8080")])
+            + &slice(c, "self", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
+            + &service("all", "10.96.0.28", "", &[("", "TCP", 80, "8080")])
+            + &slice(c, "all", "1", &[("", "TCP", 8080)], &ready(&ALL))
+    });
+    let hairpin = std::net::Ipv4Addr::from(proxy_common::HAIRPIN_SOURCE);
+    for h in tcp_from_pod(&c, "web-1a", addr("10.96.0.27", 80), 10) {
+        assert_eq!(h.pod, "web-1a");
+        // Its own address as the source would be dropped as a martian: it sees the
+        // hairpin address instead.
+        assert_eq!(*h.from.ip(), hairpin, "{h:?}");
+    }
+    let hellos = tcp_from_pod(&c, "web-2a", addr("10.96.0.28", 80), 40);
+    assert_eq!(pods(&hellos), set(&ALL), "{:?}", counts(&hellos));
+}
+
+fn fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
+    let c = cluster(mode, |c| node_port_service(c, "web", "10.96.0.29", ""));
+    let size = 4000; // well over the 1500-byte MTU: three fragments each way
+    let from_pod = c
+        .pod(CLIENT)
+        .ns
+        .run(move || {
+            (0..30)
+                .map(|_| client::udp_hello(addr("10.96.0.29", 53), None, size, T))
+                .collect::<Vec<_>>()
+        })
+        .unwrap();
+    let mut seen = BTreeSet::new();
+    for r in from_pod {
+        let (hello, n) = r.unwrap_or_else(|e| panic!("fragmented datagram: {e}\n{}", c.logs()));
+        assert!(n > size, "the whole echo came back translated: {n} bytes");
+        seen.insert(hello.pod);
+    }
+    assert_eq!(seen, set(&ALL));
+    // From outside through a NodePort: remote backends are masqueraded, fragments too.
+    let to = SocketAddrV4::new(c.node(1).external_ip, 30053);
+    let source = external_client_ip(1);
+    let from_outside = c
+        .external
+        .run(move || {
+            (0..30)
+                .map(|_| client::udp_hello(to, Some(source), size, T))
+                .collect::<Vec<_>>()
+        })
+        .unwrap();
+    let mut seen = BTreeSet::new();
+    for r in from_outside {
+        let (hello, n) =
+            r.unwrap_or_else(|e| panic!("fragmented datagram via NodePort: {e}\n{}", c.logs()));
+        assert!(n > size);
+        seen.insert(hello.pod);
+    }
+    assert_eq!(seen, set(&ALL));
 }
