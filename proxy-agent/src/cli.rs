@@ -76,6 +76,16 @@ pub struct Cli {
     #[arg(long = "nodeport-addresses", value_delimiter = ',')]
     pub nodeport_addresses: Option<Vec<String>>,
 
+    /// Source-NAT every flow to a service to the node's address (kube-proxy's
+    /// --masquerade-all).
+    #[arg(long = "masquerade-all")]
+    pub masquerade_all: bool,
+
+    /// The pods' address range (comma-separated; the first IPv4 one is used): flows from
+    /// outside it to a cluster IP are source-NATed to the node.
+    #[arg(long = "cluster-cidr")]
+    pub cluster_cidr: Option<String>,
+
     /// The name of this node (default: $NODE_NAME, else the host name).
     #[arg(long = "hostname-override")]
     pub hostname_override: Option<String>,
@@ -143,6 +153,8 @@ pub struct Settings {
     pub node_name: String,
     /// `--nodeport-addresses` / `nodePortAddresses`: CIDRs or `primary`; empty: unrestricted.
     pub node_port_addresses: Vec<NodePortAddress>,
+    /// `--masquerade-all` / `iptables.masqueradeAll`.
+    pub masquerade_all: bool,
     pub backend_metrics: bool,
     pub kubeconfig: Option<PathBuf>,
     pub sync_period: Duration,
@@ -262,6 +274,21 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
             datapath.udp_stream_timeout_ns = ns(d);
         }
     }
+    let cidrs: Vec<String> = match &cli.cluster_cidr {
+        Some(list) => list.split(',').map(|c| c.trim().to_string()).collect(),
+        None => f.map(|f| f.cluster_cidrs.clone()).unwrap_or_default(),
+    };
+    for text in cidrs.iter().filter(|c| !c.is_empty()) {
+        let cidr: crate::model::Cidr = text
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
+        if let std::net::IpAddr::V4(addr) = cidr.addr {
+            let mask = u32::MAX.checked_shl(32 - cidr.prefix as u32).unwrap_or(0);
+            datapath.cluster_cidr_addr = (u32::from(addr) & mask).to_be();
+            datapath.cluster_cidr_mask = mask.to_be();
+            break;
+        }
+    }
     Ok(Settings {
         mode,
         verbosity,
@@ -278,6 +305,8 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
                 .or_else(|| f.map(|f| f.node_port_addresses.clone()))
                 .unwrap_or_default(),
         )?,
+        masquerade_all: cli.masquerade_all
+            || f.and_then(|f| f.iptables.masquerade_all).unwrap_or(false),
         backend_metrics: cli.backend_metrics || f.and_then(|f| f.backend_metrics).unwrap_or(false),
         kubeconfig: cli
             .kubeconfig

@@ -15,7 +15,7 @@ use proxy_agent::{
     metrics::{service_labels, Metrics, TrafficCounters},
     model::{
         local_ipv4_addresses, objects::NodeInfo, ChangeTracker, DesiredState, NodeContext,
-        NodePortAddress, ServiceChange,
+        NodePortAddress, ServiceChange, WhenEmpty,
     },
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
@@ -295,6 +295,7 @@ async fn run(s: Settings) -> Result<()> {
         node_name: s.node_name.clone(),
         node_port_filter: s.node_port_addresses.clone(),
         masquerade_addr: None,
+        masquerade_all: s.masquerade_all,
         node: None,
         pending: Vec::new(),
         pending_since: None,
@@ -464,6 +465,7 @@ struct SyncLoop {
     node_port_filter: Vec<NodePortAddress>,
     /// The source for masqueraded flows: this node's first IPv4 InternalIP.
     masquerade_addr: Option<std::net::Ipv4Addr>,
+    masquerade_all: bool,
     /// This node's Node object, as last seen (addresses and zone, for features to come).
     node: Option<NodeInfo>,
     pending: Vec<ServiceChange>,
@@ -480,12 +482,15 @@ impl SyncLoop {
     /// Takes a new view of the cluster and queues the changes it makes.
     fn ingest(&mut self, set: manifests::ManifestSet) {
         let node = set.nodes.iter().find(|n| n.name == self.node_name);
-        let context = NodeContext::new(
-            &self.node_name,
-            node,
-            &self.node_port_filter,
-            &local_ipv4_addresses(),
-        );
+        let context = NodeContext {
+            masquerade_all: self.masquerade_all,
+            ..NodeContext::new(
+                &self.node_name,
+                node,
+                &self.node_port_filter,
+                &local_ipv4_addresses(),
+            )
+        };
         let (desired, model_problems) = DesiredState::build(&set.store, &context);
         self.masquerade_addr = context.masquerade_addr;
         // Problems are reported when they appear, not again on every reload.
@@ -568,6 +573,21 @@ impl SyncLoop {
         }
         self.service_health
             .sync(service_health::wanted(self.tracker.current()));
+        // Service ports whose Local policy finds endpoints elsewhere but none here.
+        let (mut internal, mut external) = (0, 0);
+        for state in self.tracker.current().ports.values() {
+            internal += (state.when_empty == WhenEmpty::Drop) as i64;
+            external += state
+                .external
+                .iter()
+                .any(|f| f.when_empty == WhenEmpty::Drop) as i64;
+        }
+        for (policy, n) in [("internal", internal), ("external", external)] {
+            self.metrics
+                .no_local_endpoints
+                .with_label_values(&[policy])
+                .set(n);
+        }
         let (ports, backends) = proxier.programmed();
         let mode = proxier.mode().as_str();
         self.metrics

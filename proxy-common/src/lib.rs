@@ -85,6 +85,8 @@ pub const SERVICE_FLAG_EXTERNAL: u16 = 1 << 1;
 /// Header flag: `externalTrafficPolicy: Cluster`; flows sent to a backend on another node
 /// are source-NATed to the node's address so replies come back through this node.
 pub const SERVICE_FLAG_MASQUERADE: u16 = 1 << 2;
+/// Header flag: masquerade every new flow (`masqueradeAll`), whatever its backend.
+pub const SERVICE_FLAG_MASQUERADE_ALL: u16 = 1 << 4;
 /// Header flag: `loadBalancerSourceRanges` apply; new flows from sources outside the
 /// frontend's ranges in `SOURCE_RANGES` are dropped.
 pub const SERVICE_FLAG_SOURCE_RANGES: u16 = 1 << 3;
@@ -316,6 +318,10 @@ pub struct DatapathConfig {
     /// The node's address that masqueraded flows take as their source (network byte order);
     /// 0: none known, such flows go out unmasqueraded.
     pub masquerade_addr: u32,
+    /// `clusterCIDR` (network byte order, address and mask): flows to a cluster IP from
+    /// outside it are masqueraded. Mask 0: not set.
+    pub cluster_cidr_addr: u32,
+    pub cluster_cidr_mask: u32,
 }
 
 impl DatapathConfig {
@@ -329,6 +335,8 @@ impl DatapathConfig {
         udp_stream_timeout_ns: 120 * 1_000_000_000,
         layout_version: MAP_LAYOUT_VERSION,
         masquerade_addr: 0,
+        cluster_cidr_addr: 0,
+        cluster_cidr_mask: 0,
     };
 
     /// How long `value` may stay idle before the flow is over.
@@ -544,7 +552,8 @@ mod tests {
 
     #[test]
     fn config_layout() {
-        assert_eq!(size_of::<DatapathConfig>(), 48);
+        assert_eq!(size_of::<DatapathConfig>(), 56);
+        assert_eq!(offset_of!(DatapathConfig, cluster_cidr_mask), 52);
         assert_eq!(offset_of!(DatapathConfig, udp_stream_timeout_ns), 32);
         assert_eq!(offset_of!(DatapathConfig, layout_version), 40);
         assert_eq!(offset_of!(DatapathConfig, masquerade_addr), 44);

@@ -35,6 +35,7 @@ use proxy_common::{
     BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY,
     CT_FLAG_HAIRPIN, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, HAIRPIN_SOURCE, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
     SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
+    SERVICE_FLAG_MASQUERADE_ALL,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -638,7 +639,7 @@ fn new_flow(
     if !track(&reply_key, &reply) || !track(&pkt.key, &original) {
         bump(Stat::ConntrackInsertFailed);
     }
-    if header.flags & SERVICE_FLAG_MASQUERADE != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0 {
+    if hairpin_flag == 0 && masquerades(header, pkt, &backend) {
         plan_masquerade(pkt, &backend, backend_id, service_id, now);
     }
     rewrite(
@@ -704,6 +705,21 @@ fn sticky_backend(key: &AffinityKey, timeout_ns: u64, now: u64) -> Option<(u32, 
     }
     let id = last.backend_id;
     Some((id, backend(id)?))
+}
+
+/// Whether a new flow is source-NATed to the node: always under `masqueradeAll`; to a
+/// cluster IP from outside `clusterCIDR`; external traffic (`externalTrafficPolicy:
+/// Cluster`) when its backend is on another node.
+#[inline(always)]
+fn masquerades(header: &ServiceValue, pkt: &Packet, backend: &Backend) -> bool {
+    if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
+        return true;
+    }
+    if header.flags & SERVICE_FLAG_EXTERNAL == 0 {
+        let c = config();
+        return c.cluster_cidr_mask != 0 && pkt.key.saddr & c.cluster_cidr_mask != c.cluster_cidr_addr;
+    }
+    header.flags & SERVICE_FLAG_MASQUERADE != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0
 }
 
 /// Records the source NAT of a flow sent to a backend on another node, so the backend

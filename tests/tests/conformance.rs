@@ -95,6 +95,8 @@ conformance!(
     health_check_node_port_reports_local_endpoints,
     a_pod_reaches_itself_through_its_service,
     fragmented_udp_reaches_one_backend_and_returns_translated,
+    masquerade_all_source_nats_every_service_flow,
+    cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -639,13 +641,18 @@ fn session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mo
     );
 }
 
-/// A plain HTTP/1.0 GET; (status, body).
+/// A plain HTTP/1.0 GET of `/`; (status, body).
 fn http_get(ns: &proxy_tests::lab::Netns, to: SocketAddrV4) -> (u16, String) {
+    http_get_path(ns, to, "/")
+}
+
+fn http_get_path(ns: &proxy_tests::lab::Netns, to: SocketAddrV4, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
+    let request = format!("GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n");
     ns.run(move || {
         let mut s = std::net::TcpStream::connect_timeout(&to.into(), T).expect("connect");
         s.set_read_timeout(Some(T)).unwrap();
-        s.write_all(b"GET / HTTP/1.0\r\nHost: lb\r\n\r\n").unwrap();
+        s.write_all(request.as_bytes()).unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
         let code = text
@@ -683,6 +690,14 @@ fn health_check_node_port_reports_local_endpoints(mode: Mode) {
     assert_eq!(code, 503, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["localEndpoints"], 0);
+    // kube-proxy's gauge of Local-policy service ports left without local endpoints.
+    let metrics = http_get_path(&c.node(1).ns, addr("127.0.0.1", 10249), "/metrics").1;
+    assert!(
+        metrics.contains(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"} 1"
+        ),
+        "{metrics}"
+    );
 }
 
 fn a_pod_reaches_itself_through_its_service(mode: Mode) {
@@ -741,4 +756,49 @@ fn fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
         seen.insert(hello.pod);
     }
     assert_eq!(seen, set(&ALL));
+}
+
+/// A cluster running `mode` with extra agent flags.
+fn cluster_with_flags(mode: Mode, flags: &[&str], yaml: impl Fn(&Cluster) -> String) -> Cluster {
+    let mut c = Cluster::new().expect("cluster lab");
+    let path = c.write_manifests(&yaml(&c)).unwrap();
+    let mut args = vec!["--proxy-mode", mode.name()];
+    args.extend_from_slice(flags);
+    c.start_agents(&path, &args).expect("agents");
+    c
+}
+
+fn masquerade_all_source_nats_every_service_flow(mode: Mode) {
+    let c = cluster_with_flags(mode, &["--masquerade-all"], |c| {
+        service("web", "10.96.0.30", "", &[("", "TCP", 80, "8080")])
+            + &slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
+    });
+    let hellos = tcp_from_pod(&c, CLIENT, addr("10.96.0.30", 80), 40);
+    assert_eq!(pods(&hellos), set(&ALL));
+    for h in &hellos {
+        // Local backend or remote: every one sees the node.
+        assert_eq!(*h.from.ip(), c.node(1).internal_ip, "{h:?}");
+    }
+}
+
+fn cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mode) {
+    let c = cluster_with_flags(mode, &["--cluster-cidr", "10.244.0.0/16"], |c| {
+        service("web", "10.96.0.31", "", &[("", "TCP", 80, "8080")])
+            + &slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
+    });
+    let vip = addr("10.96.0.31", 80);
+    // From a pod (inside the cluster CIDR): the pod's own address.
+    for h in tcp_from_pod(&c, CLIENT, vip, 30) {
+        assert_eq!(*h.from.ip(), CLIENT_IP, "{h:?}");
+    }
+    // From outside, routed to node-1: masqueraded whatever the backend, so replies return
+    // through the node that translated.
+    c.external
+        .ip(&["route", "add", "10.96.0.0/16", "via", "10.250.1.1"])
+        .unwrap();
+    let hellos = tcp_from_outside(&c, 1, vip, 40);
+    assert_eq!(pods(&hellos), set(&ALL));
+    for h in &hellos {
+        assert_eq!(*h.from.ip(), c.node(1).internal_ip, "{h:?}");
+    }
 }

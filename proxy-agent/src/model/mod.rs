@@ -83,6 +83,8 @@ pub struct NodeContext {
     pub node_port_addresses: Vec<Ipv4Addr>,
     /// The source address of masqueraded flows: the node's first IPv4 InternalIP.
     pub masquerade_addr: Option<Ipv4Addr>,
+    /// `masqueradeAll`: every service flow is source-NATed to the node.
+    pub masquerade_all: bool,
 }
 
 /// One entry of `nodePortAddresses` / `--nodeport-addresses`.
@@ -135,6 +137,7 @@ impl NodeContext {
             zone: node.and_then(|n| n.zone.clone()),
             node_port_addresses: addresses.into_iter().collect(),
             masquerade_addr: node_v4(true).first().copied(),
+            masquerade_all: false,
         }
     }
 }
@@ -202,6 +205,8 @@ pub struct FrontendState {
     /// External traffic under `externalTrafficPolicy: Cluster`: source-NATed to the node
     /// when it goes to an endpoint on another node, so replies come back through here.
     pub masquerade: bool,
+    /// `masqueradeAll`: every flow is source-NATed to the node.
+    pub masquerade_all: bool,
 }
 
 /// What the datapath must do for one service port.
@@ -214,6 +219,8 @@ pub struct ServicePortState {
     /// Empty means refuse or drop, as `when_empty` says.
     pub backends: Vec<SocketAddrV4>,
     pub when_empty: WhenEmpty,
+    /// `masqueradeAll`.
+    pub masquerade_all: bool,
     /// NodePort, external IP and load-balancer frontends.
     pub external: Vec<FrontendState>,
     /// Endpoints on other nodes (by `nodeName`); the rest are this node's.
@@ -235,6 +242,7 @@ impl ServicePortState {
             when_empty: self.when_empty,
             source_ranges: Vec::new(),
             masquerade: false,
+            masquerade_all: self.masquerade_all,
         }];
         all.extend(self.external.iter().cloned());
         all
@@ -372,6 +380,7 @@ impl DesiredState {
                             Vec::new()
                         },
                         masquerade: !svc.external_local,
+                        masquerade_all: node.masquerade_all,
                     })
                     .collect();
                 let remote = endpoints
@@ -390,6 +399,7 @@ impl DesiredState {
                         frontend,
                         backends,
                         when_empty,
+                        masquerade_all: node.masquerade_all,
                         external,
                         remote,
                         affinity_timeout: svc.affinity_timeout,

@@ -449,6 +449,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
         zone: Some("z1".into()),
         node_port_addresses: vec!["192.168.0.1".parse().unwrap()],
         masquerade_addr: None,
+        masquerade_all: false,
     };
     for case in cases {
         let mut svc = service(
@@ -514,6 +515,7 @@ fn external_frontends_come_from_node_ports_external_ips_and_load_balancer_status
         zone: None,
         node_port_addresses: vec!["192.168.0.1".parse().unwrap(), "10.1.0.1".parse().unwrap()],
         masquerade_addr: None,
+        masquerade_all: false,
     };
     let eps = vec![
         ep("R", 1, "n1", &[]),

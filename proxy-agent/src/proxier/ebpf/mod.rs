@@ -8,7 +8,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use anyhow::Result;
 use tracing::{debug, error};
 
-use proxy_common::{SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE};
+use proxy_common::{
+    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
+    SERVICE_FLAG_MASQUERADE_ALL,
+};
 
 use self::{
     maps::{MapError, ServiceMaps},
@@ -86,6 +89,9 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             }
             if f.masquerade {
                 flags |= SERVICE_FLAG_MASQUERADE;
+            }
+            if f.masquerade_all {
+                flags |= SERVICE_FLAG_MASQUERADE_ALL;
             }
             let header = HeaderSettings {
                 flags,

@@ -22,6 +22,7 @@ fn state(name: &str, vip: [u8; 4], backends: &[&str]) -> Arc<ServicePortState> {
         },
         backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
         when_empty: WhenEmpty::Refuse,
+        masquerade_all: false,
         external: Vec::new(),
         remote: Default::default(),
         affinity_timeout: None,
@@ -139,6 +140,7 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
         when_empty: WhenEmpty::Refuse,
         source_ranges: vec![],
         masquerade: true,
+        masquerade_all: false,
     }];
     let exposed = Arc::new(exposed);
     let mut proxier = EbpfProxier::new(InMemoryMaps::default());
