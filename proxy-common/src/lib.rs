@@ -122,6 +122,10 @@ pub const MAX_BACKENDS: u32 = 1 << BACKEND_INDEX_BITS;
 ///
 /// Ids are allocated per service port, so removing an endpoint from one service never keeps
 /// that service's flows on it because another service shares the same pod address.
+///
+/// A backend may be *draining*: in `BACKENDS` but in no slot of its service, so it takes no
+/// new flow while its established ones continue (a terminating or not-ready endpoint still
+/// listed in its EndpointSlice).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Backend {
@@ -134,6 +138,9 @@ pub struct Backend {
     /// `BACKEND_FLAG_*`.
     pub flags: u8,
     pub _pad0: u8,
+    /// The frontend (service id) this backend belongs to: lets an agent that adopts pinned
+    /// maps recognise draining backends, which no slot names.
+    pub service_id: u32,
 }
 
 /// The backend runs on another node (its traffic may need source NAT).
@@ -146,15 +153,17 @@ impl Backend {
         port: 0,
         flags: 0,
         _pad0: 0,
+        service_id: 0,
     };
 
-    pub const fn new(id: u32, addr_be: u32, port_be: u16, flags: u8) -> Self {
+    pub const fn new(id: u32, addr_be: u32, port_be: u16, flags: u8, service_id: u32) -> Self {
         Self {
             id,
             addr: addr_be,
             port: port_be,
             flags,
             _pad0: 0,
+            service_id,
         }
     }
 }
@@ -507,7 +516,8 @@ mod tests {
 
     #[test]
     fn backend_layout() {
-        assert_eq!(size_of::<Backend>(), 12);
+        assert_eq!(size_of::<Backend>(), 16);
+        assert_eq!(offset_of!(Backend, service_id), 12);
         assert_eq!(offset_of!(Backend, id), 0);
         assert_eq!(offset_of!(Backend, addr), 4);
         assert_eq!(offset_of!(Backend, port), 8);

@@ -250,6 +250,9 @@ impl Cluster {
         node_ns.ip(&["link", "set", &host_if, "up"])?;
         node_ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
         node_ns.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp=1"))?;
+        // Answer proxied ARP at once, as Calico configures it (the default delays answers by
+        // up to 0.8 s, which a pod's first datagram would wait out).
+        node_ns.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay=0"))?;
         ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
         ns.ip(&["link", "set", "eth0", "up"])?;
         ns.ip(&[

@@ -13,7 +13,7 @@ use proxy_agent::{
     model::Frontend,
     proxier::ebpf::{
         maps::KernelMaps,
-        sync::{HeaderSettings, MapSync},
+        sync::{FrontendSpec, HeaderSettings, MapSync},
     },
 };
 use proxy_common::program_names;
@@ -105,8 +105,13 @@ impl TestDatapath {
         remote: &[SocketAddrV4],
     ) -> Result<()> {
         let remote = remote.iter().copied().collect();
+        let spec = FrontendSpec {
+            header,
+            remote: &remote,
+            ..FrontendSpec::new(backends)
+        };
         self.sync
-            .set_with(&frontend, backends, header, &remote, &[])
+            .set_with(&frontend, &spec)
             .with_context(|| format!("programming {frontend}"))?;
         Ok(())
     }

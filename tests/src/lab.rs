@@ -364,6 +364,9 @@ impl Lab {
         node.ip(&["link", "set", &host_if, "up"])?;
         node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
         node.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp=1"))?;
+        // Answer proxied ARP at once, as Calico configures it (the default delays answers by
+        // up to 0.8 s, which a pod's first datagram would wait out).
+        node.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay=0"))?;
         ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
         ns.ip(&["link", "set", "eth0", "up"])?;
         ns.ip(&[
@@ -449,9 +452,23 @@ impl Lab {
         Ok(self.extra_pods.last().unwrap())
     }
 
-    /// Deletes a pod added with [`Lab::add_pod_later`] (its veth goes with its namespace).
+    /// Deletes a pod added with [`Lab::add_pod_later`] (its veth goes with its namespace)
+    /// and waits until the node side of the veth is gone too: the kernel dismantles a
+    /// namespace asynchronously.
     pub fn remove_extra_pod(&mut self, name: &str) {
+        let host_ifs: Vec<String> = self
+            .extra_pods
+            .iter()
+            .filter(|p| p.name == name)
+            .map(|p| p.host_if.clone())
+            .collect();
         self.extra_pods.retain(|p| p.name != name);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for dev in host_ifs {
+            while self.node.ip(&["link", "show", &dev]).is_ok() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
     }
 
     /// Writes `yaml` as the agent's manifest file and returns its path.

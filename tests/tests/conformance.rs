@@ -97,6 +97,8 @@ conformance!(
     fragmented_udp_reaches_one_backend_and_returns_translated,
     masquerade_all_source_nats_every_service_flow,
     cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
+    established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone,
+    udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -801,4 +803,108 @@ fn cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mo
     for h in &hellos {
         assert_eq!(*h.from.ip(), c.node(1).internal_ip, "{h:?}");
     }
+}
+
+fn web_with(c: &Cluster, ip: &str, endpoints: &[(&str, &str)]) -> String {
+    service(
+        "web",
+        ip,
+        "",
+        &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+    ) + &slice(
+        c,
+        "web",
+        "1",
+        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+        endpoints,
+    )
+}
+
+const TERMINATING: &str = "conditions: {ready: false, serving: true, terminating: true}";
+
+fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode: Mode) {
+    let mut c = cluster(mode, |c| web_with(c, "10.96.0.32", &[("web-2a", "")]));
+    let vip = addr("10.96.0.32", 80);
+    let session = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, vip).unwrap();
+    assert!(
+        session.backend.starts_with("web-2a "),
+        "{}",
+        session.backend
+    );
+    assert_eq!(session.exchange("one").unwrap(), "one");
+
+    // web-2a is terminating, web-2b ready: new connections avoid web-2a, ours goes on.
+    let yaml = web_with(&c, "10.96.0.32", &[("web-2a", TERMINATING), ("web-2b", "")]);
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, vip, 10)), set(&["web-2b"]));
+    assert_eq!(session.exchange("two").unwrap(), "two", "{}", c.logs());
+
+    // web-2a is gone: the connection ends at once (reset), it does not hang.
+    let yaml = web_with(&c, "10.96.0.32", &[("web-2b", "")]);
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    let started = std::time::Instant::now();
+    let outcome = session.exchange("three");
+    assert!(
+        outcome.is_err(),
+        "the connection to a removed endpoint must end: {outcome:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "ended by a reset, not a timeout: {:?}",
+        started.elapsed()
+    );
+}
+
+fn udp_flow_moves_to_a_live_backend_when_its_backend_is_gone(mode: Mode) {
+    let mut c = cluster(mode, |c| web_with(c, "10.96.0.33", &[("web-2a", "")]));
+    let vip = addr("10.96.0.33", 53);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    // One socket, one flow: a datagram every 50 ms, answers recorded in order.
+    let sender = c.pod(CLIENT).ns.spawn(move || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(vip).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut answers = Vec::new();
+        let mut buf = [0u8; 512];
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = s.send(b"ping");
+            let who = match s.recv(&mut buf) {
+                Ok(n) => String::from_utf8_lossy(&buf[..n])
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("")
+                    .to_string(),
+                Err(_) => "-".to_string(),
+            };
+            answers.push(who);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        answers
+    });
+    std::thread::sleep(Duration::from_millis(600));
+    let yaml = web_with(&c, "10.96.0.33", &[("web-2b", "")]);
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answers = sender.join().unwrap().unwrap();
+    let first_moved = answers.iter().position(|a| a == "web-2b");
+    assert!(answers[0] == "web-2a", "{answers:?}");
+    let moved = first_moved.unwrap_or_else(|| panic!("the flow never moved: {answers:?}"));
+    assert!(
+        answers[moved..].iter().all(|a| a == "web-2b"),
+        "after moving, the flow stays on the live backend: {answers:?}"
+    );
+    let lost = answers[..moved].iter().filter(|a| *a == "-").count();
+    assert!(
+        lost <= 2,
+        "at most a datagram or two in flight is lost: {answers:?}"
+    );
 }

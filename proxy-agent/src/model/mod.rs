@@ -199,6 +199,9 @@ pub struct FrontendState {
     pub kind: FrontendKind,
     /// Endpoints that take new connections, sorted and without duplicates.
     pub backends: Vec<SocketAddrV4>,
+    /// Endpoints still listed but not ready (terminating, or failing readiness): no new
+    /// connections, but established ones continue until the endpoint is gone.
+    pub draining: Vec<SocketAddrV4>,
     pub when_empty: WhenEmpty,
     /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
     pub source_ranges: Vec<Cidr>,
@@ -218,6 +221,8 @@ pub struct ServicePortState {
     /// Endpoints for cluster-IP traffic (after `internalTrafficPolicy` and topology), sorted.
     /// Empty means refuse or drop, as `when_empty` says.
     pub backends: Vec<SocketAddrV4>,
+    /// Not-ready endpoints of cluster-IP traffic (see [`FrontendState::draining`]).
+    pub draining: Vec<SocketAddrV4>,
     pub when_empty: WhenEmpty,
     /// `masqueradeAll`.
     pub masquerade_all: bool,
@@ -239,6 +244,7 @@ impl ServicePortState {
             frontend: self.frontend,
             kind: FrontendKind::ClusterIp,
             backends: self.backends.clone(),
+            draining: self.draining.clone(),
             when_empty: self.when_empty,
             source_ranges: Vec::new(),
             masquerade: false,
@@ -367,12 +373,24 @@ impl DesiredState {
                 };
                 let (backends, when_empty) = policy(svc.internal_local);
                 let (external_backends, external_when_empty) = policy(svc.external_local);
+                let draining_for = |local_only: bool, chosen: &[SocketAddrV4]| {
+                    let set: BTreeSet<SocketAddrV4> = endpoints
+                        .iter()
+                        .filter(|(_, ep)| !ep.ready && (!local_only || is_local(ep, node)))
+                        .map(|(a, _)| *a)
+                        .filter(|a| !chosen.contains(a))
+                        .collect();
+                    set.into_iter().collect::<Vec<_>>()
+                };
+                let draining = draining_for(svc.internal_local, &backends);
+                let external_draining = draining_for(svc.external_local, &external_backends);
                 let external = external_claimed
                     .into_iter()
                     .map(|(frontend, kind)| FrontendState {
                         frontend,
                         kind,
                         backends: external_backends.clone(),
+                        draining: external_draining.clone(),
                         when_empty: external_when_empty,
                         source_ranges: if kind == FrontendKind::LoadBalancer {
                             svc.source_ranges.clone()
@@ -398,6 +416,7 @@ impl DesiredState {
                         name,
                         frontend,
                         backends,
+                        draining,
                         when_empty,
                         masquerade_all: node.masquerade_all,
                         external,

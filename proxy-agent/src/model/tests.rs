@@ -597,3 +597,40 @@ fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
     let ctx = NodeContext::new("n1", Some(&node), &[cidr, NodePortAddress::Primary], &local);
     assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
 }
+
+#[test]
+fn not_ready_endpoints_drain_instead_of_disappearing() {
+    let node = NodeContext {
+        name: "n1".into(),
+        ..NodeContext::default()
+    };
+    let eps = vec![
+        ep("R", 1, "n1", &[]),
+        ep("S", 2, "n2", &[]),
+        ep("U", 3, "n1", &[]),
+    ];
+    let mut svc = service(
+        "a",
+        "10.96.0.1",
+        vec![port("", 80, TargetPort::Number(8080))],
+    );
+    let st = store(
+        vec![svc.clone()],
+        vec![slice("a-1", "a", None, eps.clone())],
+    );
+    let (state, _) = DesiredState::build(&st, &node);
+    let s = &state.ports[&spn("a", "")];
+    let octets = |v: &[SocketAddrV4]| v.iter().map(|a| a.ip().octets()[3]).collect::<Vec<_>>();
+    assert_eq!(octets(&s.backends), [1]);
+    assert_eq!(
+        octets(&s.draining),
+        [2, 3],
+        "established flows to them go on"
+    );
+    // Local policy: only this node's not-ready endpoints can have flows from here.
+    svc.internal_local = true;
+    let st = store(vec![svc], vec![slice("a-1", "a", None, eps)]);
+    let (state, _) = DesiredState::build(&st, &node);
+    let s = &state.ports[&spn("a", "")];
+    assert_eq!(octets(&s.draining), [3]);
+}

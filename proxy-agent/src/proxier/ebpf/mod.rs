@@ -15,7 +15,7 @@ use proxy_common::{
 
 use self::{
     maps::{MapError, ServiceMaps},
-    sync::{HeaderSettings, MapSync},
+    sync::{FrontendSpec, HeaderSettings, MapSync},
 };
 use super::{Proxier, ProxyMode, SyncReport};
 use crate::model::{
@@ -105,9 +105,16 @@ impl<M: ServiceMaps> EbpfProxier<M> {
                     std::net::IpAddr::V6(_) => None,
                 })
                 .collect();
+            let spec = FrontendSpec {
+                backends: &f.backends,
+                draining: &f.draining,
+                header,
+                remote: &state.remote,
+                source_ranges: &ranges,
+            };
             ops += self
                 .sync
-                .set_with(&f.frontend, &f.backends, header, &state.remote, &ranges)
+                .set_with(&f.frontend, &spec)
                 .map_err(|e| match e {
                     MapError::Other { map, message } => MapError::Other {
                         map,

@@ -31,6 +31,35 @@ struct Written {
     source_ranges: BTreeSet<(u32, u8)>,
     /// Slot `i + 1` holds `slots[i]`.
     slots: Vec<(u32, SocketAddrV4)>,
+    /// Backends in `BACKENDS` that no slot names: their established flows go on.
+    draining: Vec<(u32, SocketAddrV4)>,
+}
+
+/// Everything one frontend should lead to.
+#[derive(Clone, Copy, Debug)]
+pub struct FrontendSpec<'a> {
+    /// Endpoints that take new flows.
+    pub backends: &'a [SocketAddrV4],
+    /// Endpoints that take no new flows but keep their established ones.
+    pub draining: &'a [SocketAddrV4],
+    pub header: HeaderSettings,
+    /// Endpoints on other nodes.
+    pub remote: &'a BTreeSet<SocketAddrV4>,
+    /// `loadBalancerSourceRanges` (IPv4 address, prefix).
+    pub source_ranges: &'a [(Ipv4Addr, u8)],
+}
+
+impl<'a> FrontendSpec<'a> {
+    pub fn new(backends: &'a [SocketAddrV4]) -> Self {
+        static NONE: BTreeSet<SocketAddrV4> = BTreeSet::new();
+        Self {
+            backends,
+            draining: &[],
+            header: HeaderSettings::default(),
+            remote: &NONE,
+            source_ranges: &[],
+        }
+    }
 }
 
 pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
@@ -54,13 +83,14 @@ fn backend_addr(b: &Backend) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
 }
 
-pub fn backend_value(id: u32, addr: &SocketAddrV4, remote: bool) -> Backend {
+pub fn backend_value(id: u32, addr: &SocketAddrV4, remote: bool, service_id: u32) -> Backend {
     let flags = if remote { BACKEND_FLAG_REMOTE } else { 0 };
     Backend::new(
         id,
         u32::from(*addr.ip()).to_be(),
         addr.port().to_be(),
         flags,
+        service_id,
     )
 }
 
@@ -265,6 +295,15 @@ impl<M: ServiceMaps> MapSync<M> {
             match list {
                 Some(list) if list.iter().all(|(id, _)| self.backend_ids.mark_used(*id)) => {
                     referenced.extend(list.iter().map(|s| s.0));
+                    let in_slots: HashSet<u32> = list.iter().map(|s| s.0).collect();
+                    let mut draining: Vec<(u32, SocketAddrV4)> = backends
+                        .values()
+                        .filter(|b| b.service_id == header.service_id && !in_slots.contains(&b.id))
+                        .filter(|b| self.backend_ids.mark_used(b.id))
+                        .map(|b| (b.id, backend_addr(b)))
+                        .collect();
+                    draining.sort_by_key(|d| d.1);
+                    referenced.extend(draining.iter().map(|d| d.0));
                     self.service_ids.mark_used(header.service_id);
                     self.written.insert(
                         frontend,
@@ -276,6 +315,7 @@ impl<M: ServiceMaps> MapSync<M> {
                             },
                             source_ranges: ranges.remove(&header.service_id).unwrap_or_default(),
                             slots: list,
+                            draining,
                         },
                     );
                 }
@@ -317,26 +357,19 @@ impl<M: ServiceMaps> MapSync<M> {
         frontend: &Frontend,
         backends: &[SocketAddrV4],
     ) -> Result<usize, MapError> {
-        self.set_with(
-            frontend,
-            backends,
-            HeaderSettings::default(),
-            &BTreeSet::new(),
-            &[],
-        )
+        self.set_with(frontend, &FrontendSpec::new(backends))
     }
 
-    /// Like [`MapSync::set`], with the header's settings and the backends that run on other
-    /// nodes.
+    /// Like [`MapSync::set`], with everything else a frontend carries.
     pub fn set_with(
         &mut self,
         frontend: &Frontend,
-        backends: &[SocketAddrV4],
-        mut header: HeaderSettings,
-        remote: &BTreeSet<SocketAddrV4>,
-        source_ranges: &[(Ipv4Addr, u8)],
+        spec: &FrontendSpec,
     ) -> Result<usize, MapError> {
-        let ranges: BTreeSet<(u32, u8)> = source_ranges
+        let backends = spec.backends;
+        let mut header = spec.header;
+        let ranges: BTreeSet<(u32, u8)> = spec
+            .source_ranges
             .iter()
             .map(|(a, p)| (u32::from(*a).to_be(), *p))
             .collect();
@@ -361,12 +394,58 @@ impl<M: ServiceMaps> MapSync<M> {
             None => self.service_ids.allocate()?,
         };
         let old_slots = old.as_ref().map(|w| w.slots.clone()).unwrap_or_default();
+        let old_draining = old.as_ref().map(|w| w.draining.clone()).unwrap_or_default();
         let old_ranges = old
             .as_ref()
             .map(|w| w.source_ranges.clone())
             .unwrap_or_default();
-        let new_slots = match self.assign_slots(&old_slots, backends) {
-            Ok(slots) => slots,
+        // An endpoint moving between the slots and draining keeps its id: its established
+        // flows stay on it.
+        let mut reusable: HashMap<SocketAddrV4, u32> =
+            old_draining.iter().map(|(id, a)| (*a, *id)).collect();
+        let assigned = self
+            .assign_slots(&old_slots, backends, &mut reusable)
+            .and_then(|slots| {
+                let in_slots: HashSet<SocketAddrV4> = slots.iter().map(|s| s.1).collect();
+                reusable.extend(
+                    old_slots
+                        .iter()
+                        .filter(|s| !in_slots.contains(&s.1))
+                        .map(|(id, a)| (*a, *id)),
+                );
+                let wanted: BTreeSet<SocketAddrV4> = spec
+                    .draining
+                    .iter()
+                    .filter(|a| !in_slots.contains(a))
+                    .copied()
+                    .collect();
+                let mut draining = Vec::new();
+                let mut allocated = Vec::new();
+                for addr in wanted {
+                    match reusable.get(&addr) {
+                        Some(id) => draining.push((*id, addr)),
+                        None => match self.backend_ids.allocate() {
+                            Ok(id) => {
+                                allocated.push(id);
+                                draining.push((id, addr));
+                            }
+                            Err(e) => {
+                                let mut fresh: Vec<u32> = slots
+                                    .iter()
+                                    .map(|s| s.0)
+                                    .filter(|id| !old_slots.iter().any(|o| o.0 == *id))
+                                    .filter(|id| !old_draining.iter().any(|o| o.0 == *id))
+                                    .collect();
+                                fresh.extend(allocated);
+                                return Err((e, fresh));
+                            }
+                        },
+                    }
+                }
+                Ok((slots, draining))
+            });
+        let (new_slots, new_draining) = match assigned {
+            Ok(assigned) => assigned,
             Err((e, allocated)) => {
                 for id in allocated {
                     self.backend_ids.release(id);
@@ -384,7 +463,8 @@ impl<M: ServiceMaps> MapSync<M> {
             frontend,
             (service_id, header, header_changed),
             (&old_slots, &new_slots),
-            remote,
+            (&old_draining, &new_draining),
+            spec.remote,
             (&old_ranges, &ranges),
         ) {
             Ok(ops) => {
@@ -395,13 +475,20 @@ impl<M: ServiceMaps> MapSync<M> {
                         header,
                         source_ranges: ranges,
                         slots: new_slots,
+                        draining: new_draining,
                     },
                 );
                 Ok(ops)
             }
             Err(e) => {
                 let slot_count = old_slots.len().max(new_slots.len());
-                let ids: BTreeSet<u32> = old_slots.iter().chain(&new_slots).map(|s| s.0).collect();
+                let ids: BTreeSet<u32> = old_slots
+                    .iter()
+                    .chain(&new_slots)
+                    .chain(&old_draining)
+                    .chain(&new_draining)
+                    .map(|s| s.0)
+                    .collect();
                 let _ = self.purge(frontend, slot_count, ids);
                 for (addr, prefix) in old_ranges.union(&ranges) {
                     let _ = self.maps.remove_source_range((service_id, *addr, *prefix));
@@ -420,6 +507,7 @@ impl<M: ServiceMaps> MapSync<M> {
         &mut self,
         old: &[(u32, SocketAddrV4)],
         backends: &[SocketAddrV4],
+        reusable: &mut HashMap<SocketAddrV4, u32>,
     ) -> Result<Vec<(u32, SocketAddrV4)>, (MapError, Vec<u32>)> {
         let wanted: BTreeSet<SocketAddrV4> = backends.iter().copied().collect();
         let mut slots: Vec<Option<(u32, SocketAddrV4)>> = old
@@ -428,10 +516,18 @@ impl<M: ServiceMaps> MapSync<M> {
             .collect();
         let present: HashSet<SocketAddrV4> = slots.iter().flatten().map(|s| s.1).collect();
         let mut allocated = Vec::new();
+        let mut fresh_ids = Vec::new();
         for addr in wanted.iter().filter(|a| !present.contains(a)) {
+            if let Some(id) = reusable.remove(addr) {
+                allocated.push((id, *addr));
+                continue;
+            }
             match self.backend_ids.allocate() {
-                Ok(id) => allocated.push((id, *addr)),
-                Err(e) => return Err((e, allocated.iter().map(|a| a.0).collect())),
+                Ok(id) => {
+                    fresh_ids.push(id);
+                    allocated.push((id, *addr));
+                }
+                Err(e) => return Err((e, fresh_ids)),
             }
         }
         let mut fresh = allocated.into_iter();
@@ -466,16 +562,21 @@ impl<M: ServiceMaps> MapSync<M> {
         frontend: &Frontend,
         (service_id, settings, header_changed): (u32, HeaderSettings, bool),
         (old, new): (&[(u32, SocketAddrV4)], &[(u32, SocketAddrV4)]),
+        (old_draining, new_draining): (&[(u32, SocketAddrV4)], &[(u32, SocketAddrV4)]),
         remote: &BTreeSet<SocketAddrV4>,
         (old_ranges, new_ranges): (&BTreeSet<(u32, u8)>, &BTreeSet<(u32, u8)>),
     ) -> Result<usize, MapError> {
         let mut ops = 0;
-        let old_ids: HashSet<u32> = old.iter().map(|s| s.0).collect();
-        let new_ids: HashSet<u32> = new.iter().map(|s| s.0).collect();
-        // 1. new backends first
-        for (id, addr) in new.iter().filter(|s| !old_ids.contains(&s.0)) {
-            self.maps
-                .set_backend(*id, backend_value(*id, addr, remote.contains(addr)))?;
+        let old_ids: HashSet<u32> = old.iter().chain(old_draining).map(|s| s.0).collect();
+        let new_ids: HashSet<u32> = new.iter().chain(new_draining).map(|s| s.0).collect();
+        // 1. new backends first (draining ones too: they may be new to this agent)
+        for (id, addr) in new
+            .iter()
+            .chain(new_draining)
+            .filter(|s| !old_ids.contains(&s.0))
+        {
+            let value = backend_value(*id, addr, remote.contains(addr), service_id);
+            self.maps.set_backend(*id, value)?;
             ops += 1;
         }
         // 2. slots that changed
@@ -514,7 +615,11 @@ impl<M: ServiceMaps> MapSync<M> {
                 .remove_service(&service_key(frontend, i as u16 + 1))?;
             ops += 1;
         }
-        for (id, _) in old.iter().filter(|s| !new_ids.contains(&s.0)) {
+        for (id, _) in old
+            .iter()
+            .chain(old_draining)
+            .filter(|s| !new_ids.contains(&s.0))
+        {
             self.maps.remove_backend(*id)?;
             self.backend_ids.release(*id);
             ops += 1;
@@ -537,7 +642,7 @@ impl<M: ServiceMaps> MapSync<M> {
         let mut ops = self.purge(
             frontend,
             old.slots.len(),
-            old.slots.iter().map(|s| s.0).collect(),
+            old.slots.iter().chain(&old.draining).map(|s| s.0).collect(),
         )?;
         for (addr, prefix) in &old.source_ranges {
             self.maps

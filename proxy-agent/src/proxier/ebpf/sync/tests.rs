@@ -314,7 +314,7 @@ fn adoption_repairs_what_an_interrupted_agent_left_half_written() {
     maps.services.remove(&service_key(&frontend(1), 2));
     let v = maps.services[&service_key(&frontend(2), 1)];
     maps.services.insert(service_key(&frontend(2), 7), v);
-    maps.backends.insert(4242, Backend::new(4242, 1, 1, 0));
+    maps.backends.insert(4242, Backend::new(4242, 1, 1, 0, 0));
     maps.services.insert(service_key(&frontend(5), 1), v);
 
     let mut second = MapSync::new(maps);
@@ -356,14 +356,32 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
         allowed: pods(1..10),
         checks: 0,
     });
-    let none = BTreeSet::new();
     let a = (Ipv4Addr::new(198, 51, 100, 0), 24);
     let b = (Ipv4Addr::new(203, 0, 113, 7), 32);
-    let header = HeaderSettings::default();
-    sync.set_with(&f, &pods(1..3), header, &none, &[a]).unwrap();
-    sync.set_with(&f, &pods(1..3), header, &none, &[a, b])
-        .unwrap();
-    sync.set_with(&f, &pods(1..3), header, &none, &[b]).unwrap();
+    sync.set_with(
+        &f,
+        &FrontendSpec {
+            source_ranges: &[a],
+            ..FrontendSpec::new(&pods(1..3))
+        },
+    )
+    .unwrap();
+    sync.set_with(
+        &f,
+        &FrontendSpec {
+            source_ranges: &[a, b],
+            ..FrontendSpec::new(&pods(1..3))
+        },
+    )
+    .unwrap();
+    sync.set_with(
+        &f,
+        &FrontendSpec {
+            source_ranges: &[b],
+            ..FrontendSpec::new(&pods(1..3))
+        },
+    )
+    .unwrap();
     let ranges: Vec<_> = sync
         .maps
         .inner
@@ -372,14 +390,65 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
         .map(|r| (r.1, r.2))
         .collect();
     assert_eq!(ranges, vec![(u32::from(b.0).to_be(), 32)]);
-    sync.set_with(&f, &pods(1..3), header, &none, &[]).unwrap();
+    sync.set_with(
+        &f,
+        &FrontendSpec {
+            source_ranges: &[],
+            ..FrontendSpec::new(&pods(1..3))
+        },
+    )
+    .unwrap();
     let h = sync.maps.inner.services[&service_key(&f, 0)];
     assert_eq!(h.flags & proxy_common::SERVICE_FLAG_SOURCE_RANGES, 0);
     assert!(sync.maps.inner.source_ranges.is_empty());
-    sync.set_with(&f, &pods(1..3), header, &none, &[a]).unwrap();
+    sync.set_with(
+        &f,
+        &FrontendSpec {
+            source_ranges: &[a],
+            ..FrontendSpec::new(&pods(1..3))
+        },
+    )
+    .unwrap();
     sync.remove(&f).unwrap();
     assert!(
         sync.maps.inner.source_ranges.is_empty(),
         "removed with the frontend"
     );
+}
+
+#[test]
+fn a_draining_backend_keeps_its_id_without_a_slot_and_survives_adoption() {
+    let f = frontend(9);
+    let mut sync = MapSync::new(InMemoryMaps::default());
+    let all = pods(1..4);
+    sync.set(&f, &all).unwrap();
+    let id_of = |sync: &MapSync<InMemoryMaps>, addr: SocketAddrV4| {
+        sync.backend_ids()
+            .find(|(_, a, _)| *a == addr)
+            .map(|(_, _, id)| id)
+    };
+    let leaving = all[0];
+    let id = id_of(&sync, leaving).unwrap();
+    // The endpoint turns terminating: no slot, same id, still in BACKENDS.
+    let spec = FrontendSpec {
+        draining: &[leaving],
+        ..FrontendSpec::new(&all[1..])
+    };
+    sync.set_with(&f, &spec).unwrap();
+    assert_eq!(datapath_view(&sync.maps, &f).unwrap(), all[1..].to_vec());
+    assert_eq!(
+        sync.maps.backends[&id].id, id,
+        "its established flows go on"
+    );
+    // A new agent adopts the maps and finds it again.
+    let mut adopted = MapSync::new(sync.maps.clone());
+    adopted.adopt().unwrap();
+    assert!(adopted.maps.backends.contains_key(&id), "kept by adoption");
+    // Ready again: back into a slot with the same id.
+    adopted.set(&f, &all).unwrap();
+    assert_eq!(id_of(&adopted, leaving), Some(id));
+    // Gone: removed.
+    adopted.set_with(&f, &spec).unwrap();
+    adopted.set(&f, &all[1..]).unwrap();
+    assert!(!adopted.maps.backends.contains_key(&id));
 }
