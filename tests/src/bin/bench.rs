@@ -14,6 +14,7 @@ use anyhow::{bail, Result};
 use proxy_agent::{
     datapath::DatapathSizes,
     model::{Frontend, Protocol},
+    proxier::ebpf::sync::{FrontendSpec, HeaderSettings},
 };
 use proxy_tests::{
     kernel::{kernel_tests_unavailable, Hook, TestDatapath, TC_ACT_UNSPEC},
@@ -25,6 +26,10 @@ struct Args {
     flows: u32,
     rounds: u32,
     backends: u32,
+    /// Every service with ClientIP affinity, load-balancer source ranges and
+    /// masquerading (four conntrack entries per flow), so every lookup a packet can meet
+    /// is on its path.
+    all_features: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -33,9 +38,14 @@ fn parse_args() -> Result<Args> {
         flows: 10_000,
         rounds: 5,
         backends: 2,
+        all_features: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--all-features" {
+            args.all_features = true;
+            continue;
+        }
         let value = it.next().unwrap_or_default();
         match flag.as_str() {
             "--services" => {
@@ -48,7 +58,7 @@ fn parse_args() -> Result<Args> {
             "--rounds" => args.rounds = value.parse()?,
             "--backends" => args.backends = value.parse()?,
             other => {
-                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N)")
+                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N --all-features)")
             }
         }
     }
@@ -90,10 +100,29 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
     let sizes = DatapathSizes {
         services: (n_services * per_service).max(1024),
         backends: (n_services * args.backends + 1).max(1024),
-        // Two entries per flow; new-flow rounds each open `flows` more.
-        conntrack: (args.flows * 2 * (args.rounds + 2)).max(4096),
+        // Two entries per flow (four masqueraded); new-flow rounds each open `flows` more.
+        conntrack: (args.flows * 4 * (args.rounds + 2)).max(4096),
     };
     let mut dp = TestDatapath::load(sizes)?;
+    if args.all_features {
+        dp.datapath.configure(&proxy_common::DatapathConfig {
+            masquerade_addr: u32::from(Ipv4Addr::new(10, 251, 0, 1)).to_be(),
+            ..proxy_common::DatapathConfig::DEFAULT
+        })?;
+    }
+    let header = if args.all_features {
+        HeaderSettings {
+            flags: proxy_common::SERVICE_FLAG_MASQUERADE_ALL,
+            affinity_timeout: 10800,
+        }
+    } else {
+        HeaderSettings::default()
+    };
+    let ranges: &[(Ipv4Addr, u8)] = if args.all_features {
+        &[(Ipv4Addr::new(10, 244, 0, 0), 16)]
+    } else {
+        &[]
+    };
     let started = std::time::Instant::now();
     for s in 0..n_services {
         let backends: Vec<SocketAddrV4> = (0..args.backends)
@@ -103,14 +132,17 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
                 SocketAddrV4::new(ip, 8080)
             })
             .collect();
-        dp.set_service(
-            Frontend {
-                addr: vip(s),
-                port: 80,
-                protocol: Protocol::Tcp,
-            },
-            &backends,
-        )?;
+        let frontend = Frontend {
+            addr: vip(s),
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        let spec = FrontendSpec {
+            header,
+            source_ranges: ranges,
+            ..FrontendSpec::new(&backends)
+        };
+        dp.sync.set_with(&frontend, &spec)?;
     }
     let program_ms = started.elapsed().as_secs_f64() * 1000.0;
 
@@ -176,8 +208,15 @@ fn main() -> Result<()> {
     }
     let args = parse_args()?;
     println!(
-        "BPF_PROG_TEST_RUN, tc ingress, IPv4 TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet",
-        args.backends, args.flows, args.rounds
+        "BPF_PROG_TEST_RUN, tc ingress, IPv4 TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}",
+        args.backends,
+        args.flows,
+        args.rounds,
+        if args.all_features {
+            "; every service with ClientIP affinity, source ranges and masquerading"
+        } else {
+            ""
+        }
     );
     let mut forward = Vec::new();
     for &n in &args.services {
