@@ -43,6 +43,12 @@ pub struct Cli {
     #[arg(long)]
     pub interfaces: Option<InterfacePatterns>,
 
+    /// Attach the socket-level hooks (connect, sendmsg, recvmsg, getpeername) to this cgroup
+    /// v2 directory, so processes in it and below (the node's, host-network pods') reach
+    /// services: typically the host's cgroup root.
+    #[arg(long = "cgroup-path")]
+    pub cgroup_path: Option<PathBuf>,
+
     /// How to attach: tcx (kernel 6.6+), netlink (clsact qdisc + filter) or auto.
     #[arg(long = "tc-attach", default_value = "auto")]
     pub tc_attach: AttachMode,

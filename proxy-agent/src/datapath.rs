@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use aya::{
     maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues},
-    programs::SchedClassifier,
+    programs::{CgroupSockAddr, SchedClassifier},
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
@@ -178,7 +178,9 @@ impl Datapath {
             // Ranges are per frontend; as many as SERVICES has entries is ample.
             .map_max_entries(map_names::SOURCE_RANGES, sizes.services)
             // Datagrams in flight in pieces: a small share of the flows at any time.
-            .map_max_entries(map_names::FRAGMENTS, fragments_size(sizes.conntrack));
+            .map_max_entries(map_names::FRAGMENTS, fragments_size(sizes.conntrack))
+            // The node's own sockets: fewer than the flows through it.
+            .map_max_entries(map_names::SOCK_REVNAT, sizes.conntrack);
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -191,6 +193,7 @@ impl Datapath {
                 map_names::AFFINITY,
                 map_names::SOURCE_RANGES,
                 map_names::FRAGMENTS,
+                map_names::SOCK_REVNAT,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -217,6 +220,16 @@ impl Datapath {
                     Some(h) => err.context(h),
                     None => err,
                 }
+            })?;
+        }
+        for name in program_names::SOCKET_HOOKS {
+            let prog: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .with_context(|| format!("eBPF object has no program {name}"))?
+                .try_into()
+                .with_context(|| format!("program {name} is not a cgroup sock_addr program"))?;
+            prog.load().map_err(|e| {
+                anyhow::Error::new(e).context(format!("the kernel refused eBPF program {name}"))
             })?;
         }
         let mut datapath = Datapath {

@@ -1,6 +1,7 @@
 //! The proxy agent: sources (manifests, later the API server) feed one service model, which
 //! drives one proxier per mode.
 pub mod attach;
+pub mod cgroup;
 pub mod cleanup;
 pub mod cli;
 pub mod config;

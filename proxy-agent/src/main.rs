@@ -264,6 +264,9 @@ async fn run(s: Settings) -> Result<()> {
     )
     .await?;
 
+    if let Some(path) = &s.cli.cgroup_path {
+        proxy_agent::cgroup::attach(&mut datapath, path, Some(&root))?;
+    }
     let mut attacher = s
         .interfaces
         .clone()

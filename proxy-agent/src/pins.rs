@@ -11,8 +11,8 @@ use anyhow::{bail, Context, Result};
 use aya::maps::{Array, MapData, MapInfo, MapType};
 use proxy_common::{
     map_names, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue, DatapathConfig,
-    FragmentKey, FragmentValue, ServiceKey, ServiceStats, ServiceValue, SourceRangeKey,
-    MAP_LAYOUT_VERSION,
+    FragmentKey, FragmentValue, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey, MAP_LAYOUT_VERSION,
 };
 use tracing::{info, warn};
 
@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 10] {
+fn expected() -> [Expected; 11] {
     use std::mem::size_of;
     [
         Expected {
@@ -217,6 +217,14 @@ fn expected() -> [Expected; 10] {
             key_size: size_of::<FragmentKey>(),
             value_size: size_of::<FragmentValue>(),
             // Sized from CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SOCK_REVNAT,
+            map_type: MapType::LruHash,
+            key_size: size_of::<SockRevNatKey>(),
+            value_size: size_of::<SockRevNatValue>(),
+            // Sized like CONNTRACK.
             configurable: false,
         },
     ]

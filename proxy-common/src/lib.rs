@@ -30,6 +30,7 @@ pub mod map_names {
     pub const AFFINITY: &str = "AFFINITY";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const FRAGMENTS: &str = "FRAGMENTS";
+    pub const SOCK_REVNAT: &str = "SOCK_REVNAT";
 }
 
 /// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
@@ -42,6 +43,19 @@ pub mod program_names {
     pub const TC_INGRESS: &str = "proxy_ingress";
     /// Attached at tc egress: translates what the node forwards or sends out.
     pub const TC_EGRESS: &str = "proxy_egress";
+    /// Socket-level hooks for the node's own processes (cgroup/connect4, sendmsg4,
+    /// recvmsg4, getpeername4): the node's traffic is routed before tc sees it, so a cluster
+    /// IP must be replaced by a backend when the socket names it.
+    pub const SOCK_CONNECT4: &str = "proxy_connect4";
+    pub const SOCK_SENDMSG4: &str = "proxy_sendmsg4";
+    pub const SOCK_RECVMSG4: &str = "proxy_recvmsg4";
+    pub const SOCK_GETPEERNAME4: &str = "proxy_getpeername4";
+    pub const SOCKET_HOOKS: [&str; 4] = [
+        SOCK_CONNECT4,
+        SOCK_SENDMSG4,
+        SOCK_RECVMSG4,
+        SOCK_GETPEERNAME4,
+    ];
 }
 
 /// Key of the `SERVICES` hash map. One service port (frontend address, port, protocol) owns
@@ -303,6 +317,28 @@ pub struct FragmentValue {
     pub _pad0: [u8; 3],
 }
 
+/// Key of the `SOCK_REVNAT` LRU map: a socket (by cookie) and the backend the socket-level
+/// hook gave it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    /// Backend address and port, network byte order.
+    pub addr: u32,
+    pub port: u16,
+    pub _pad0: [u8; 2],
+}
+
+/// Value of the `SOCK_REVNAT` map: the service frontend the socket asked for, shown back to
+/// it by recvmsg and getpeername.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockRevNatValue {
+    pub addr: u32,
+    pub port: u16,
+    pub _pad0: [u8; 2],
+}
+
 /// Entries are refreshed at most this often.
 pub const CT_REFRESH_NS: u64 = 1_000_000_000;
 
@@ -421,10 +457,14 @@ pub enum Stat {
     SourceRangeDenied = 15,
     /// A fragment after the first was translated like its datagram's first fragment.
     FragmentTranslated = 16,
+    /// A socket of the node's own processes was given a backend instead of a frontend.
+    SocketTranslated = 17,
+    /// A socket of the node's own processes named a service without endpoints: refused.
+    SocketRefused = 18,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 19;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -443,6 +483,8 @@ impl Stat {
         Stat::SnatPortsExhausted,
         Stat::SourceRangeDenied,
         Stat::FragmentTranslated,
+        Stat::SocketTranslated,
+        Stat::SocketRefused,
     ];
 
     /// Label used for the metric.
@@ -465,6 +507,8 @@ impl Stat {
             Stat::SnatPortsExhausted => "snat_ports_exhausted",
             Stat::SourceRangeDenied => "source_range_denied",
             Stat::FragmentTranslated => "fragment_translated",
+            Stat::SocketTranslated => "socket_translated",
+            Stat::SocketRefused => "socket_refused",
         }
     }
 }
@@ -485,6 +529,8 @@ mod pod {
     unsafe impl aya::Pod for super::SourceRangeKey {}
     unsafe impl aya::Pod for super::FragmentKey {}
     unsafe impl aya::Pod for super::FragmentValue {}
+    unsafe impl aya::Pod for super::SockRevNatKey {}
+    unsafe impl aya::Pod for super::SockRevNatValue {}
 }
 
 #[cfg(test)]
@@ -558,6 +604,9 @@ mod tests {
         assert_eq!(offset_of!(FragmentKey, id), 8);
         assert_eq!(size_of::<FragmentValue>(), 12);
         assert_eq!(offset_of!(FragmentValue, hook), 8);
+        assert_eq!(size_of::<SockRevNatKey>(), 16);
+        assert_eq!(offset_of!(SockRevNatKey, port), 12);
+        assert_eq!(size_of::<SockRevNatValue>(), 8);
     }
 
     #[test]

@@ -20,15 +20,19 @@ use aya_ebpf::{
         bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_NOEXIST, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
         BPF_F_PSEUDO_HDR, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
-    macros::{classifier, map},
+    helpers::{
+        bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_redirect,
+        bpf_skb_change_tail,
+    },
+    macros::{cgroup_sock_addr, classifier, map},
     Global,
     maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
-    programs::TcContext,
+    programs::{SockAddrContext, TcContext},
+    EbpfContext,
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    FragmentKey, FragmentValue,
+    FragmentKey, FragmentValue, SockRevNatKey, SockRevNatValue,
     AffinityKey, AffinityValue, SourceRangeKey, SERVICE_FLAG_SOURCE_RANGES,
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
     Stat,
@@ -59,6 +63,9 @@ static BACKEND_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(
 static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::with_max_entries(65536, 0);
 #[map]
 static FRAGMENTS: LruHashMap<FragmentKey, FragmentValue> = LruHashMap::with_max_entries(16384, 0);
+#[map]
+static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
+    LruHashMap::with_max_entries(65536, 0);
 #[map]
 static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(65536, 0);
 
@@ -118,6 +125,95 @@ pub fn proxy_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn proxy_egress(ctx: TcContext) -> i32 {
     run(&ctx, Hook::Egress)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn proxy_connect4(ctx: SockAddrContext) -> i32 {
+    socket_to_backend(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn proxy_sendmsg4(ctx: SockAddrContext) -> i32 {
+    socket_to_backend(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn proxy_recvmsg4(ctx: SockAddrContext) -> i32 {
+    backend_to_service(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn proxy_getpeername4(ctx: SockAddrContext) -> i32 {
+    backend_to_service(&ctx)
+}
+
+/// cgroup sock_addr verdicts.
+const SOCK_ALLOW: i32 = 1;
+const SOCK_REJECT: i32 = 0;
+
+/// A socket of the node's own processes names an address (connect, or sendto on an
+/// unconnected UDP socket): a service frontend is replaced by one of its backends, chosen as
+/// for packets, and the socket remembers the frontend for replies. A service without
+/// endpoints is refused (the call fails).
+#[inline(always)]
+fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
+    // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let proto = sa.protocol as u8;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return SOCK_ALLOW;
+    }
+    let addr = sa.user_ip4;
+    // user_port holds the port in network byte order in its low 16 bits.
+    let port = sa.user_port as u16;
+    let Some(header) = (unsafe { SERVICES.get(ServiceKey::new(addr, port, proto, 0)) }) else {
+        return SOCK_ALLOW;
+    };
+    let count = header.count;
+    if count == 0 {
+        bump(Stat::SocketRefused);
+        return SOCK_REJECT;
+    }
+    let slot = random_below(count as u32) as u16 + 1;
+    let Some((_, backend)) = pick_slot(addr, port, proto, slot).or_else(|| pick_slot(addr, port, proto, 1))
+    else {
+        return SOCK_ALLOW;
+    };
+    let key = SockRevNatKey {
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr: backend.addr,
+        port: backend.port,
+        _pad0: [0; 2],
+    };
+    let value = SockRevNatValue {
+        addr,
+        port,
+        _pad0: [0; 2],
+    };
+    let _ = SOCK_REVNAT.insert(&key, &value, BPF_ANY as u64);
+    sa.user_ip4 = backend.addr;
+    sa.user_port = backend.port as u32;
+    bump(Stat::SocketTranslated);
+    SOCK_ALLOW
+}
+
+/// recvfrom / getpeername on a socket the hook above translated: the frontend it asked for,
+/// not the backend, is what it sees.
+#[inline(always)]
+fn backend_to_service(ctx: &SockAddrContext) -> i32 {
+    // SAFETY: as above.
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let key = SockRevNatKey {
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr: sa.user_ip4,
+        port: sa.user_port as u16,
+        _pad0: [0; 2],
+    };
+    if let Some(service) = unsafe { SOCK_REVNAT.get(&key) } {
+        sa.user_ip4 = service.addr;
+        sa.user_port = service.port as u32;
+    }
+    SOCK_ALLOW
 }
 
 #[inline(always)]
@@ -847,7 +943,12 @@ fn track(key: &ConntrackKey, value: &ConntrackValue) -> bool {
 
 #[inline(always)]
 fn pick(pkt: &Packet, slot: u16) -> Option<(u32, Backend)> {
-    let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
+    pick_slot(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot)
+}
+
+#[inline(always)]
+fn pick_slot(addr: u32, port: u16, proto: u8, slot: u16) -> Option<(u32, Backend)> {
+    let key = ServiceKey::new(addr, port, proto, slot);
     let id = unsafe { SERVICES.get(key) }?.backend_id;
     Some((id, backend(id)?))
 }

@@ -53,12 +53,18 @@ pub const EXTERNAL_RANGE: &str = "10.252.0.0/24";
 pub struct ClusterNode {
     pub name: String,
     pub index: u8,
+    /// The node's "host" cgroup (v2): the agent's socket hooks are attached to it, and the
+    /// node's own processes in tests run in it. Never the root cgroup.
+    pub cgroup: PathBuf,
     /// The node's InternalIP, on the link between the nodes.
     pub internal_ip: Ipv4Addr,
     /// The node's ExternalIP, on its external link.
     pub external_ip: Ipv4Addr,
     pub bpffs: LabBpffs,
     pub agent: Option<Agent>,
+    /// The agent's arguments, for restarts.
+    args: Vec<String>,
+    manifests: Option<PathBuf>,
     pub ns: Netns,
 }
 
@@ -97,6 +103,8 @@ type ServerThread = JoinHandle<Result<Result<()>>>;
 
 pub struct Cluster {
     pub id: String,
+    /// A cgroup2 mount of the lab's own (visible to `ip netns exec`, which remounts /sys).
+    cgroup_mount: PathBuf,
     pub dir: tempfile::TempDir,
     pub pods: Vec<ClusterPod>,
     pub external: Netns,
@@ -130,6 +138,13 @@ impl Cluster {
             .prefix(&format!("{id}-"))
             .tempdir()?;
         let external = Netns::create(&format!("{id}-ext"))?;
+        let cgroup_mount = dir.path().join("cgroup2");
+        std::fs::create_dir_all(&cgroup_mount)?;
+        crate::lab::sh(
+            "mount",
+            &["-t", "cgroup2", "none", &cgroup_mount.to_string_lossy()],
+        )?;
+        sweep_stale_cgroups(&cgroup_mount);
         let mut nodes = Vec::new();
         for index in 1..=2u8 {
             let ns = Netns::create(&format!("{id}-n{index}"))?;
@@ -174,13 +189,19 @@ impl Cluster {
                 &ext_if,
             ])?;
             external.ip(&["link", "set", &ext_if, "up"])?;
+            let cgroup = cgroup_mount.join(format!("{id}-n{index}"));
+            std::fs::create_dir_all(&cgroup)
+                .with_context(|| format!("creating cgroup {}", cgroup.display()))?;
             nodes.push(ClusterNode {
                 name: format!("node-{index}"),
                 index,
+                cgroup,
                 internal_ip: Ipv4Addr::new(10, 251, 0, index),
                 external_ip,
                 bpffs: LabBpffs::mount(&node_dir)?,
                 agent: None,
+                args: Vec::new(),
+                manifests: None,
                 ns,
             });
         }
@@ -214,6 +235,7 @@ impl Cluster {
         }
         let mut cluster = Cluster {
             id,
+            cgroup_mount,
             dir,
             pods: Vec::new(),
             external,
@@ -365,30 +387,75 @@ impl Cluster {
     /// all its interfaces and synced.
     pub fn start_agents(&mut self, manifests: &Path, extra: &[&str]) -> Result<()> {
         for i in 0..self.nodes.len() {
-            let interfaces = 2 + self
-                .pods
-                .iter()
-                .filter(|p| p.node == self.nodes[i].index)
-                .count();
             let node = &mut self.nodes[i];
             let root = node.bpffs.root();
-            let mut args = vec![
+            let mut args: Vec<String> = [
                 "--bpffs-root",
                 root.to_str().unwrap(),
                 "--interfaces",
                 "lxc*,ext0,fab0",
                 "--hostname-override",
                 &node.name,
-            ];
-            args.extend_from_slice(extra);
-            let log = self.dir.path().join(format!("agent-{}.log", node.name));
-            let agent = Agent::start(&node.ns, Some(manifests), &log, &args)?;
-            node.agent = Some(agent);
-            node.agent.as_mut().unwrap().wait_for_log(|log| {
-                log.matches("attached interface=").count() >= interfaces && log.contains("synced")
-            })?;
+                "--cgroup-path",
+                &node.cgroup.to_string_lossy(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            args.extend(extra.iter().map(|s| s.to_string()));
+            node.args = args;
+            node.manifests = Some(manifests.to_path_buf());
+            self.run_agent(i as u8 + 1)?;
         }
         Ok(())
+    }
+
+    /// Stops node `index`'s agent and starts it again with the same arguments (the new one
+    /// adopts what the old one pinned).
+    pub fn restart_agent(&mut self, index: u8) -> Result<()> {
+        if let Some(mut a) = self.nodes[index as usize - 1].agent.take() {
+            a.stop()?;
+        }
+        self.run_agent(index)
+    }
+
+    fn run_agent(&mut self, index: u8) -> Result<()> {
+        let interfaces = 2 + self.pods.iter().filter(|p| p.node == index).count();
+        let runs = std::fs::read_dir(self.dir.path())?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("agent-"))
+            .count();
+        let node = &mut self.nodes[index as usize - 1];
+        let log = self
+            .dir
+            .path()
+            .join(format!("agent-{}-{runs}.log", node.name));
+        let args: Vec<&str> = node.args.iter().map(String::as_str).collect();
+        let agent = Agent::start(&node.ns, node.manifests.as_deref(), &log, &args)?;
+        node.agent = Some(agent);
+        node.agent.as_mut().unwrap().wait_for_log(|log| {
+            log.matches("attached interface=").count() >= interfaces && log.contains("synced")
+        })
+    }
+
+    /// Runs `script` with bash as a process of node `index` itself: in its network namespace
+    /// and in its host cgroup. Returns (success, stdout).
+    pub fn on_node(&self, index: u8, script: &str) -> Result<(bool, String)> {
+        let node = self.node(index);
+        let procs = node.cgroup.join("cgroup.procs");
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "echo $$ > {} && exec ip netns exec {} bash -c \"$0\"",
+                procs.display(),
+                node.ns.name
+            ))
+            .arg(script)
+            .output()?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        ))
     }
 
     /// Both agents' logs, for failure messages.
@@ -472,6 +539,30 @@ impl Drop for Cluster {
         }
         for (_, h) in self.servers.drain(..) {
             let _ = h.join();
+        }
+        for node in &self.nodes {
+            let _ = std::fs::remove_dir(&node.cgroup);
+        }
+        let _ = crate::lab::sh("umount", &["-l", &self.cgroup_mount.to_string_lossy()]);
+    }
+}
+
+/// Removes node cgroups that labs of killed runs left (named after their process).
+fn sweep_stale_cgroups(mount: &Path) {
+    let Ok(entries) = std::fs::read_dir(mount) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let mut parts = name.split('-');
+        if parts.next() != Some(PREFIX) {
+            continue;
+        }
+        let Some(pid) = parts.next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir(e.path());
         }
     }
 }

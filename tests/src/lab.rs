@@ -138,7 +138,7 @@ pub(crate) fn sweep_stale_mounts() {
         let (Some(_), Some(point), Some(fstype)) = (f.next(), f.next(), f.next()) else {
             continue;
         };
-        if fstype != "bpf" {
+        if fstype != "bpf" && fstype != "cgroup2" {
             continue;
         }
         let Some(rest) = point.split(&format!("/{PREFIX}-")).nth(1) else {

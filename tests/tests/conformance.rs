@@ -99,6 +99,7 @@ conformance!(
     cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
     established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone,
     udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
+    the_node_itself_reaches_cluster_ips,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -907,4 +908,73 @@ fn udp_flow_moves_to_a_live_backend_when_its_backend_is_gone(mode: Mode) {
         lost <= 2,
         "at most a datagram or two in flight is lost: {answers:?}"
     );
+}
+
+fn the_node_itself_reaches_cluster_ips(mode: Mode) {
+    let c = cluster(mode, |c| {
+        web_with(c, "10.96.0.40", &ready(&ALL))
+            + &service("empty", "10.96.0.41", "", &[("", "TCP", 80, "8080")])
+    });
+    // A process of node-1 (its network namespace, its host cgroup): bash's /dev/tcp and
+    // /dev/udp connect a socket to the cluster IP. (head reads a datagram whole; bash's read
+    // would take one byte of it.)
+    let script = "for i in $(seq 30); do exec 3<>/dev/tcp/10.96.0.40/80 && head -1 <&3; exec 3<&-; done
+        for i in $(seq 10); do exec 4<>/dev/udp/10.96.0.40/53 && echo hi >&4 && echo \"udp $(timeout 2 head -1 <&4)\"; exec 4<&-; done";
+    let (ok, out) = c.on_node(1, script).unwrap();
+    assert!(ok, "{out}\n{}", c.logs());
+    let tcp: BTreeSet<String> = out
+        .lines()
+        .filter(|l| !l.starts_with("udp "))
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    assert_eq!(tcp, set(&ALL), "{out}");
+    let udp = out.lines().filter(|l| l.starts_with("udp web-")).count();
+    assert_eq!(udp, 10, "{out}");
+    // The process sees the service, not the backend: recvfrom on an unconnected UDP socket
+    // and getpeername on a connected TCP one report the cluster IP.
+    let probe = env!("CARGO_BIN_EXE_sockprobe");
+    let (ok, out) = c
+        .on_node(
+            1,
+            &format!("{probe} udp 10.96.0.40:53 && {probe} tcp 10.96.0.40:80"),
+        )
+        .unwrap();
+    assert!(ok, "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("from=10.96.0.40:53 web-"), "{out}");
+    assert!(lines[1].starts_with("peer=10.96.0.40:80 web-"), "{out}");
+    // A restarted agent puts its hooks in place of its predecessor's: still one of each.
+    let mut c = c;
+    c.restart_agent(1).unwrap();
+    let links = c.node(1).bpffs.root().join("links");
+    let hooks = std::fs::read_dir(&links)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("cgroup-"))
+        .count();
+    assert_eq!(hooks, 4, "connect4, sendmsg4, recvmsg4, getpeername4");
+    let (ok, out) = c.on_node(1, &format!("{probe} tcp 10.96.0.40:80")).unwrap();
+    assert!(ok && out.starts_with("peer=10.96.0.40:80 web-"), "{out}");
+    // No endpoints: the connect fails at once.
+    let (ok, _) = c.on_node(1, "exec 3<>/dev/tcp/10.96.0.41/80").unwrap();
+    assert!(
+        !ok,
+        "a service without endpoints must refuse the node's connects"
+    );
+    // Outside the node's host cgroup nothing is translated (the hooks are not on the root
+    // cgroup): the cluster IP is just an unrouted address there.
+    let outside = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &c.node(1).ns.name,
+            "timeout",
+            "2",
+            "bash",
+            "-c",
+        ])
+        .arg("exec 3<>/dev/tcp/10.96.0.40/80 && head -1 <&3")
+        .output()
+        .unwrap();
+    assert!(!outside.status.success(), "translated outside the cgroup");
 }

@@ -142,6 +142,12 @@ fn the_daemonset_matches_the_agents_defaults() {
     let args = c.command.clone().unwrap();
     assert!(args.contains(&"--config=/var/lib/proxy-agent/config.conf".to_string()));
     assert!(args.contains(&"--hostname-override=$(NODE_NAME)".to_string()));
+    // The socket hooks' cgroup is the host's, mounted where the flag says.
+    let cgroup = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--cgroup-path="))
+        .expect("--cgroup-path");
+    assert!(mounts.contains(&cgroup), "{cgroup} not mounted: {mounts:?}");
     let caps = c
         .security_context
         .as_ref()
