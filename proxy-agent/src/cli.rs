@@ -120,6 +120,20 @@ pub struct Cli {
     /// Entries of the CONNTRACK map (two per tracked flow).
     #[arg(long, default_value_t = DatapathSizes::default().conntrack)]
     pub conntrack_map_size: u32,
+
+    /// The scheduler of Services without the proxy-agent.io/scheduler annotation, by IPVS's
+    /// names: random (kube-proxy's iptables behaviour), rr, wrr, sh, dh, mh, ...
+    #[arg(long, default_value = "random")]
+    pub scheduler: crate::model::Scheduler,
+
+    /// Entries of each Maglev (mh) lookup table: a prime; memory is 16 bytes per entry per
+    /// mh service port.
+    #[arg(long, default_value_t = 16381)]
+    pub maglev_table_size: u32,
+
+    /// Entries of the MAGLEV map, all mh service ports' tables together (allocated as used).
+    #[arg(long, default_value_t = DatapathSizes::default().maglev)]
+    pub maglev_map_size: u32,
 }
 
 const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
@@ -161,6 +175,8 @@ pub struct Settings {
     pub node_port_addresses: Vec<NodePortAddress>,
     /// `--masquerade-all` / `iptables.masqueradeAll`.
     pub masquerade_all: bool,
+    /// `--scheduler` / `ebpf.scheduler`.
+    pub scheduler: crate::model::Scheduler,
     pub backend_metrics: bool,
     pub kubeconfig: Option<PathBuf>,
     pub sync_period: Duration,
@@ -247,7 +263,22 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
             cli.conntrack_map_size,
             f.and_then(|f| f.conntrack_map_size.or(from_conntrack_section)),
         ),
+        maglev: cli.maglev_map_size,
     };
+    let scheduler = if on_command_line("scheduler") {
+        cli.scheduler
+    } else {
+        f.and_then(|f| f.scheduler).unwrap_or(cli.scheduler)
+    };
+    let maglev_table_size = size(
+        "maglev_table_size",
+        cli.maglev_table_size,
+        f.and_then(|f| f.maglev_table_size),
+    );
+    if crate::proxier::ebpf::maglev::prime_at_least(maglev_table_size) != maglev_table_size {
+        anyhow::bail!("--maglev-table-size: {maglev_table_size} is not a prime");
+    }
+
     let verbosity = if on_command_line("verbosity") {
         cli.verbosity
     } else {
@@ -265,6 +296,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         })
         .unwrap_or_default();
     let mut datapath = DatapathConfig::DEFAULT;
+    datapath.maglev_table_size = maglev_table_size;
     if let Some(ct) = f.map(|f| &f.conntrack) {
         let ns = |d: Duration| d.as_nanos() as u64;
         if let Some(d) = ct.tcp_established_timeout {
@@ -311,6 +343,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
                 .or_else(|| f.map(|f| f.node_port_addresses.clone()))
                 .unwrap_or_default(),
         )?,
+        scheduler,
         masquerade_all: cli.masquerade_all
             || f.and_then(|f| f.iptables.masquerade_all).unwrap_or(false),
         backend_metrics: cli.backend_metrics || f.and_then(|f| f.backend_metrics).unwrap_or(false),

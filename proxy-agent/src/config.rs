@@ -208,6 +208,8 @@ pub struct EbpfSettings {
     pub sync_period: Option<GoDuration>,
     pub min_sync_period: Option<GoDuration>,
     pub backend_metrics: Option<bool>,
+    pub scheduler: Option<String>,
+    pub maglev_table_size: Option<u32>,
 }
 
 /// A rejected field: its path and why.
@@ -257,6 +259,10 @@ pub struct FileSettings {
     pub backends_map_size: Option<u32>,
     pub conntrack_map_size: Option<u32>,
     pub backend_metrics: Option<bool>,
+    /// `ebpf.scheduler`: the default scheduler of Services without the annotation.
+    pub scheduler: Option<crate::model::Scheduler>,
+    /// `ebpf.maglevTableSize` (a prime).
+    pub maglev_table_size: Option<u32>,
     /// Fields accepted but meaningless to this agent (logged once at start).
     pub ignored: Vec<String>,
     /// Warnings (deprecated aliases).
@@ -632,6 +638,22 @@ fn settings(
         backends_map_size: e.backends_map_size,
         conntrack_map_size: e.conntrack_map_size,
         backend_metrics: e.backend_metrics,
+        scheduler: match &e.scheduler {
+            None => None,
+            Some(name) => Some(name.parse().map_err(|m: String| bad("ebpf.scheduler", m))?),
+        },
+        maglev_table_size: match e.maglev_table_size {
+            Some(n) if crate::proxier::ebpf::maglev::prime_at_least(n) != n => {
+                return Err(bad(
+                    "ebpf.maglevTableSize",
+                    format!(
+                        "{n} is not a prime (Maglev tables need one; {} is the next)",
+                        crate::proxier::ebpf::maglev::prime_at_least(n)
+                    ),
+                ))
+            }
+            other => other,
+        },
         ignored,
         warnings,
     })

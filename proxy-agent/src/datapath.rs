@@ -28,6 +28,9 @@ pub struct DatapathSizes {
     pub backends: u32,
     /// `CONNTRACK`: two entries per tracked flow; least recently used entries are evicted.
     pub conntrack: u32,
+    /// `MAGLEV`: the lookup tables of `mh` frontends (table size entries each). Allocated as
+    /// used, so the size is a ceiling, not memory spent up front.
+    pub maglev: u32,
 }
 
 impl Default for DatapathSizes {
@@ -36,6 +39,7 @@ impl Default for DatapathSizes {
             services: 262_144,
             backends: 262_144,
             conntrack: 262_144,
+            maglev: 16_381 * 64,
         }
     }
 }
@@ -180,7 +184,10 @@ impl Datapath {
             // Datagrams in flight in pieces: a small share of the flows at any time.
             .map_max_entries(map_names::FRAGMENTS, fragments_size(sizes.conntrack))
             // The node's own sockets: fewer than the flows through it.
-            .map_max_entries(map_names::SOCK_REVNAT, sizes.conntrack);
+            .map_max_entries(map_names::SOCK_REVNAT, sizes.conntrack)
+            // Round-robin turns, indexed by service id like SERVICE_STATS.
+            .map_max_entries(map_names::RR_STATE, sizes.services)
+            .map_max_entries(map_names::MAGLEV, sizes.maglev);
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -194,6 +201,8 @@ impl Datapath {
                 map_names::SOURCE_RANGES,
                 map_names::FRAGMENTS,
                 map_names::SOCK_REVNAT,
+                map_names::RR_STATE,
+                map_names::MAGLEV,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -277,10 +286,16 @@ impl Datapath {
             .ebpf
             .take_map(map_names::SOURCE_RANGES)
             .context("eBPF object has no SOURCE_RANGES map")?;
+        let maglev = self
+            .ebpf
+            .take_map(map_names::MAGLEV)
+            .context("eBPF object has no MAGLEV map")?;
         Ok(KernelMaps {
             services: BpfHashMap::try_from(services)?,
             backends: Array::try_from(backends)?,
             source_ranges: aya::maps::LpmTrie::try_from(source_ranges)?,
+            maglev: BpfHashMap::try_from(maglev)?,
+            maglev_capacity: self.sizes.maglev,
             services_capacity: self.sizes.services,
         })
     }

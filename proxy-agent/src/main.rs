@@ -238,6 +238,7 @@ async fn run(s: Settings) -> Result<()> {
     datapath.configure(&s.datapath)?;
     let maps = datapath.take_service_maps()?;
     let mut proxier = EbpfProxier::new(maps);
+    proxier.set_maglev_size(s.datapath.maglev_table_size);
     if adoption == Adoption::Adopted {
         let services = proxier.adopt()?;
         info!(frontends = services, "took over the pinned service maps");
@@ -299,6 +300,7 @@ async fn run(s: Settings) -> Result<()> {
         node_port_filter: s.node_port_addresses.clone(),
         masquerade_addr: None,
         masquerade_all: s.masquerade_all,
+        default_scheduler: s.scheduler,
         node: None,
         pending: Vec::new(),
         pending_since: None,
@@ -469,6 +471,7 @@ struct SyncLoop {
     /// The source for masqueraded flows: this node's first IPv4 InternalIP.
     masquerade_addr: Option<std::net::Ipv4Addr>,
     masquerade_all: bool,
+    default_scheduler: proxy_agent::model::Scheduler,
     /// This node's Node object, as last seen (addresses and zone, for features to come).
     node: Option<NodeInfo>,
     pending: Vec<ServiceChange>,
@@ -487,6 +490,7 @@ impl SyncLoop {
         let node = set.nodes.iter().find(|n| n.name == self.node_name);
         let context = NodeContext {
             masquerade_all: self.masquerade_all,
+            default_scheduler: self.default_scheduler,
             ..NodeContext::new(
                 &self.node_name,
                 node,

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use aya::maps::{Array, MapData, MapInfo, MapType};
 use proxy_common::{
     map_names, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue, DatapathConfig,
-    FragmentKey, FragmentValue, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey,
+    FragmentKey, FragmentValue, MaglevKey, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey,
     SockRevNatValue, SourceRangeKey, MAP_LAYOUT_VERSION,
 };
 use tracing::{info, warn};
@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 11] {
+fn expected() -> [Expected; 13] {
     use std::mem::size_of;
     [
         Expected {
@@ -227,6 +227,21 @@ fn expected() -> [Expected; 11] {
             // Sized like CONNTRACK.
             configurable: false,
         },
+        Expected {
+            name: map_names::RR_STATE,
+            map_type: MapType::Array,
+            key_size: 4,
+            value_size: 8,
+            // Sized like SERVICES.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::MAGLEV,
+            map_type: MapType::Hash,
+            key_size: size_of::<MaglevKey>(),
+            value_size: 4,
+            configurable: true,
+        },
     ]
 }
 
@@ -276,6 +291,7 @@ fn incompatibility(root: &BpffsRoot, sizes: &mut DatapathSizes) -> Result<Option
             let wanted = match e.name {
                 map_names::SERVICES => &mut sizes.services,
                 map_names::BACKENDS => &mut sizes.backends,
+                map_names::MAGLEV => &mut sizes.maglev,
                 _ => &mut sizes.conntrack,
             };
             if *wanted != info.max_entries() {

@@ -31,6 +31,8 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const SOCK_REVNAT: &str = "SOCK_REVNAT";
+    pub const RR_STATE: &str = "RR_STATE";
+    pub const MAGLEV: &str = "MAGLEV";
 }
 
 /// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
@@ -101,12 +103,33 @@ pub const SERVICE_FLAG_EXTERNAL: u16 = 1 << 1;
 pub const SERVICE_FLAG_MASQUERADE: u16 = 1 << 2;
 /// Header flag: masquerade every new flow (`masqueradeAll`), whatever its backend.
 pub const SERVICE_FLAG_MASQUERADE_ALL: u16 = 1 << 4;
+/// Header: the scheduler (IPVS's names) sits in bits 8..12 of the flags.
+pub const SERVICE_SCHEDULER_SHIFT: u16 = 8;
+pub const SERVICE_SCHEDULER_MASK: u16 = 0xf;
+
+/// Schedulers the datapath implements, by header id.
+pub mod scheduler {
+    /// Uniformly random (kube-proxy's iptables and nftables modes).
+    pub const RANDOM: u16 = 0;
+    /// Round robin: backends in turn.
+    pub const RR: u16 = 1;
+    /// Weighted round robin: in turn, each backend as often as its weight.
+    pub const WRR: u16 = 2;
+    /// Source hashing: a client address always maps to the same backend.
+    pub const SH: u16 = 3;
+    /// Destination hashing: a destination address always maps to the same backend.
+    pub const DH: u16 = 4;
+    /// Maglev hashing: per-client stability with minimal disruption when backends change.
+    pub const MH: u16 = 5;
+}
+
 /// Header flag: `loadBalancerSourceRanges` apply; new flows from sources outside the
 /// frontend's ranges in `SOURCE_RANGES` are dropped.
 pub const SERVICE_FLAG_SOURCE_RANGES: u16 = 1 << 3;
 
 /// Value of the `SERVICES` map. In slot 0, `count` and `flags` are meaningful; in the backend
-/// slots, `backend_id` is.
+/// slots, `backend_id` is, and `flags << 16 | count` is the cumulative weight of slots
+/// `1..=slot` (weighted schedulers search it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ServiceValue {
@@ -339,6 +362,26 @@ pub struct SockRevNatValue {
     pub _pad0: [u8; 2],
 }
 
+/// murmur3's 32-bit finaliser: the hash the hashing schedulers apply to an address (in
+/// network byte order, as in packets). Shared so the agent builds Maglev tables with the
+/// function the datapath looks them up with.
+pub const fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x85eb_ca6b);
+    x ^= x >> 13;
+    x = x.wrapping_mul(0xc2b2_ae35);
+    x ^= x >> 16;
+    x
+}
+
+/// Key of the `MAGLEV` hash map: one entry of one frontend's Maglev lookup table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MaglevKey {
+    pub service_id: u32,
+    pub index: u32,
+}
+
 /// Entries are refreshed at most this often.
 pub const CT_REFRESH_NS: u64 = 1_000_000_000;
 
@@ -367,6 +410,9 @@ pub struct DatapathConfig {
     /// outside it are masqueraded. Mask 0: not set.
     pub cluster_cidr_addr: u32,
     pub cluster_cidr_mask: u32,
+    /// Entries of each frontend's Maglev table (a prime); 0: Maglev not in use.
+    pub maglev_table_size: u32,
+    pub _pad0: u32,
 }
 
 impl DatapathConfig {
@@ -382,6 +428,8 @@ impl DatapathConfig {
         masquerade_addr: 0,
         cluster_cidr_addr: 0,
         cluster_cidr_mask: 0,
+        maglev_table_size: 0,
+        _pad0: 0,
     };
 
     /// How long `value` may stay idle before the flow is over.
@@ -531,6 +579,7 @@ mod pod {
     unsafe impl aya::Pod for super::FragmentValue {}
     unsafe impl aya::Pod for super::SockRevNatKey {}
     unsafe impl aya::Pod for super::SockRevNatValue {}
+    unsafe impl aya::Pod for super::MaglevKey {}
 }
 
 #[cfg(test)]
@@ -611,7 +660,8 @@ mod tests {
 
     #[test]
     fn config_layout() {
-        assert_eq!(size_of::<DatapathConfig>(), 56);
+        assert_eq!(size_of::<DatapathConfig>(), 64);
+        assert_eq!(offset_of!(DatapathConfig, maglev_table_size), 56);
         assert_eq!(offset_of!(DatapathConfig, cluster_cidr_mask), 52);
         assert_eq!(offset_of!(DatapathConfig, udp_stream_timeout_ns), 32);
         assert_eq!(offset_of!(DatapathConfig, layout_version), 40);

@@ -12,12 +12,16 @@
 //! "next": programs attached after ours (a CNI's) still see the packet.
 #![no_std]
 #![no_main]
+// BPF has an atomic fetch-and-add instruction, but core's atomics do not expose it for
+// this target; the intrinsic emits it.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_NOEXIST, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_NO_PREALLOC, BPF_NOEXIST, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
         BPF_F_PSEUDO_HDR, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
     helpers::{
@@ -32,7 +36,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    FragmentKey, FragmentValue, SockRevNatKey, SockRevNatValue,
+    scheduler, FragmentKey, FragmentValue, MaglevKey, SockRevNatKey, SockRevNatValue,
+    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
     AffinityKey, AffinityValue, SourceRangeKey, SERVICE_FLAG_SOURCE_RANGES,
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
     Stat,
@@ -63,6 +68,11 @@ static BACKEND_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(
 static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::with_max_entries(65536, 0);
 #[map]
 static FRAGMENTS: LruHashMap<FragmentKey, FragmentValue> = LruHashMap::with_max_entries(16384, 0);
+#[map]
+static RR_STATE: Array<u64> = Array::with_max_entries(65536, 0);
+#[map]
+// Allocated as used: only `mh` frontends have tables.
+static MAGLEV: HashMap<MaglevKey, u32> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 #[map]
 static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
     LruHashMap::with_max_entries(65536, 0);
@@ -678,7 +688,7 @@ fn new_flow(
     let (backend_id, backend) = match sticky_backend(&affinity_key, affinity_ns, now) {
         Some(found) => found,
         None => {
-            let slot = random_below(header.count as u32) as u16 + 1;
+            let slot = schedule(pkt, header);
             match pick(pkt, slot) {
                 Some(found) => found,
                 // The agent shrinks a service by lowering the header's count before it
@@ -773,6 +783,100 @@ fn new_flow(
         u16::from_be(backend.port)
     );
     Ok(TC_ACT_UNSPEC)
+}
+
+/// The slot (1..=count) a new flow goes to, by the frontend's scheduler.
+#[inline(always)]
+fn schedule(pkt: &Packet, header: &ServiceValue) -> u16 {
+    let count = header.count as u32;
+    let slot = match (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK {
+        scheduler::RR => next_turn(header.service_id) % count,
+        scheduler::WRR => return weighted_turn(pkt, header),
+        scheduler::SH => mix(pkt.key.saddr) % count,
+        scheduler::DH => mix(pkt.key.daddr) % count,
+        scheduler::MH => return maglev(pkt, header),
+        _ => random_below(count),
+    };
+    slot as u16 + 1
+}
+
+/// The frontend's next turn, counted in a map value all CPUs share. The increment is atomic;
+/// the turn is read back after it (LLVM's BPF backend does not hand back the fetched value
+/// here), so two CPUs opening flows at the same instant may share a turn.
+#[inline(always)]
+fn next_turn(service_id: u32) -> u32 {
+    match RR_STATE.get_ptr_mut(service_id) {
+        Some(p) => {
+            // SAFETY: a map value pointer, valid for this run; updated atomically.
+            unsafe {
+                core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                    p, 1,
+                );
+                core::ptr::read_volatile(p).wrapping_sub(1) as u32
+            }
+        }
+        None => 0,
+    }
+}
+
+/// A slot's cumulative weight (weights of slots 1..=slot), written by the agent.
+#[inline(always)]
+fn cumulative_weight(pkt: &Packet, slot: u16) -> u32 {
+    let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
+    match unsafe { SERVICES.get(key) } {
+        Some(v) => (v.flags as u32) << 16 | v.count as u32,
+        None => 0,
+    }
+}
+
+/// Weighted round robin: turn t of a cycle of W = total weight goes to the slot whose
+/// cumulative range holds t mod W, so over each cycle every backend gets exactly its weight.
+#[inline(always)]
+fn weighted_turn(pkt: &Packet, header: &ServiceValue) -> u16 {
+    let count = header.count;
+    let total = cumulative_weight(pkt, count);
+    if total == 0 {
+        return 1;
+    }
+    let t = next_turn(header.service_id) % total;
+    // Binary search for the first slot with cumulative weight > t (count < 2^16: 16 steps).
+    let (mut lo, mut hi) = (1u16, count);
+    let mut steps = 0;
+    while lo < hi && steps < 17 {
+        let mid = lo + (hi - lo) / 2;
+        if cumulative_weight(pkt, mid) > t {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+        steps += 1;
+    }
+    lo
+}
+
+/// Maglev: the client's entry in the frontend's lookup table, which the agent fills so each
+/// backend owns an equal share and a change of backends moves few entries.
+#[inline(always)]
+fn maglev(pkt: &Packet, header: &ServiceValue) -> u16 {
+    let size = config().maglev_table_size;
+    if size == 0 {
+        return random_below(header.count as u32) as u16 + 1;
+    }
+    let key = MaglevKey {
+        service_id: header.service_id,
+        index: mix(pkt.key.saddr) % size,
+    };
+    match unsafe { MAGLEV.get(key) } {
+        Some(slot) if *slot >= 1 && *slot <= header.count as u32 => *slot as u16,
+        _ => random_below(header.count as u32) as u16 + 1,
+    }
+}
+
+/// A 32-bit mix (murmur3's finaliser) of an address, for the hashing schedulers. The agent
+/// computes the same function (`proxy_common::mix32`) to build Maglev tables.
+#[inline(always)]
+fn mix(x: u32) -> u32 {
+    proxy_common::mix32(x)
 }
 
 /// `loadBalancerSourceRanges`: is the client inside one of the frontend's ranges?

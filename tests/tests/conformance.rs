@@ -100,6 +100,7 @@ conformance!(
     established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone,
     udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
     the_node_itself_reaches_cluster_ips,
+    schedulers_chosen_by_annotation_keep_their_defining_property,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -977,4 +978,38 @@ fn the_node_itself_reaches_cluster_ips(mode: Mode) {
         .output()
         .unwrap();
     assert!(!outside.status.success(), "translated outside the cgroup");
+}
+
+fn schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
+    let annotated = |c: &Cluster, name: &str, ip: &str, annotations: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: lab\n  annotations: {{{annotations}}}\nspec:\n  clusterIP: {ip}\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}\n---\n"
+        ) + &slice(c, name, "1", &[("http", "TCP", 8080)], &ready(&ALL))
+    };
+    let c = cluster(mode, move |c| {
+        let w1 = c.pod("web-1a").ip;
+        annotated(c, "rr", "10.96.0.50", "proxy-agent.io/scheduler: rr")
+            + &annotated(
+                c,
+                "wrr",
+                "10.96.0.51",
+                &format!("proxy-agent.io/scheduler: wrr, proxy-agent.io/weights: \"{w1}=2\""),
+            )
+            + &annotated(c, "sh", "10.96.0.52", "proxy-agent.io/scheduler: sh")
+            + &annotated(c, "mh", "10.96.0.53", "proxy-agent.io/scheduler: mh")
+    });
+    // rr: backends in turn, so every three consecutive connections reach all three.
+    let rr = tcp_from_pod(&c, CLIENT, addr("10.96.0.50", 80), 9);
+    for turn in rr.chunks(3) {
+        assert_eq!(pods(turn), set(&ALL), "{rr:?}");
+    }
+    // wrr: web-1a weighs 2, the others 1: per cycle of 4, twice web-1a.
+    let wrr = tcp_from_pod(&c, CLIENT, addr("10.96.0.51", 80), 8);
+    let n = counts(&wrr);
+    assert_eq!((n["web-1a"], n["web-2a"], n["web-2b"]), (4, 2, 2), "{n:?}");
+    // sh and mh: one client, one backend, every time.
+    for vip in ["10.96.0.52", "10.96.0.53"] {
+        let hellos = tcp_from_pod(&c, CLIENT, addr(vip, 80), 12);
+        assert_eq!(pods(&hellos).len(), 1, "{vip}: {:?}", counts(&hellos));
+    }
 }

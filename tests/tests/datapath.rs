@@ -33,6 +33,7 @@ fn small() -> DatapathSizes {
         services: 1024,
         backends: 1024,
         conntrack: 4096,
+        maglev: 65536,
     }
 }
 
@@ -655,4 +656,185 @@ fn per_backend_counters_count_only_when_switched_on_at_load() {
             );
         }
     }
+}
+
+/// A TCP frontend on VIP:81 with `backends`, scheduled by `scheduler` (and `weights`).
+fn scheduled(
+    scheduler: u16,
+    backends: &[SocketAddrV4],
+    weights: &std::collections::BTreeMap<Ipv4Addr, u16>,
+) -> TestDatapath {
+    let mut dp = TestDatapath::load(small()).expect("load datapath");
+    // Cilium's default size; collateral moves shrink as the table grows.
+    let maglev_size = 16381;
+    dp.datapath
+        .configure(&proxy_common::DatapathConfig {
+            maglev_table_size: maglev_size,
+            ..proxy_common::DatapathConfig::DEFAULT
+        })
+        .unwrap();
+    dp.sync.set_maglev_size(maglev_size);
+    set_scheduled(&mut dp, scheduler, backends, weights);
+    dp
+}
+
+fn set_scheduled(
+    dp: &mut TestDatapath,
+    scheduler: u16,
+    backends: &[SocketAddrV4],
+    weights: &std::collections::BTreeMap<Ipv4Addr, u16>,
+) {
+    let f = Frontend {
+        addr: VIP,
+        port: 81,
+        protocol: Protocol::Tcp,
+    };
+    let spec = proxy_agent::proxier::ebpf::sync::FrontendSpec {
+        header: HeaderSettings {
+            flags: scheduler << proxy_common::SERVICE_SCHEDULER_SHIFT,
+            affinity_timeout: 0,
+        },
+        weights,
+        ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(backends)
+    };
+    dp.sync.set_with(&f, &spec).unwrap();
+}
+
+/// The backend a new flow from `client:port` is given.
+fn chosen(dp: &TestDatapath, client: Ipv4Addr, port: u16) -> SocketAddrV4 {
+    let (_, out) = dp
+        .run(
+            Hook::Ingress,
+            &PacketSpec::tcp(client, port, VIP, 81, TCP_SYN).build(),
+        )
+        .unwrap();
+    let p = parse(&out);
+    SocketAddrV4::new(p.dst, p.dport)
+}
+
+fn many_backends(n: u8) -> Vec<SocketAddrV4> {
+    (1..=n)
+        .map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, i), 8080))
+        .collect()
+}
+
+#[test]
+fn rr_visits_backends_in_turn() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(4);
+    let dp = scheduled(scheduler::RR, &backends, &Default::default());
+    let picks: Vec<SocketAddrV4> = (0..12).map(|i| chosen(&dp, CLIENT, 30000 + i)).collect();
+    // Every window of 4 consecutive flows covers the 4 backends, in the same order.
+    for w in 0..3 {
+        let window: std::collections::BTreeSet<_> = picks[w * 4..w * 4 + 4].iter().collect();
+        assert_eq!(window.len(), 4, "{picks:?}");
+        assert_eq!(picks[w * 4..w * 4 + 4], picks[0..4], "{picks:?}");
+    }
+}
+
+#[test]
+fn wrr_gives_each_backend_its_weight_in_every_cycle() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(3);
+    let weights: std::collections::BTreeMap<Ipv4Addr, u16> = [
+        (*backends[0].ip(), 3),
+        (*backends[1].ip(), 1),
+        (*backends[2].ip(), 2),
+    ]
+    .into();
+    let dp = scheduled(scheduler::WRR, &backends, &weights);
+    // Cycles of 6 flows: exactly 3, 1 and 2 each (tolerance: none).
+    for cycle in 0..4u16 {
+        let mut counts = std::collections::BTreeMap::new();
+        for i in 0..6 {
+            *counts
+                .entry(chosen(&dp, CLIENT, 31000 + cycle * 6 + i))
+                .or_insert(0) += 1;
+        }
+        let got: Vec<u32> = backends
+            .iter()
+            .map(|b| counts.get(b).copied().unwrap_or(0))
+            .collect();
+        assert_eq!(got, [3, 1, 2], "cycle {cycle}: {counts:?}");
+    }
+}
+
+#[test]
+fn sh_and_dh_are_stable_per_key() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(5);
+    let dp = scheduled(scheduler::SH, &backends, &Default::default());
+    let mut used = std::collections::BTreeSet::new();
+    for c in 1..=40u8 {
+        let client = Ipv4Addr::new(10, 244, 9, c);
+        let first = chosen(&dp, client, 32000);
+        for port in 32001..32006 {
+            assert_eq!(
+                chosen(&dp, client, port),
+                first,
+                "sh: one client, one backend"
+            );
+        }
+        used.insert(first);
+    }
+    assert!(
+        used.len() >= 4,
+        "clients spread over the backends: {used:?}"
+    );
+    let dp = scheduled(scheduler::DH, &backends, &Default::default());
+    let first = chosen(&dp, CLIENT, 33000);
+    for c in 1..=20u8 {
+        let client = Ipv4Addr::new(10, 244, 9, c);
+        assert_eq!(
+            chosen(&dp, client, 33000 + c as u16),
+            first,
+            "dh: one destination, one backend"
+        );
+    }
+}
+
+#[test]
+fn mh_is_stable_per_client_and_remaps_few_when_a_backend_goes() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(10);
+    let mut dp = scheduled(scheduler::MH, &backends, &Default::default());
+    let clients: Vec<Ipv4Addr> = (0..600u32)
+        .map(|i| Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 245, 0, 0)) + i))
+        .collect();
+    let before: Vec<SocketAddrV4> = clients.iter().map(|c| chosen(&dp, *c, 34000)).collect();
+    for (c, b) in clients.iter().zip(&before).take(50) {
+        assert_eq!(chosen(&dp, *c, 34001), *b, "mh: stable per client");
+    }
+    let gone = backends[3];
+    let kept: Vec<SocketAddrV4> = backends.iter().copied().filter(|b| *b != gone).collect();
+    set_scheduled(&mut dp, scheduler::MH, &kept, &Default::default());
+    let after: Vec<SocketAddrV4> = clients.iter().map(|c| chosen(&dp, *c, 34002)).collect();
+    let on_gone = before.iter().filter(|b| **b == gone).count();
+    let moved_elsewhere = before
+        .iter()
+        .zip(&after)
+        .filter(|(b, a)| **b != gone && b != a)
+        .count();
+    assert!(after.iter().all(|a| *a != gone));
+    // Clients of the removed backend (about 1/N) move; of the others, hardly any: in all,
+    // at most about 1/N of the clients.
+    assert!(
+        on_gone > 0 && on_gone < clients.len() / 5,
+        "{on_gone} on the removed backend"
+    );
+    let moved = on_gone + moved_elsewhere;
+    assert!(
+        moved * 10 <= clients.len() * 13 / 10,
+        "{moved} of {} clients moved ({on_gone} of the removed backend's)",
+        clients.len()
+    );
+    assert!(
+        moved_elsewhere * 50 < clients.len(),
+        "{moved_elsewhere} of {} clients of kept backends moved",
+        clients.len()
+    );
 }

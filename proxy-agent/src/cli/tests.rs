@@ -115,7 +115,13 @@ fn defaults_without_a_file_are_kube_proxys() {
     assert_eq!(s.sync_period, Duration::from_secs(30));
     assert_eq!(s.min_sync_period, Duration::ZERO);
     assert_eq!(s.config_sync_period, Duration::from_secs(900));
-    assert_eq!(s.datapath, DatapathConfig::DEFAULT);
+    assert_eq!(
+        s.datapath,
+        DatapathConfig {
+            maglev_table_size: 16381,
+            ..DatapathConfig::DEFAULT
+        }
+    );
     assert!(!s.backend_metrics, "one series per endpoint is opt-in");
     let s =
         settings(&Cli::command().get_matches_from(["proxy-agent", "--backend-metrics"])).unwrap();

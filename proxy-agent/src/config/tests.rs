@@ -231,6 +231,27 @@ fn invalid_values_are_rejected_with_their_path_and_reason() {
         "apiVersion: {AGENT_API_VERSION}\nkind: ProxyAgentConfiguration\nebpf: {{tcAttach: xdp}}\n"
     );
     assert_eq!(err(&ours).path, "ebpf.tcAttach");
+    for (ebpf, path, reason) in [
+        (
+            "{scheduler: fastest}",
+            "ebpf.scheduler",
+            "unknown scheduler",
+        ),
+        ("{maglevTableSize: 16380}", "ebpf.maglevTableSize", "16381"),
+    ] {
+        let ours = format!(
+            "apiVersion: {AGENT_API_VERSION}\nkind: ProxyAgentConfiguration\nebpf: {ebpf}\n"
+        );
+        let e = err(&ours);
+        assert_eq!(e.path, path, "{e}");
+        assert!(e.reason.contains(reason), "{e}");
+    }
+    let ours = format!(
+        "apiVersion: {AGENT_API_VERSION}\nkind: ProxyAgentConfiguration\nebpf: {{scheduler: mh, maglevTableSize: 65537}}\n"
+    );
+    let s = parse(&ours).unwrap();
+    assert_eq!(s.scheduler, Some(crate::model::Scheduler::Mh));
+    assert_eq!(s.maglev_table_size, Some(65537));
 }
 
 #[test]

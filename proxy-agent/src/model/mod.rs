@@ -13,8 +13,8 @@ use std::{
 };
 
 pub use objects::{
-    AddressType, Cidr, EndpointInfo, FieldError, NodeInfo, ObjectName, Protocol, ServiceInfo,
-    ServicePortSpec, ServiceType, SliceInfo, SlicePort, TargetPort,
+    AddressType, Cidr, EndpointInfo, FieldError, NodeInfo, ObjectName, Protocol, Scheduler,
+    ServiceInfo, ServicePortSpec, ServiceType, SliceInfo, SlicePort, TargetPort,
 };
 
 /// Where an object came from, for messages: `path#document` or `api-server`.
@@ -85,6 +85,8 @@ pub struct NodeContext {
     pub masquerade_addr: Option<Ipv4Addr>,
     /// `masqueradeAll`: every service flow is source-NATed to the node.
     pub masquerade_all: bool,
+    /// The scheduler of Services without the scheduler annotation.
+    pub default_scheduler: Scheduler,
 }
 
 /// One entry of `nodePortAddresses` / `--nodeport-addresses`.
@@ -138,6 +140,7 @@ impl NodeContext {
             node_port_addresses: addresses.into_iter().collect(),
             masquerade_addr: node_v4(true).first().copied(),
             masquerade_all: false,
+            default_scheduler: Scheduler::default(),
         }
     }
 }
@@ -235,6 +238,11 @@ pub struct ServicePortState {
     /// `healthCheckNodePort` of an `externalTrafficPolicy: Local` service, with the number
     /// of local endpoints it reports.
     pub health_check: Option<(u16, usize)>,
+    /// How new flows choose among the backends (the Service's annotation, else the default).
+    pub scheduler: Scheduler,
+    /// Backend weights for the weighted schedulers (absent: 1). Weight-0 endpoints take no
+    /// new flows and are draining instead.
+    pub weights: BTreeMap<Ipv4Addr, u16>,
 }
 
 impl ServicePortState {
@@ -373,10 +381,21 @@ impl DesiredState {
                 };
                 let (backends, when_empty) = policy(svc.internal_local);
                 let (external_backends, external_when_empty) = policy(svc.external_local);
+                // Weight 0 (IPVS's "quiesced"): no new flows, established ones continue.
+                let quiesced = |a: &SocketAddrV4| svc.weights.get(&IpAddr::V4(*a.ip())) == Some(&0);
+                let (backends, external_backends): (Vec<_>, Vec<_>) = (
+                    backends.into_iter().filter(|a| !quiesced(a)).collect(),
+                    external_backends
+                        .into_iter()
+                        .filter(|a| !quiesced(a))
+                        .collect(),
+                );
                 let draining_for = |local_only: bool, chosen: &[SocketAddrV4]| {
                     let set: BTreeSet<SocketAddrV4> = endpoints
                         .iter()
-                        .filter(|(_, ep)| !ep.ready && (!local_only || is_local(ep, node)))
+                        .filter(|(a, ep)| {
+                            (!ep.ready || quiesced(a)) && (!local_only || is_local(ep, node))
+                        })
                         .map(|(a, _)| *a)
                         .filter(|a| !chosen.contains(a))
                         .collect();
@@ -423,6 +442,15 @@ impl DesiredState {
                         remote,
                         affinity_timeout: svc.affinity_timeout,
                         health_check,
+                        scheduler: svc.scheduler.unwrap_or(node.default_scheduler),
+                        weights: svc
+                            .weights
+                            .iter()
+                            .filter_map(|(a, w)| match a {
+                                IpAddr::V4(v4) => Some((*v4, *w)),
+                                IpAddr::V6(_) => None,
+                            })
+                            .collect(),
                     }),
                 );
             }

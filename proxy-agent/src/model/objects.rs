@@ -172,6 +172,95 @@ impl fmt::Display for Cidr {
 pub const TOPOLOGY_MODE_ANNOTATION: &str = "service.kubernetes.io/topology-mode";
 pub const TOPOLOGY_HINTS_ANNOTATION: &str = "service.kubernetes.io/topology-aware-hints";
 
+/// Annotation choosing a Service's scheduler, by IPVS's names.
+pub const SCHEDULER_ANNOTATION: &str = "proxy-agent.io/scheduler";
+/// Annotation with endpoint weights for the weighted schedulers: `ADDRESS=WEIGHT,...`
+/// (endpoints not listed weigh 1; weight 0 takes no new connections, as in IPVS).
+pub const WEIGHTS_ANNOTATION: &str = "proxy-agent.io/weights";
+
+/// IPVS's scheduling algorithms, by their names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Scheduler {
+    /// Uniformly random: kube-proxy's iptables and nftables behaviour.
+    #[default]
+    Random,
+    Rr,
+    Wrr,
+    Lc,
+    Wlc,
+    Lblc,
+    Lblcr,
+    Sh,
+    Dh,
+    Sed,
+    Nq,
+    Mh,
+}
+
+impl Scheduler {
+    pub const ALL: [Scheduler; 12] = [
+        Scheduler::Random,
+        Scheduler::Rr,
+        Scheduler::Wrr,
+        Scheduler::Lc,
+        Scheduler::Wlc,
+        Scheduler::Lblc,
+        Scheduler::Lblcr,
+        Scheduler::Sh,
+        Scheduler::Dh,
+        Scheduler::Sed,
+        Scheduler::Nq,
+        Scheduler::Mh,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheduler::Random => "random",
+            Scheduler::Rr => "rr",
+            Scheduler::Wrr => "wrr",
+            Scheduler::Lc => "lc",
+            Scheduler::Wlc => "wlc",
+            Scheduler::Lblc => "lblc",
+            Scheduler::Lblcr => "lblcr",
+            Scheduler::Sh => "sh",
+            Scheduler::Dh => "dh",
+            Scheduler::Sed => "sed",
+            Scheduler::Nq => "nq",
+            Scheduler::Mh => "mh",
+        }
+    }
+
+    /// The header id of a scheduler the eBPF datapath implements; `None` for the others.
+    pub fn datapath_id(self) -> Option<u16> {
+        use proxy_common::scheduler as id;
+        match self {
+            Scheduler::Random => Some(id::RANDOM),
+            Scheduler::Rr => Some(id::RR),
+            Scheduler::Wrr => Some(id::WRR),
+            Scheduler::Sh => Some(id::SH),
+            Scheduler::Dh => Some(id::DH),
+            Scheduler::Mh => Some(id::MH),
+            _ => None,
+        }
+    }
+}
+
+impl std::str::FromStr for Scheduler {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Scheduler::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Scheduler::ALL.iter().map(|x| x.name()).collect();
+                format!(
+                    "unknown scheduler {s:?} (expected one of {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
 /// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
@@ -200,6 +289,10 @@ pub struct ServiceInfo {
     /// Topology-aware routing asked for: `trafficDistribution: PreferClose` (or
     /// `PreferSameZone`), or the `topology-mode: Auto` annotation.
     pub prefer_same_zone: bool,
+    /// The `proxy-agent.io/scheduler` annotation, when set.
+    pub scheduler: Option<Scheduler>,
+    /// The `proxy-agent.io/weights` annotation: endpoint address -> weight.
+    pub weights: BTreeMap<IpAddr, u16>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -440,6 +533,31 @@ impl ServiceInfo {
                 spec.traffic_distribution.as_deref(),
                 Some("PreferClose") | Some("PreferSameZone")
             );
+        let scheduler = match annotations.get(SCHEDULER_ANNOTATION) {
+            None => None,
+            Some(v) => Some(v.parse::<Scheduler>().map_err(|m| {
+                field_error(format!("metadata.annotations[{SCHEDULER_ANNOTATION}]"), m)
+            })?),
+        };
+        let mut weights = BTreeMap::new();
+        if let Some(text) = annotations.get(WEIGHTS_ANNOTATION) {
+            let field = format!("metadata.annotations[{WEIGHTS_ANNOTATION}]");
+            for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+                let parsed = item.split_once('=').and_then(|(a, w)| {
+                    Some((
+                        a.trim().parse::<IpAddr>().ok()?,
+                        w.trim().parse::<u16>().ok()?,
+                    ))
+                });
+                let Some((addr, weight)) = parsed else {
+                    return Err(field_error(
+                        field,
+                        format!("{item:?} is not ADDRESS=WEIGHT (weight 0-65535)"),
+                    ));
+                };
+                weights.insert(addr, weight);
+            }
+        }
         Ok(ServiceInfo {
             name,
             service_type,
@@ -453,6 +571,8 @@ impl ServiceInfo {
             internal_local,
             health_check_node_port,
             prefer_same_zone,
+            scheduler,
+            weights,
         })
     }
 }
@@ -724,6 +844,42 @@ mod tests {
             let err = parse(spec, serde_json::json!({})).unwrap_err();
             assert_eq!(err.field, field);
         }
+    }
+
+    #[test]
+    fn scheduler_and_weights_come_from_annotations_and_bad_ones_are_named() {
+        let svc = |annotations: serde_json::Value| -> Result<ServiceInfo, FieldError> {
+            let svc: Service = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "web", "namespace": "shop", "annotations": annotations},
+                "spec": {"clusterIP": "10.96.0.9", "ports": [{"port": 80}]},
+            }))
+            .unwrap();
+            ServiceInfo::from_api(&svc)
+        };
+        let s = svc(serde_json::json!({
+            SCHEDULER_ANNOTATION: "wrr",
+            WEIGHTS_ANNOTATION: "10.0.0.1=3, 10.0.0.2=0",
+        }))
+        .unwrap();
+        assert_eq!(s.scheduler, Some(Scheduler::Wrr));
+        assert_eq!(s.weights[&"10.0.0.1".parse::<IpAddr>().unwrap()], 3);
+        assert_eq!(s.weights[&"10.0.0.2".parse::<IpAddr>().unwrap()], 0);
+        for name in [
+            "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh", "random",
+        ] {
+            let s = svc(serde_json::json!({ SCHEDULER_ANNOTATION: name })).unwrap();
+            assert_eq!(s.scheduler.unwrap().name(), name);
+        }
+        let e = svc(serde_json::json!({ SCHEDULER_ANNOTATION: "fastest" })).unwrap_err();
+        assert_eq!(
+            e.field,
+            format!("metadata.annotations[{SCHEDULER_ANNOTATION}]")
+        );
+        let e = svc(serde_json::json!({ WEIGHTS_ANNOTATION: "10.0.0.1:3" })).unwrap_err();
+        assert_eq!(
+            e.field,
+            format!("metadata.annotations[{WEIGHTS_ANNOTATION}]")
+        );
     }
 
     #[test]

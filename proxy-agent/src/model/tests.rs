@@ -23,6 +23,8 @@ fn service(n: &str, ip: &str, ports: Vec<ServicePortSpec>) -> ServiceInfo {
         internal_local: false,
         health_check_node_port: None,
         prefer_same_zone: false,
+        scheduler: None,
+        weights: Default::default(),
     }
 }
 
@@ -450,6 +452,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
         node_port_addresses: vec!["192.168.0.1".parse().unwrap()],
         masquerade_addr: None,
         masquerade_all: false,
+        default_scheduler: Scheduler::Random,
     };
     for case in cases {
         let mut svc = service(
@@ -516,6 +519,7 @@ fn external_frontends_come_from_node_ports_external_ips_and_load_balancer_status
         node_port_addresses: vec!["192.168.0.1".parse().unwrap(), "10.1.0.1".parse().unwrap()],
         masquerade_addr: None,
         masquerade_all: false,
+        default_scheduler: Scheduler::Random,
     };
     let eps = vec![
         ep("R", 1, "n1", &[]),
@@ -633,4 +637,40 @@ fn not_ready_endpoints_drain_instead_of_disappearing() {
     let (state, _) = DesiredState::build(&st, &node);
     let s = &state.ports[&spn("a", "")];
     assert_eq!(octets(&s.draining), [3]);
+}
+
+#[test]
+fn the_scheduler_is_the_annotations_else_the_default_and_weight_zero_drains() {
+    let node = NodeContext {
+        name: "n1".into(),
+        default_scheduler: Scheduler::Rr,
+        ..NodeContext::default()
+    };
+    let eps = vec![ep("R", 1, "n1", &[]), ep("R", 2, "n1", &[])];
+    let plain = service(
+        "a",
+        "10.96.0.1",
+        vec![port("", 80, TargetPort::Number(8080))],
+    );
+    let mut weighted = service(
+        "b",
+        "10.96.0.2",
+        vec![port("", 80, TargetPort::Number(8080))],
+    );
+    weighted.scheduler = Some(Scheduler::Wrr);
+    weighted.weights = [("10.0.0.2".parse().unwrap(), 0)].into();
+    let st = store(
+        vec![plain, weighted],
+        vec![
+            slice("a-1", "a", None, eps.clone()),
+            slice("b-1", "b", None, eps),
+        ],
+    );
+    let (state, _) = DesiredState::build(&st, &node);
+    assert_eq!(state.ports[&spn("a", "")].scheduler, Scheduler::Rr);
+    let b = &state.ports[&spn("b", "")];
+    assert_eq!(b.scheduler, Scheduler::Wrr);
+    let octets = |v: &[SocketAddrV4]| v.iter().map(|a| a.ip().octets()[3]).collect::<Vec<_>>();
+    assert_eq!(octets(&b.backends), [1], "weight 0: no new flows");
+    assert_eq!(octets(&b.draining), [2], "its established flows go on");
 }

@@ -102,6 +102,7 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
         backends: (n_services * args.backends + 1).max(1024),
         // Two entries per flow (four masqueraded); new-flow rounds each open `flows` more.
         conntrack: (args.flows * 4 * (args.rounds + 2)).max(4096),
+        maglev: 1024,
     };
     let mut dp = TestDatapath::load(sizes)?;
     if args.all_features {

@@ -10,7 +10,9 @@ use aya::maps::{
     lpm_trie::{Key as LpmKey, LpmTrie},
     Array, HashMap as BpfHashMap, MapData, MapError as AyaMapError,
 };
-use proxy_common::{Backend, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_INDEX_MASK};
+use proxy_common::{
+    Backend, MaglevKey, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_INDEX_MASK,
+};
 
 /// One `loadBalancerSourceRanges` entry of a frontend: (service id, IPv4 address in network
 /// byte order, prefix length).
@@ -33,6 +35,8 @@ pub trait ServiceMaps {
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError>;
     fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
+    fn set_maglev(&mut self, key: MaglevKey, slot: u32) -> Result<(), MapError>;
+    fn remove_maglev(&mut self, key: MaglevKey) -> Result<(), MapError>;
     /// Number of `BACKENDS` slots (slot 0 is never used).
     fn backend_slots(&self) -> u32;
     /// Number of `SERVICE_STATS` slots, which service ids index (slot 0 is never used).
@@ -58,6 +62,8 @@ pub struct InMemoryMaps {
     pub services: BTreeMap<ServiceKey, ServiceValue>,
     pub backends: BTreeMap<u32, Backend>,
     pub source_ranges: BTreeSet<SourceRange>,
+    /// (service id, entry) -> slot.
+    pub maglev: BTreeMap<(u32, u32), u32>,
     pub services_capacity: Option<usize>,
     /// Size of the modelled `BACKENDS` array.
     pub backend_slots: u32,
@@ -72,6 +78,7 @@ impl Default for InMemoryMaps {
             services: BTreeMap::new(),
             backends: BTreeMap::new(),
             source_ranges: BTreeSet::new(),
+            maglev: BTreeMap::new(),
             services_capacity: None,
             backend_slots: 65536,
             operations: 0,
@@ -142,6 +149,18 @@ impl ServiceMaps for InMemoryMaps {
         Ok(())
     }
 
+    fn set_maglev(&mut self, key: MaglevKey, slot: u32) -> Result<(), MapError> {
+        self.operations += 1;
+        self.maglev.insert((key.service_id, key.index), slot);
+        Ok(())
+    }
+
+    fn remove_maglev(&mut self, key: MaglevKey) -> Result<(), MapError> {
+        self.operations += 1;
+        self.maglev.remove(&(key.service_id, key.index));
+        Ok(())
+    }
+
     fn backend_slots(&self) -> u32 {
         self.backend_slots
     }
@@ -171,6 +190,8 @@ pub struct KernelMaps {
     pub services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
     pub backends: Array<MapData, Backend>,
     pub source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    pub maglev: BpfHashMap<MapData, MaglevKey, u32>,
+    pub maglev_capacity: u32,
     pub services_capacity: u32,
 }
 
@@ -234,6 +255,18 @@ impl ServiceMaps for KernelMaps {
         self.source_ranges
             .remove(&lpm_key(range))
             .or_else(|e| ignore_missing("SOURCE_RANGES", self.services_capacity, e))
+    }
+
+    fn set_maglev(&mut self, key: MaglevKey, slot: u32) -> Result<(), MapError> {
+        self.maglev
+            .insert(key, slot, 0)
+            .map_err(|e| classify("MAGLEV", self.maglev_capacity, e))
+    }
+
+    fn remove_maglev(&mut self, key: MaglevKey) -> Result<(), MapError> {
+        self.maglev
+            .remove(&key)
+            .or_else(|e| ignore_missing("MAGLEV", self.maglev_capacity, e))
     }
 
     fn backend_slots(&self) -> u32 {

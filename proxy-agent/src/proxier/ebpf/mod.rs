@@ -1,12 +1,13 @@
 //! The eBPF proxier: writes the service model into the datapath's hash maps.
 
+pub mod maglev;
 pub mod maps;
 pub mod sync;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::Result;
-use tracing::{debug, error};
+use tracing::{debug, error, warn};
 
 use proxy_common::{
     SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
@@ -31,6 +32,8 @@ pub struct EbpfProxier<M: ServiceMaps> {
     prune_on_next_sync: bool,
     /// Which service port each programmed frontend belongs to (for per-service metrics).
     names: HashMap<Frontend, ServicePortName>,
+    /// Service ports already warned about asking for a scheduler not built yet.
+    unsupported_schedulers: HashSet<ServicePortName>,
 }
 
 impl<M: ServiceMaps> EbpfProxier<M> {
@@ -40,7 +43,13 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             failed: BTreeMap::new(),
             prune_on_next_sync: false,
             names: HashMap::new(),
+            unsupported_schedulers: HashSet::new(),
         }
+    }
+
+    /// Entries of each Maglev table (`mh` frontends); see [`MapSync::set_maglev_size`].
+    pub fn set_maglev_size(&mut self, size: u32) {
+        self.sync.set_maglev_size(size);
     }
 
     /// Every programmed backend: its service port, address and id (slot in `BACKEND_STATS`).
@@ -93,6 +102,16 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             if f.masquerade_all {
                 flags |= SERVICE_FLAG_MASQUERADE_ALL;
             }
+            let scheduler = match state.scheduler.datapath_id() {
+                Some(id) => id,
+                None => {
+                    if self.unsupported_schedulers.insert(state.name.clone()) {
+                        warn!(service = %state.name, scheduler = state.scheduler.name(), "this scheduler is not in the eBPF datapath yet; new flows are spread at random");
+                    }
+                    proxy_common::scheduler::RANDOM
+                }
+            };
+            flags |= scheduler << proxy_common::SERVICE_SCHEDULER_SHIFT;
             let header = HeaderSettings {
                 flags,
                 affinity_timeout: state.affinity_timeout.unwrap_or(0),
@@ -111,6 +130,7 @@ impl<M: ServiceMaps> EbpfProxier<M> {
                 header,
                 remote: &state.remote,
                 source_ranges: &ranges,
+                weights: &state.weights,
             };
             ops += self
                 .sync

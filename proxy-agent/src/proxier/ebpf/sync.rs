@@ -10,13 +10,14 @@
 //! live backend, and a service with backends before and after never shows zero.
 
 use std::{
-    collections::{BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     net::{Ipv4Addr, SocketAddrV4},
 };
 
 use proxy_common::{
-    Backend, ServiceKey, ServiceValue, BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK,
-    MAX_BACKENDS, SERVICE_FLAG_SOURCE_RANGES,
+    Backend, MaglevKey, ServiceKey, ServiceValue, BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS,
+    BACKEND_INDEX_MASK, MAX_BACKENDS, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
+    SERVICE_SCHEDULER_SHIFT,
 };
 
 use super::maps::{MapError, ServiceMaps};
@@ -33,6 +34,10 @@ struct Written {
     slots: Vec<(u32, SocketAddrV4)>,
     /// Backends in `BACKENDS` that no slot names: their established flows go on.
     draining: Vec<(u32, SocketAddrV4)>,
+    /// Cumulative weight written in each slot (weighted schedulers).
+    cumulative: Vec<u32>,
+    /// The Maglev table written (entry -> slot), empty unless the scheduler is `mh`.
+    maglev: Vec<u32>,
 }
 
 /// Everything one frontend should lead to.
@@ -47,17 +52,21 @@ pub struct FrontendSpec<'a> {
     pub remote: &'a BTreeSet<SocketAddrV4>,
     /// `loadBalancerSourceRanges` (IPv4 address, prefix).
     pub source_ranges: &'a [(Ipv4Addr, u8)],
+    /// Backend weights (absent: 1).
+    pub weights: &'a BTreeMap<Ipv4Addr, u16>,
 }
 
 impl<'a> FrontendSpec<'a> {
     pub fn new(backends: &'a [SocketAddrV4]) -> Self {
         static NONE: BTreeSet<SocketAddrV4> = BTreeSet::new();
+        static NO_WEIGHTS: BTreeMap<Ipv4Addr, u16> = BTreeMap::new();
         Self {
             backends,
             draining: &[],
             header: HeaderSettings::default(),
             remote: &NONE,
             source_ranges: &[],
+            weights: &NO_WEIGHTS,
         }
     }
 }
@@ -92,6 +101,27 @@ pub fn backend_value(id: u32, addr: &SocketAddrV4, remote: bool, service_id: u32
         flags,
         service_id,
     )
+}
+
+/// Backends with their ids, as written in slots or as draining.
+type IdList = [(u32, SocketAddrV4)];
+/// Source ranges of a frontend: (address, network byte order; prefix).
+type RangeSet = BTreeSet<(u32, u8)>;
+/// (old, new).
+type Change<'a, T> = (&'a T, &'a T);
+
+/// One frontend's old and new state, for [`MapSync::write`].
+struct Transition<'a> {
+    service_id: u32,
+    header: HeaderSettings,
+    /// The header must be written even if its count stays.
+    header_changed: bool,
+    slots: Change<'a, IdList>,
+    draining: Change<'a, IdList>,
+    remote: &'a BTreeSet<SocketAddrV4>,
+    ranges: Change<'a, RangeSet>,
+    cumulative: Change<'a, [u32]>,
+    maglev: Change<'a, [u32]>,
 }
 
 /// What a frontend's header carries besides its count.
@@ -196,6 +226,7 @@ pub struct MapSync<M: ServiceMaps> {
     written: HashMap<Frontend, Written>,
     backend_ids: SlotIds,
     service_ids: SlotIds,
+    maglev_size: u32,
 }
 
 impl<M: ServiceMaps> MapSync<M> {
@@ -205,7 +236,13 @@ impl<M: ServiceMaps> MapSync<M> {
             service_ids: SlotIds::new("SERVICE_STATS", maps.service_slots(), false),
             maps,
             written: HashMap::new(),
+            maglev_size: 0,
         }
+    }
+
+    /// Entries of each Maglev table (a prime; 0: `mh` frontends fall back to random).
+    pub fn set_maglev_size(&mut self, size: u32) {
+        self.maglev_size = size;
     }
 
     pub fn maps(&self) -> &M {
@@ -258,7 +295,7 @@ impl<M: ServiceMaps> MapSync<M> {
         let backends: HashMap<u32, Backend> =
             contents.backends.iter().map(|b| (b.id, *b)).collect();
         let mut headers: HashMap<Frontend, ServiceValue> = HashMap::new();
-        let mut slots: HashMap<Frontend, HashMap<u16, u32>> = HashMap::new();
+        let mut slots: HashMap<Frontend, HashMap<u16, ServiceValue>> = HashMap::new();
         let mut stray = Vec::new();
         for (key, value) in contents.services {
             match frontend_of(&key) {
@@ -266,10 +303,7 @@ impl<M: ServiceMaps> MapSync<M> {
                     headers.insert(f, value);
                 }
                 Some(f) => {
-                    slots
-                        .entry(f)
-                        .or_default()
-                        .insert(key.slot, value.backend_id);
+                    slots.entry(f).or_default().insert(key.slot, value);
                 }
                 None => stray.push(key),
             }
@@ -281,11 +315,13 @@ impl<M: ServiceMaps> MapSync<M> {
         let mut referenced = HashSet::new();
         for (frontend, header) in headers {
             let mut found = slots.remove(&frontend).unwrap_or_default();
+            let mut cumulative = Vec::new();
             let list: Option<Vec<(u32, SocketAddrV4)>> = (1..=header.count)
                 .map(|slot| {
-                    let id = found.remove(&slot)?;
-                    let b = backends.get(&id)?;
-                    Some((id, backend_addr(b)))
+                    let value = found.remove(&slot)?;
+                    cumulative.push((value.flags as u32) << 16 | value.count as u32);
+                    let b = backends.get(&value.backend_id)?;
+                    Some((value.backend_id, backend_addr(b)))
                 })
                 .collect();
             // Slots beyond the count are leftovers of an interrupted shrink.
@@ -314,6 +350,9 @@ impl<M: ServiceMaps> MapSync<M> {
                                 affinity_timeout: header.backend_id,
                             },
                             source_ranges: ranges.remove(&header.service_id).unwrap_or_default(),
+                            cumulative,
+                            // Rewritten whole by the first sync (tables are not read back).
+                            maglev: Vec::new(),
                             slots: list,
                             draining,
                         },
@@ -459,14 +498,41 @@ impl<M: ServiceMaps> MapSync<M> {
             }
         };
         let header_changed = old.as_ref().is_none_or(|w| w.header != header);
-        match self.write(
-            frontend,
-            (service_id, header, header_changed),
-            (&old_slots, &new_slots),
-            (&old_draining, &new_draining),
-            spec.remote,
-            (&old_ranges, &ranges),
-        ) {
+        let old_cumulative = old
+            .as_ref()
+            .map(|w| w.cumulative.clone())
+            .unwrap_or_default();
+        let old_maglev = old.as_ref().map(|w| w.maglev.clone()).unwrap_or_default();
+        let mut total = 0u32;
+        let cumulative: Vec<u32> = new_slots
+            .iter()
+            .map(|(_, a)| {
+                total += spec.weights.get(a.ip()).copied().unwrap_or(1) as u32;
+                total
+            })
+            .collect();
+        let scheduler = (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK;
+        let maglev: Vec<u32> = if scheduler == proxy_common::scheduler::MH && self.maglev_size > 0 {
+            let addrs: Vec<SocketAddrV4> = new_slots.iter().map(|s| s.1).collect();
+            super::maglev::table(&addrs, self.maglev_size)
+                .into_iter()
+                .map(|i| i + 1)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let transition = Transition {
+            service_id,
+            header,
+            header_changed,
+            slots: (&old_slots, &new_slots),
+            draining: (&old_draining, &new_draining),
+            remote: spec.remote,
+            ranges: (&old_ranges, &ranges),
+            cumulative: (&old_cumulative, &cumulative),
+            maglev: (&old_maglev, &maglev),
+        };
+        match self.write(frontend, &transition) {
             Ok(ops) => {
                 self.written.insert(
                     *frontend,
@@ -476,6 +542,8 @@ impl<M: ServiceMaps> MapSync<M> {
                         source_ranges: ranges,
                         slots: new_slots,
                         draining: new_draining,
+                        cumulative,
+                        maglev,
                     },
                 );
                 Ok(ops)
@@ -492,6 +560,9 @@ impl<M: ServiceMaps> MapSync<M> {
                 let _ = self.purge(frontend, slot_count, ids);
                 for (addr, prefix) in old_ranges.union(&ranges) {
                     let _ = self.maps.remove_source_range((service_id, *addr, *prefix));
+                }
+                for index in 0..old_maglev.len().max(maglev.len()) as u32 {
+                    let _ = self.maps.remove_maglev(MaglevKey { service_id, index });
                 }
                 self.service_ids.release(service_id);
                 Err(e)
@@ -554,18 +625,20 @@ impl<M: ServiceMaps> MapSync<M> {
         Ok(slots.into_iter().flatten().collect())
     }
 
-    /// `header`: (service id, settings, whether the header must be written even if its count
-    /// stays).
-    #[allow(clippy::type_complexity)]
-    fn write(
-        &mut self,
-        frontend: &Frontend,
-        (service_id, settings, header_changed): (u32, HeaderSettings, bool),
-        (old, new): (&[(u32, SocketAddrV4)], &[(u32, SocketAddrV4)]),
-        (old_draining, new_draining): (&[(u32, SocketAddrV4)], &[(u32, SocketAddrV4)]),
-        remote: &BTreeSet<SocketAddrV4>,
-        (old_ranges, new_ranges): (&BTreeSet<(u32, u8)>, &BTreeSet<(u32, u8)>),
-    ) -> Result<usize, MapError> {
+    /// Writes `t` in the order that keeps every packet's view consistent (see the module
+    /// documentation).
+    fn write(&mut self, frontend: &Frontend, t: &Transition) -> Result<usize, MapError> {
+        let Transition {
+            service_id,
+            header: settings,
+            header_changed,
+            slots: (old, new),
+            draining: (old_draining, new_draining),
+            remote,
+            ranges: (old_ranges, new_ranges),
+            cumulative: (old_cumulative, cumulative),
+            maglev: (old_maglev, maglev),
+        } = *t;
         let mut ops = 0;
         let old_ids: HashSet<u32> = old.iter().chain(old_draining).map(|s| s.0).collect();
         let new_ids: HashSet<u32> = new.iter().chain(new_draining).map(|s| s.0).collect();
@@ -579,14 +652,14 @@ impl<M: ServiceMaps> MapSync<M> {
             self.maps.set_backend(*id, value)?;
             ops += 1;
         }
-        // 2. slots that changed
+        // 2. slots that changed (backend or cumulative weight)
         for (i, s) in new.iter().enumerate() {
-            if old.get(i) != Some(s) {
+            if old.get(i) != Some(s) || old_cumulative.get(i) != Some(&cumulative[i]) {
                 let value = ServiceValue {
                     backend_id: s.0,
                     service_id,
-                    count: 0,
-                    flags: 0,
+                    count: cumulative[i] as u16,
+                    flags: (cumulative[i] >> 16) as u16,
                 };
                 self.maps
                     .set_service(service_key(frontend, i as u16 + 1), value)?;
@@ -597,6 +670,17 @@ impl<M: ServiceMaps> MapSync<M> {
         for (addr, prefix) in new_ranges.difference(old_ranges) {
             self.maps.add_source_range((service_id, *addr, *prefix))?;
             ops += 1;
+        }
+        // 2c. the Maglev table's entries that changed, before the header may ask for it
+        for (index, slot) in maglev.iter().enumerate() {
+            if old_maglev.get(index) != Some(slot) {
+                let key = MaglevKey {
+                    service_id,
+                    index: index as u32,
+                };
+                self.maps.set_maglev(key, *slot)?;
+                ops += 1;
+            }
         }
         // 3. the header, when new or when its count or flags change
         if header_changed || old.len() != new.len() {
@@ -629,6 +713,14 @@ impl<M: ServiceMaps> MapSync<M> {
                 .remove_source_range((service_id, *addr, *prefix))?;
             ops += 1;
         }
+        for index in maglev.len()..old_maglev.len() {
+            let key = MaglevKey {
+                service_id,
+                index: index as u32,
+            };
+            self.maps.remove_maglev(key)?;
+            ops += 1;
+        }
         Ok(ops)
     }
 
@@ -647,6 +739,13 @@ impl<M: ServiceMaps> MapSync<M> {
         for (addr, prefix) in &old.source_ranges {
             self.maps
                 .remove_source_range((old.service_id, *addr, *prefix))?;
+            ops += 1;
+        }
+        for index in 0..old.maglev.len() as u32 {
+            self.maps.remove_maglev(MaglevKey {
+                service_id: old.service_id,
+                index,
+            })?;
             ops += 1;
         }
         Ok(ops)

@@ -28,6 +28,8 @@ fn state(name: &str, vip: [u8; 4], backends: &[&str]) -> Arc<ServicePortState> {
         remote: Default::default(),
         affinity_timeout: None,
         health_check: None,
+        scheduler: Default::default(),
+        weights: Default::default(),
     })
 }
 

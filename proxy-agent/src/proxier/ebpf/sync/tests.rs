@@ -126,6 +126,16 @@ impl ServiceMaps for CheckedMaps {
         self.check();
         Ok(())
     }
+    fn set_maglev(&mut self, key: proxy_common::MaglevKey, slot: u32) -> Result<(), MapError> {
+        self.inner.set_maglev(key, slot)?;
+        self.check();
+        Ok(())
+    }
+    fn remove_maglev(&mut self, key: proxy_common::MaglevKey) -> Result<(), MapError> {
+        self.inner.remove_maglev(key)?;
+        self.check();
+        Ok(())
+    }
     fn backend_slots(&self) -> u32 {
         self.inner.backend_slots()
     }
