@@ -187,6 +187,8 @@ impl Datapath {
             .map_max_entries(map_names::SOCK_REVNAT, sizes.conntrack)
             // Round-robin turns, indexed by service id like SERVICE_STATS.
             .map_max_entries(map_names::RR_STATE, sizes.services)
+            .map_max_entries(map_names::BACKEND_CONNS, sizes.backends)
+            .map_max_entries(map_names::BACKEND_RELEASED, sizes.backends)
             .map_max_entries(map_names::MAGLEV, sizes.maglev);
         if let Some(root) = pins {
             for name in [
@@ -203,6 +205,8 @@ impl Datapath {
                 map_names::SOCK_REVNAT,
                 map_names::RR_STATE,
                 map_names::MAGLEV,
+                map_names::BACKEND_CONNS,
+                map_names::BACKEND_RELEASED,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -296,8 +300,24 @@ impl Datapath {
             source_ranges: aya::maps::LpmTrie::try_from(source_ranges)?,
             maglev: BpfHashMap::try_from(maglev)?,
             maglev_capacity: self.sizes.maglev,
+            // Second handles: the garbage collector keeps using these maps through `ebpf`.
+            backend_conns: Array::try_from(self.second_handle(map_names::BACKEND_CONNS)?)?,
+            backend_released: Array::try_from(self.second_handle(map_names::BACKEND_RELEASED)?)?,
             services_capacity: self.sizes.services,
         })
+    }
+
+    /// Another handle on one of the object's maps (the object keeps its own).
+    fn second_handle(&self, name: &str) -> Result<aya::maps::Map> {
+        let map = self
+            .ebpf
+            .map(name)
+            .with_context(|| format!("eBPF object has no {name} map"))?;
+        let id = match map {
+            aya::maps::Map::Array(data) => data.info()?.id(),
+            _ => bail!("map {name} is not an array"),
+        };
+        Ok(aya::maps::Map::Array(MapData::from_id(id)?))
     }
 
     /// Datapath counters summed over CPUs, in [`Stat::ALL`] order.
@@ -367,7 +387,7 @@ impl Datapath {
         let now = monotonic_ns();
         let mut conntrack = self.conntrack()?;
         let mut seen = 0;
-        let expired: Vec<ConntrackKey> = conntrack
+        let expired: Vec<(ConntrackKey, ConntrackValue)> = conntrack
             .iter()
             .filter_map(|entry| entry.ok())
             .inspect(|_| seen += 1)
@@ -375,13 +395,30 @@ impl Datapath {
                 now.saturating_sub(value.last_seen_ns)
                     > config.timeout_ns(key.proto, value.flags) + CT_REFRESH_NS
             })
-            .map(|(key, _)| key)
             .collect();
         let mut deleted = 0;
-        for key in &expired {
+        // Flows still counted as active by the least-connection schedulers, per backend slot.
+        let mut released: std::collections::HashMap<u32, u64> = Default::default();
+        for (key, value) in &expired {
             // Gone already if the datapath replaced the flow meanwhile.
             if conntrack.remove(key).is_ok() {
                 deleted += 1;
+                if value.flags & proxy_common::CT_FLAG_COUNTED != 0 {
+                    *released
+                        .entry(value.backend_id & proxy_common::BACKEND_INDEX_MASK)
+                        .or_default() += 1;
+                }
+            }
+        }
+        if !released.is_empty() {
+            let map = self
+                .ebpf
+                .map_mut(map_names::BACKEND_RELEASED)
+                .context("eBPF object has no BACKEND_RELEASED map")?;
+            let mut array: Array<&mut MapData, u64> = Array::try_from(map)?;
+            for (slot, n) in released {
+                let before = array.get(&slot, 0)?;
+                array.set(slot, before.wrapping_add(n), 0)?;
             }
         }
         let collected = self.add_collected(deleted as u64)?;

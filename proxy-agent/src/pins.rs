@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 13] {
+fn expected() -> [Expected; 15] {
     use std::mem::size_of;
     [
         Expected {
@@ -233,6 +233,22 @@ fn expected() -> [Expected; 13] {
             key_size: 4,
             value_size: 8,
             // Sized like SERVICES.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::BACKEND_CONNS,
+            map_type: MapType::Array,
+            key_size: 4,
+            value_size: 8,
+            // Sized like BACKENDS.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::BACKEND_RELEASED,
+            map_type: MapType::Array,
+            key_size: 4,
+            value_size: 8,
+            // Sized like BACKENDS.
             configurable: false,
         },
         Expected {

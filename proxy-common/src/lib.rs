@@ -32,6 +32,8 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const SOCK_REVNAT: &str = "SOCK_REVNAT";
     pub const RR_STATE: &str = "RR_STATE";
+    pub const BACKEND_CONNS: &str = "BACKEND_CONNS";
+    pub const BACKEND_RELEASED: &str = "BACKEND_RELEASED";
     pub const MAGLEV: &str = "MAGLEV";
 }
 
@@ -121,6 +123,19 @@ pub mod scheduler {
     pub const DH: u16 = 4;
     /// Maglev hashing: per-client stability with minimal disruption when backends change.
     pub const MH: u16 = 5;
+    /// Least connections: the backend with the fewest active connections.
+    pub const LC: u16 = 6;
+    /// Weighted least connections: fewest active connections per unit of weight.
+    pub const WLC: u16 = 7;
+    /// Shortest expected delay: fewest (active + 1) per unit of weight.
+    pub const SED: u16 = 8;
+    /// Never queue: an idle backend if there is one, else as SED.
+    pub const NQ: u16 = 9;
+
+    /// Whether the scheduler needs the datapath to count active connections per backend.
+    pub const fn counts_connections(id: u16) -> bool {
+        matches!(id, LC | WLC | SED | NQ)
+    }
 }
 
 /// Header flag: `loadBalancerSourceRanges` apply; new flows from sources outside the
@@ -259,6 +274,9 @@ pub const CT_FLAG_SNAT_REPLY: u8 = 1 << 5;
 /// rewritten to [`HAIRPIN_SOURCE`] (a pod drops packets from its own address as martians),
 /// and its reply entry is keyed by that address.
 pub const CT_FLAG_HAIRPIN: u8 = 1 << 6;
+/// The flow counts toward its backend's active connections (least-connection schedulers)
+/// until it closes, expires or is re-balanced.
+pub const CT_FLAG_COUNTED: u8 = 1 << 7;
 
 /// The link-local address hairpin flows come from, as the pod sees them. Never on any
 /// interface; pods reach it through their default route, i.e. through the node.
@@ -372,6 +390,16 @@ pub const fn mix32(mut x: u32) -> u32 {
     x = x.wrapping_mul(0xc2b2_ae35);
     x ^= x >> 16;
     x
+}
+
+/// The best backend so far in a least-connection scan (datapath stack only).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LcScratch {
+    pub cost: u64,
+    pub weight: u64,
+    pub slot: u32,
+    pub _pad0: u32,
 }
 
 /// Key of the `MAGLEV` hash map: one entry of one frontend's Maglev lookup table.
@@ -580,6 +608,7 @@ mod pod {
     unsafe impl aya::Pod for super::SockRevNatKey {}
     unsafe impl aya::Pod for super::SockRevNatValue {}
     unsafe impl aya::Pod for super::MaglevKey {}
+    unsafe impl aya::Pod for super::LcScratch {}
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use aya_ebpf::{
         BPF_F_PSEUDO_HDR, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
     helpers::{
-        bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_redirect,
+        bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_loop, bpf_redirect,
         bpf_skb_change_tail,
     },
     macros::{cgroup_sock_addr, classifier, map},
@@ -36,13 +36,13 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    scheduler, FragmentKey, FragmentValue, MaglevKey, SockRevNatKey, SockRevNatValue,
+    scheduler, FragmentKey, LcScratch, FragmentValue, MaglevKey, SockRevNatKey, SockRevNatValue,
     SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
     AffinityKey, AffinityValue, SourceRangeKey, SERVICE_FLAG_SOURCE_RANGES,
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
     Stat,
     BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY,
-    CT_FLAG_HAIRPIN, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, HAIRPIN_SOURCE, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
+    CT_FLAG_COUNTED, CT_FLAG_HAIRPIN, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, HAIRPIN_SOURCE, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
     SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
     SERVICE_FLAG_MASQUERADE_ALL,
 };
@@ -70,8 +70,16 @@ static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::with_max_e
 static FRAGMENTS: LruHashMap<FragmentKey, FragmentValue> = LruHashMap::with_max_entries(16384, 0);
 #[map]
 static RR_STATE: Array<u64> = Array::with_max_entries(65536, 0);
+/// Active connections per backend slot, counted by the datapath (+1 on a new flow of a
+/// least-connection frontend, -1 when it closes, expires or moves).
 #[map]
+static BACKEND_CONNS: Array<u64> = Array::with_max_entries(65536, 0);
+/// Flows the agent's garbage collector removed while still counted, per backend slot (the
+/// agent is its only writer; active = BACKEND_CONNS - BACKEND_RELEASED).
+#[map]
+static BACKEND_RELEASED: Array<u64> = Array::with_max_entries(65536, 0);
 // Allocated as used: only `mh` frontends have tables.
+#[map]
 static MAGLEV: HashMap<MaglevKey, u32> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 #[map]
 static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
@@ -119,6 +127,9 @@ const ICMP_DEST_UNREACH: u8 = 3;
 const SNAT_PORT_MIN: u16 = 32768;
 const SNAT_PORT_SPAN: u32 = 32768;
 const SNAT_PORT_TRIES: u32 = 8;
+/// Backends a least-connection scheduler compares per new flow (bpf_loop, so the cost is
+/// per backend scanned, not per verification).
+const LC_SCAN: u32 = 1024;
 const ICMP_PORT_UNREACH: u8 = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -501,6 +512,11 @@ fn touch(ct: &mut ConntrackValue, pkt: &Packet, now: u64, extra_flags: u8) {
     let mut flags = ct.flags | extra_flags;
     if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
         flags |= CT_FLAG_CLOSING;
+        // A closing connection is no longer active for the least-connection schedulers.
+        if flags & CT_FLAG_COUNTED != 0 {
+            count_connection(ct.backend_id, u64::MAX);
+            flags &= !CT_FLAG_COUNTED;
+        }
     }
     if flags != ct.flags {
         ct.flags = flags;
@@ -599,6 +615,9 @@ fn translate_tracked(
             pkt.key.sport,
             pkt.key.proto,
         );
+        if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
+            count_connection(ct.backend_id, u64::MAX);
+        }
         forget(&reply);
         forget(&pkt.key);
         return Ok(None);
@@ -712,11 +731,17 @@ fn new_flow(
     } else {
         0
     };
+    let counted = if scheduler::counts_connections(scheduler_of(header)) {
+        count_connection(backend_id, 1);
+        CT_FLAG_COUNTED
+    } else {
+        0
+    };
     let original = ConntrackValue {
         last_seen_ns: now,
         nat_addr: backend.addr,
         nat_port: backend.port,
-        flags: hairpin_flag,
+        flags: hairpin_flag | counted,
         _pad0: 0,
         backend_id,
         service_id,
@@ -789,7 +814,10 @@ fn new_flow(
 #[inline(always)]
 fn schedule(pkt: &Packet, header: &ServiceValue) -> u16 {
     let count = header.count as u32;
-    let slot = match (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK {
+    let slot = match scheduler_of(header) {
+        id @ (scheduler::LC | scheduler::WLC | scheduler::SED | scheduler::NQ) => {
+            return least_loaded(pkt, header, id)
+        }
         scheduler::RR => next_turn(header.service_id) % count,
         scheduler::WRR => return weighted_turn(pkt, header),
         scheduler::SH => mix(pkt.key.saddr) % count,
@@ -798,6 +826,144 @@ fn schedule(pkt: &Packet, header: &ServiceValue) -> u16 {
         _ => random_below(count),
     };
     slot as u16 + 1
+}
+
+#[inline(always)]
+fn scheduler_of(header: &ServiceValue) -> u16 {
+    (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK
+}
+
+/// Adds `delta` (two's complement: u64::MAX is -1) to a backend's active connections.
+#[inline(always)]
+fn count_connection(backend_id: u32, delta: u64) {
+    if let Some(p) = BACKEND_CONNS.get_ptr_mut(backend_id & BACKEND_INDEX_MASK) {
+        // SAFETY: a map value pointer, valid for this run; updated atomically.
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                p, delta,
+            );
+        }
+    }
+}
+
+/// A backend's active connections (never below 0).
+#[inline(always)]
+fn active_connections(backend_id: u32) -> u64 {
+    let slot = backend_id & BACKEND_INDEX_MASK;
+    let opened = BACKEND_CONNS
+        .get_ptr(slot)
+        .map_or(0, |p| unsafe { core::ptr::read_volatile(p) });
+    let released = BACKEND_RELEASED
+        .get_ptr(slot)
+        .map_or(0, |p| unsafe { core::ptr::read_volatile(p) });
+    let active = opened.wrapping_sub(released) as i64;
+    if active < 0 {
+        0
+    } else {
+        active as u64
+    }
+}
+
+/// Least-connection schedulers, as IPVS defines them, over up to [`LC_SCAN`] slots from a
+/// random start (a service with more backends is judged on that many):
+/// lc: fewest active; wlc: fewest active per weight; sed: fewest (active + 1) per weight;
+/// nq: an idle backend if any, else as sed. Weights come from the slots' cumulative weights.
+#[inline(always)]
+fn least_loaded(pkt: &Packet, header: &ServiceValue, id: u16) -> u16 {
+    let count = header.count as u32;
+    let mut scan = LcScan {
+        addr: pkt.key.daddr,
+        port: pkt.key.dport,
+        proto: pkt.key.proto,
+        _pad0: 0,
+        start: random_below(count),
+        count,
+        id: id as u32,
+        best: LcScratch::default(),
+        idle: 0,
+    };
+    // bpf_loop: the step is verified once, whatever the number of backends scanned.
+    let steps = if count < LC_SCAN { count } else { LC_SCAN };
+    unsafe {
+        bpf_loop(
+            steps,
+            lc_step as *mut core::ffi::c_void,
+            &mut scan as *mut LcScan as *mut core::ffi::c_void,
+            0,
+        );
+    }
+    let chosen = if scan.idle != 0 { scan.idle } else { scan.best.slot };
+    if chosen == 0 || chosen > count {
+        random_below(count) as u16 + 1
+    } else {
+        chosen as u16
+    }
+}
+
+/// The state of a least-connection scan, passed to each step.
+#[repr(C)]
+struct LcScan {
+    addr: u32,
+    port: u16,
+    proto: u8,
+    _pad0: u8,
+    start: u32,
+    count: u32,
+    id: u32,
+    best: LcScratch,
+    /// nq: an idle backend's slot, which ends the scan.
+    idle: u32,
+}
+
+/// One step of the least-connection scan (a bpf_loop callback): records slot
+/// `start + index` in the scan's best if it is better; ends the scan at an idle backend
+/// under nq.
+extern "C" fn lc_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: bpf_loop passes back the pointer least_loaded gave it, to its stack.
+    let scan = unsafe { &mut *(ctx as *mut LcScan) };
+    if scan.count == 0 {
+        return 1;
+    }
+    let slot = ((scan.start as u64 + index) % scan.count as u64 + 1) as u16;
+    let key = ServiceKey::new(scan.addr, scan.port, scan.proto, slot);
+    let Some(v) = (unsafe { SERVICES.get(key) }) else {
+        return 0;
+    };
+    // Slot 0 is the header, whose fields mean something else: the weight before slot 1 is 0.
+    let cumulative = |s: u16| -> u64 {
+        if s == 0 {
+            return 0;
+        }
+        match unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, s)) } {
+            Some(v) => ((v.flags as u64) << 16) | v.count as u64,
+            None => 0,
+        }
+    };
+    let weight = cumulative(slot).saturating_sub(cumulative(slot - 1));
+    if weight == 0 {
+        return 0;
+    }
+    let active = active_connections(v.backend_id);
+    let id = scan.id as u16;
+    if id == scheduler::NQ && active == 0 {
+        scan.idle = slot as u32;
+        return 1;
+    }
+    let (cost, w) = match id {
+        scheduler::LC => (active, 1),
+        scheduler::WLC => (active, weight),
+        _ => (active + 1, weight),
+    };
+    // cost / w < best cost / best weight, without division.
+    if scan.best.slot == 0 || cost * scan.best.weight < scan.best.cost * w {
+        scan.best = LcScratch {
+            cost,
+            weight: w,
+            slot: slot as u32,
+            _pad0: 0,
+        };
+    }
+    0
 }
 
 /// The frontend's next turn, counted in a map value all CPUs share. The increment is atomic;

@@ -997,6 +997,7 @@ fn schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
             )
             + &annotated(c, "sh", "10.96.0.52", "proxy-agent.io/scheduler: sh")
             + &annotated(c, "mh", "10.96.0.53", "proxy-agent.io/scheduler: mh")
+            + &annotated(c, "lc", "10.96.0.54", "proxy-agent.io/scheduler: lc")
     });
     // rr: backends in turn, so every three consecutive connections reach all three.
     let rr = tcp_from_pod(&c, CLIENT, addr("10.96.0.50", 80), 9);
@@ -1007,6 +1008,27 @@ fn schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
     let wrr = tcp_from_pod(&c, CLIENT, addr("10.96.0.51", 80), 8);
     let n = counts(&wrr);
     assert_eq!((n["web-1a"], n["web-2a"], n["web-2b"]), (4, 2, 2), "{n:?}");
+    // lc: held connections count; a new one goes to the backend with fewest, and a closed
+    // one frees its backend.
+    let lc_vip = addr("10.96.0.54", 80);
+    let mut held: Vec<proxy_tests::lab::Session> = (0..3)
+        .map(|_| proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap())
+        .collect();
+    let owner =
+        |s: &proxy_tests::lab::Session| s.backend.split_whitespace().next().unwrap().to_string();
+    let owners: BTreeSet<String> = held.iter().map(owner).collect();
+    assert_eq!(owners, set(&ALL), "three held connections, one per backend");
+    let closed = held.remove(1);
+    let freed = owner(&closed);
+    drop(closed);
+    std::thread::sleep(Duration::from_millis(200));
+    let next = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap();
+    assert_eq!(
+        owner(&next),
+        freed,
+        "the closed connection's backend is the least loaded"
+    );
+    drop(held);
     // sh and mh: one client, one backend, every time.
     for vip in ["10.96.0.52", "10.96.0.53"] {
         let hellos = tcp_from_pod(&c, CLIENT, addr(vip, 80), 12);

@@ -838,3 +838,140 @@ fn mh_is_stable_per_client_and_remaps_few_when_a_backend_goes() {
         clients.len()
     );
 }
+
+/// Active connections the datapath counts for each backend of VIP:81, by address.
+fn active(dp: &TestDatapath) -> std::collections::BTreeMap<SocketAddrV4, i64> {
+    let read = |name: &str, slot: u32| -> u64 {
+        let map = dp.datapath.ebpf.map(name).unwrap();
+        let a: aya::maps::Array<&aya::maps::MapData, u64> =
+            aya::maps::Array::try_from(map).unwrap();
+        a.get(&slot, 0).unwrap()
+    };
+    dp.sync
+        .backend_ids()
+        .filter(|(f, _, _)| f.port == 81)
+        .map(|(_, addr, id)| {
+            let slot = id & proxy_common::BACKEND_INDEX_MASK;
+            let n = read("BACKEND_CONNS", slot).wrapping_sub(read("BACKEND_RELEASED", slot));
+            (addr, n as i64)
+        })
+        .collect()
+}
+
+#[test]
+fn lc_sends_each_new_flow_to_the_backend_with_fewest_open_ones() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(3);
+    let dp = scheduled(scheduler::LC, &backends, &Default::default());
+    let mut first = Vec::new();
+    for port in 35000..35003 {
+        first.push(chosen(&dp, CLIENT, port));
+    }
+    let distinct: std::collections::BTreeSet<_> = first.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        3,
+        "each of the first three flows to an idle backend: {first:?}"
+    );
+    assert!(active(&dp).values().all(|n| *n == 1), "{:?}", active(&dp));
+    // The first flow closes (FIN): its backend is the least loaded again.
+    let fin = PacketSpec::tcp(CLIENT, 35000, VIP, 81, TCP_FIN | TCP_ACK);
+    dp.run(Hook::Ingress, &fin.build()).unwrap();
+    assert_eq!(
+        active(&dp)[&first[0]],
+        0,
+        "a closing flow is no longer active"
+    );
+    assert_eq!(chosen(&dp, CLIENT, 35003), first[0]);
+}
+
+#[test]
+fn wlc_sed_and_nq_weigh_open_flows() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(3);
+    let weights: std::collections::BTreeMap<Ipv4Addr, u16> = [
+        (*backends[0].ip(), 2),
+        (*backends[1].ip(), 1),
+        (*backends[2].ip(), 1),
+    ]
+    .into();
+    for sched in [scheduler::WLC, scheduler::SED] {
+        let dp = scheduled(sched, &backends, &weights);
+        for port in 36000..36008 {
+            chosen(&dp, CLIENT, port);
+        }
+        let n = active(&dp);
+        assert_eq!(
+            (n[&backends[0]], n[&backends[1]], n[&backends[2]]),
+            (4, 2, 2),
+            "scheduler {sched}: open flows follow the weights"
+        );
+    }
+    // nq: an idle backend first, whatever the weights.
+    let dp = scheduled(scheduler::NQ, &backends, &weights);
+    let picks: std::collections::BTreeSet<_> =
+        (36100..36103).map(|p| chosen(&dp, CLIENT, p)).collect();
+    assert_eq!(picks.len(), 3, "nq never queues while a backend is idle");
+}
+
+#[test]
+fn expired_flows_stop_counting_once_collected() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(2);
+    let mut dp = scheduled(scheduler::LC, &backends, &Default::default());
+    dp.datapath
+        .configure(&proxy_common::DatapathConfig {
+            udp_timeout_ns: 1_000_000_000,
+            maglev_table_size: 16381,
+            ..proxy_common::DatapathConfig::DEFAULT
+        })
+        .unwrap();
+    // A UDP frontend on the same address and port.
+    let f = Frontend {
+        addr: VIP,
+        port: 81,
+        protocol: Protocol::Udp,
+    };
+    let spec = proxy_agent::proxier::ebpf::sync::FrontendSpec {
+        header: HeaderSettings {
+            flags: scheduler::LC << proxy_common::SERVICE_SCHEDULER_SHIFT,
+            affinity_timeout: 0,
+        },
+        ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(&backends)
+    };
+    dp.sync.set_with(&f, &spec).unwrap();
+    let udp_active = |dp: &TestDatapath| -> i64 {
+        let map = dp.datapath.ebpf.map("BACKEND_CONNS").unwrap();
+        let conns: aya::maps::Array<&aya::maps::MapData, u64> =
+            aya::maps::Array::try_from(map).unwrap();
+        let map = dp.datapath.ebpf.map("BACKEND_RELEASED").unwrap();
+        let released: aya::maps::Array<&aya::maps::MapData, u64> =
+            aya::maps::Array::try_from(map).unwrap();
+        dp.sync
+            .backend_ids()
+            .filter(|(f, _, _)| f.protocol == Protocol::Udp)
+            .map(|(_, _, id)| {
+                let slot = id & proxy_common::BACKEND_INDEX_MASK;
+                conns
+                    .get(&slot, 0)
+                    .unwrap()
+                    .wrapping_sub(released.get(&slot, 0).unwrap()) as i64
+            })
+            .sum()
+    };
+    for port in 37000..37004 {
+        dp.run(
+            Hook::Ingress,
+            &PacketSpec::udp(CLIENT, port, VIP, 81, b"x").build(),
+        )
+        .unwrap();
+    }
+    assert_eq!(udp_active(&dp), 4);
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+    assert!(sweep.deleted >= 8, "{sweep:?}");
+    assert_eq!(udp_active(&dp), 0, "expired flows are no longer active");
+}

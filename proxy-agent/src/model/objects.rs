@@ -240,7 +240,11 @@ impl Scheduler {
             Scheduler::Sh => Some(id::SH),
             Scheduler::Dh => Some(id::DH),
             Scheduler::Mh => Some(id::MH),
-            _ => None,
+            Scheduler::Lc => Some(id::LC),
+            Scheduler::Wlc => Some(id::WLC),
+            Scheduler::Sed => Some(id::SED),
+            Scheduler::Nq => Some(id::NQ),
+            Scheduler::Lblc | Scheduler::Lblcr => None,
         }
     }
 }

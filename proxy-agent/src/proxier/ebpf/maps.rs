@@ -192,6 +192,9 @@ pub struct KernelMaps {
     pub source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     pub maglev: BpfHashMap<MapData, MaglevKey, u32>,
     pub maglev_capacity: u32,
+    /// Active-connection counters per backend slot, zeroed when a slot takes a new backend.
+    pub backend_conns: Array<MapData, u64>,
+    pub backend_released: Array<MapData, u64>,
     pub services_capacity: u32,
 }
 
@@ -233,8 +236,15 @@ impl ServiceMaps for KernelMaps {
 
     fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError> {
         let capacity = self.backends.len();
+        let slot = id & BACKEND_INDEX_MASK;
+        // A new backend in the slot starts with no active connections.
+        for counters in [&mut self.backend_conns, &mut self.backend_released] {
+            counters
+                .set(slot, 0, 0)
+                .map_err(|e| classify("BACKEND_CONNS", capacity, e))?;
+        }
         self.backends
-            .set(id & BACKEND_INDEX_MASK, backend, 0)
+            .set(slot, backend, 0)
             .map_err(|e| classify("BACKENDS", capacity, e))
     }
 
