@@ -126,8 +126,8 @@ pub struct Cli {
     #[arg(long, default_value = "random")]
     pub scheduler: crate::model::Scheduler,
 
-    /// Entries of each Maglev (mh) lookup table: a prime; memory is 16 bytes per entry per
-    /// mh service port.
+    /// Entries of each Maglev (mh) lookup table: a prime. Each entry of each mh service port
+    /// costs about 100 bytes of kernel memory (hash-map entries; see the README).
     #[arg(long, default_value_t = 16381)]
     pub maglev_table_size: u32,
 

@@ -131,10 +131,13 @@ pub mod scheduler {
     pub const SED: u16 = 8;
     /// Never queue: an idle backend if there is one, else as SED.
     pub const NQ: u16 = 9;
+    /// Locality-based least connections: a destination keeps its server until that server
+    /// is overloaded, then takes the weighted-least-connection one.
+    pub const LBLC: u16 = 10;
 
     /// Whether the scheduler needs the datapath to count active connections per backend.
     pub const fn counts_connections(id: u16) -> bool {
-        matches!(id, LC | WLC | SED | NQ)
+        matches!(id, LC | WLC | SED | NQ | LBLC)
     }
 }
 

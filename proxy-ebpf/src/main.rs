@@ -823,6 +823,7 @@ fn schedule(pkt: &Packet, header: &ServiceValue) -> u16 {
         scheduler::SH => mix(pkt.key.saddr) % count,
         scheduler::DH => mix(pkt.key.daddr) % count,
         scheduler::MH => return maglev(pkt, header),
+        scheduler::LBLC => return locality(pkt, header),
         _ => random_below(count),
     };
     slot as u16 + 1
@@ -966,6 +967,54 @@ extern "C" fn lc_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
     0
 }
 
+/// A slot's backend id and weight, if the slot exists.
+#[inline(always)]
+fn slot_backend(pkt: &Packet, slot: u16) -> Option<(u32, u64)> {
+    let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
+    let id = unsafe { SERVICES.get(key) }?.backend_id;
+    let weight = cumulative_weight(pkt, slot).saturating_sub(cumulative_weight(pkt, slot - 1));
+    Some((id, weight as u64))
+}
+
+/// lblc, IPVS's locality-based least connection: the destination keeps its server unless
+/// that server is overloaded (more active connections than its weight) while another is
+/// under half of its own; then the weighted-least-connection server becomes the
+/// destination's. A frontend has a single destination address, so the assignment (slot and
+/// backend id, in the frontend's `RR_STATE` entry) is per frontend.
+#[inline(always)]
+fn locality(pkt: &Packet, header: &ServiceValue) -> u16 {
+    let count = header.count;
+    let Some(state) = RR_STATE.get_ptr_mut(header.service_id) else {
+        return random_below(count as u32) as u16 + 1;
+    };
+    // SAFETY: a map value pointer, valid for this run.
+    let assigned = unsafe { core::ptr::read_volatile(state) };
+    let (slot, id) = ((assigned >> 32) as u16, assigned as u32);
+    let current = if slot >= 1 && slot <= count {
+        slot_backend(pkt, slot).filter(|(found, _)| *found == id)
+    } else {
+        None
+    };
+    if let Some((id, weight)) = current {
+        if active_connections(id) <= weight {
+            return slot;
+        }
+    }
+    let candidate = least_loaded(pkt, header, scheduler::WLC);
+    if current.is_some() {
+        // Overloaded, but stays unless the candidate is under half its weight.
+        match slot_backend(pkt, candidate) {
+            Some((cid, cweight)) if active_connections(cid) * 2 < cweight => {}
+            _ => return slot,
+        }
+    }
+    if let Some((cid, _)) = slot_backend(pkt, candidate) {
+        let value = (candidate as u64) << 32 | cid as u64;
+        unsafe { core::ptr::write_volatile(state, value) };
+    }
+    candidate
+}
+
 /// The frontend's next turn, counted in a map value all CPUs share. The increment is atomic;
 /// the turn is read back after it (LLVM's BPF backend does not hand back the fetched value
 /// here), so two CPUs opening flows at the same instant may share a turn.
@@ -988,6 +1037,10 @@ fn next_turn(service_id: u32) -> u32 {
 /// A slot's cumulative weight (weights of slots 1..=slot), written by the agent.
 #[inline(always)]
 fn cumulative_weight(pkt: &Packet, slot: u16) -> u32 {
+    // Slot 0 is the header, whose fields mean something else.
+    if slot == 0 {
+        return 0;
+    }
     let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
     match unsafe { SERVICES.get(key) } {
         Some(v) => (v.flags as u32) << 16 | v.count as u32,

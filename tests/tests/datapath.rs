@@ -975,3 +975,21 @@ fn expired_flows_stop_counting_once_collected() {
     assert!(sweep.deleted >= 8, "{sweep:?}");
     assert_eq!(udp_active(&dp), 0, "expired flows are no longer active");
 }
+
+#[test]
+fn lblc_keeps_a_server_until_it_is_overloaded() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(3);
+    let weights: std::collections::BTreeMap<Ipv4Addr, u16> =
+        backends.iter().map(|b| (*b.ip(), 2)).collect();
+    let dp = scheduled(scheduler::LBLC, &backends, &weights);
+    let picks: Vec<SocketAddrV4> = (38000..38009).map(|p| chosen(&dp, CLIENT, p)).collect();
+    // Weight 2: a server keeps the destination while it has at most 2 active connections;
+    // a third overloads it while others are idle, so the destination moves on.
+    for run in picks.chunks(3) {
+        assert!(run.iter().all(|p| *p == run[0]), "{picks:?}");
+    }
+    let servers: std::collections::BTreeSet<_> = picks.iter().collect();
+    assert_eq!(servers.len(), 3, "{picks:?}");
+}

@@ -244,7 +244,8 @@ impl Scheduler {
             Scheduler::Wlc => Some(id::WLC),
             Scheduler::Sed => Some(id::SED),
             Scheduler::Nq => Some(id::NQ),
-            Scheduler::Lblc | Scheduler::Lblcr => None,
+            Scheduler::Lblc => Some(id::LBLC),
+            Scheduler::Lblcr => None,
         }
     }
 }

@@ -203,9 +203,68 @@ fn average(a: &Measurement, b: &Measurement) -> Measurement {
     }
 }
 
+/// `--maglev-memory N`: N Maglev (mh) frontends with Cilium's table size, and the kernel's
+/// own account of the MAGLEV map's memory (bpftool's `memlock`, which kernels >= 6.4 compute
+/// from what the map holds).
+fn maglev_memory(frontends: u32) -> Result<()> {
+    let table = 16381;
+    let sizes = DatapathSizes {
+        maglev: frontends * table + 1024,
+        ..DatapathSizes::default()
+    };
+    let mut dp = TestDatapath::load(sizes)?;
+    dp.sync.set_maglev_size(table);
+    let backends: Vec<SocketAddrV4> = (1..=10)
+        .map(|b| SocketAddrV4::new(Ipv4Addr::new(10, 128, 0, b), 8080))
+        .collect();
+    for s in 0..frontends {
+        let frontend = Frontend {
+            addr: vip(s),
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        let spec = FrontendSpec {
+            header: HeaderSettings {
+                flags: proxy_common::scheduler::MH << proxy_common::SERVICE_SCHEDULER_SHIFT,
+                affinity_timeout: 0,
+            },
+            ..FrontendSpec::new(&backends)
+        };
+        dp.sync.set_with(&frontend, &spec)?;
+    }
+    // The newest map of that name is ours (the agent's maps were taken by the sync).
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "show", "name", proxy_common::map_names::MAGLEV])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let text = text
+        .split("\n")
+        .filter(|l| l.contains("memlock") || l.contains("name MAGLEV"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let text = text.rsplit("name MAGLEV").next().unwrap_or("").to_string();
+    let bytes: u64 = text
+        .split_whitespace()
+        .skip_while(|w| *w != "memlock")
+        .nth(1)
+        .and_then(|b| b.trim_end_matches('B').parse().ok())
+        .unwrap_or(0);
+    let per_frontend = bytes as f64 / frontends as f64;
+    println!(
+        "MAGLEV map: {frontends} mh frontends x {table} entries: {bytes} bytes (bpftool memlock) = {:.0} KiB per frontend; at 100 000 mh service ports: {:.1} GiB",
+        per_frontend / 1024.0,
+        per_frontend * 100_000.0 / (1u64 << 30) as f64
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     if let Some(reason) = kernel_tests_unavailable() {
         bail!("cannot benchmark: {reason}");
+    }
+    if let Some(pos) = std::env::args().position(|a| a == "--maglev-memory") {
+        let n = std::env::args().nth(pos + 1).unwrap_or_default().parse()?;
+        return maglev_memory(n);
     }
     let args = parse_args()?;
     println!(
