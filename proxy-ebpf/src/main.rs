@@ -625,15 +625,7 @@ fn translate_tracked(
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     if ct.flags & CT_FLAG_HAIRPIN != 0 {
-        rewrite(
-            ctx,
-            pkt,
-            Side::Source,
-            pkt.key.saddr,
-            HAIRPIN,
-            pkt.key.sport,
-            pkt.key.sport,
-        )?;
+        hairpin_source(ctx, pkt)?;
     }
     touch(ct, pkt, now, 0);
     rewrite(
@@ -783,15 +775,7 @@ fn new_flow(
         backend.port,
     )?;
     if hairpin_flag != 0 {
-        rewrite(
-            ctx,
-            pkt,
-            Side::Source,
-            pkt.key.saddr,
-            HAIRPIN,
-            pkt.key.sport,
-            pkt.key.sport,
-        )?;
+        hairpin_source(ctx, pkt)?;
     }
     bump(Stat::NewFlow);
     account(ctx, service_id, backend_id, true);
@@ -1231,6 +1215,20 @@ fn unmasquerade(
 
 /// [`HAIRPIN_SOURCE`] as it sits in a packet (network byte order).
 const HAIRPIN: u32 = u32::from_ne_bytes(HAIRPIN_SOURCE);
+
+/// A hairpin flow's source becomes [`HAIRPIN_SOURCE`] (its port stays).
+#[inline(always)]
+fn hairpin_source(ctx: &TcContext, pkt: &Packet) -> Result<(), Stat> {
+    rewrite(
+        ctx,
+        pkt,
+        Side::Source,
+        pkt.key.saddr,
+        HAIRPIN,
+        pkt.key.sport,
+        pkt.key.sport,
+    )
+}
 
 /// The client address a backend sees (and replies to): the hairpin address for a flow from
 /// the backend itself.

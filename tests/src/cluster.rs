@@ -266,35 +266,7 @@ impl Cluster {
         let ns = Netns::create(&format!("{}-{name}", self.id))?;
         let node_ns = &self.nodes[node as usize - 1].ns;
         let host_if = format!("lxc{}", self.pods.iter().filter(|p| p.node == node).count());
-        node_ns.ip(&[
-            "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
-        ])?;
-        node_ns.ip(&["link", "set", &host_if, "up"])?;
-        node_ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
-        node_ns.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp=1"))?;
-        // Answer proxied ARP at once, as Calico configures it (the default delays answers by
-        // up to 0.8 s, which a pod's first datagram would wait out).
-        node_ns.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay=0"))?;
-        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
-        ns.ip(&[
-            "route",
-            "add",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-            "scope",
-            "link",
-        ])?;
-        ns.ip(&[
-            "route",
-            "add",
-            "default",
-            "via",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-        ])?;
+        crate::lab::wire_pod(node_ns, &ns, &host_if, ip)?;
         self.pods.push(ClusterPod {
             name: name.into(),
             ip,

@@ -108,6 +108,41 @@ impl Drop for Netns {
     }
 }
 
+/// Wires a pod namespace to its node as a Calico-style CNI does: a veth (`host_if` on the
+/// node, `eth0` in the pod), a /32 route on the node, proxy ARP answering for the pod's
+/// gateway 169.254.1.1 at once (the default delays answers by up to 0.8 s, which a pod's
+/// first datagram would wait out), and the pod's default route through it.
+pub(crate) fn wire_pod(node: &Netns, pod: &Netns, host_if: &str, ip: Ipv4Addr) -> Result<()> {
+    node.ip(&[
+        "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", &pod.name,
+    ])?;
+    node.ip(&["link", "set", host_if, "up"])?;
+    node.ip(&["route", "add", &format!("{ip}/32"), "dev", host_if])?;
+    node.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp=1"))?;
+    node.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay=0"))?;
+    pod.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+    pod.ip(&["link", "set", "eth0", "up"])?;
+    pod.ip(&[
+        "route",
+        "add",
+        "169.254.1.1",
+        "dev",
+        "eth0",
+        "scope",
+        "link",
+    ])?;
+    pod.ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        "169.254.1.1",
+        "dev",
+        "eth0",
+    ])?;
+    Ok(())
+}
+
 /// Deletes lab namespaces whose creating process is gone (a run killed before its drop).
 pub fn sweep_stale_namespaces() {
     let Ok(list) = sh("ip", &["netns", "list"]) else {
@@ -358,35 +393,7 @@ impl Lab {
     fn add_pod(id: &str, node: &Netns, name: &str, ip: Ipv4Addr, index: usize) -> Result<Pod> {
         let ns = Netns::create(&format!("{id}-{name}"))?;
         let host_if = format!("lxc{index}");
-        node.ip(&[
-            "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
-        ])?;
-        node.ip(&["link", "set", &host_if, "up"])?;
-        node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
-        node.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp=1"))?;
-        // Answer proxied ARP at once, as Calico configures it (the default delays answers by
-        // up to 0.8 s, which a pod's first datagram would wait out).
-        node.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay=0"))?;
-        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
-        ns.ip(&[
-            "route",
-            "add",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-            "scope",
-            "link",
-        ])?;
-        ns.ip(&[
-            "route",
-            "add",
-            "default",
-            "via",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-        ])?;
+        wire_pod(node, &ns, &host_if, ip)?;
         Ok(Pod {
             name: name.into(),
             ip,

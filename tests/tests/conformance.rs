@@ -177,70 +177,50 @@ fn addr(ip: &str, port: u16) -> SocketAddrV4 {
     SocketAddrV4::new(ip.parse().unwrap(), port)
 }
 
-/// `n` TCP connections from pod `from`; the greetings.
+/// Where a client runs: a pod, or the external client's address on a node's link.
+#[derive(Clone, Copy)]
+enum From<'a> {
+    Pod(&'a str),
+    Outside(u8),
+}
+
+/// `n` exchanges from `from` to `to` (TCP connections, or UDP datagrams each from a new
+/// socket); the greetings. Any failure fails the test with both agents' logs.
+fn exchanges(c: &Cluster, from: From, udp: bool, to: SocketAddrV4, n: usize) -> Vec<Hello> {
+    let logs = c.logs();
+    let (ns, source) = match from {
+        From::Pod(pod) => (&c.pod(pod).ns, None),
+        From::Outside(via) => (&c.external, Some(external_client_ip(via))),
+    };
+    ns.run(move || {
+        (0..n)
+            .map(|i| {
+                let hello = if udp {
+                    client::udp_hello(to, source, 10, T).map(|(h, _)| h)
+                } else {
+                    client::tcp_hello(to, source, T)
+                };
+                hello.unwrap_or_else(|e| panic!("exchange {i} with {to}: {e}\n{logs}"))
+            })
+            .collect()
+    })
+    .unwrap()
+}
+
 fn tcp_from_pod(c: &Cluster, from: &str, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    let logs = c.logs();
-    c.pod(from)
-        .ns
-        .run(move || {
-            (0..n)
-                .map(|i| {
-                    client::tcp_hello(to, None, T)
-                        .unwrap_or_else(|e| panic!("connection {i} to {to}: {e}\n{logs}"))
-                })
-                .collect()
-        })
-        .unwrap()
+    exchanges(c, From::Pod(from), false, to, n)
 }
 
-/// `n` UDP exchanges (each from a new socket) from pod `from`.
 fn udp_from_pod(c: &Cluster, from: &str, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    let logs = c.logs();
-    c.pod(from)
-        .ns
-        .run(move || {
-            (0..n)
-                .map(|i| {
-                    client::udp_hello(to, None, 10, T)
-                        .unwrap_or_else(|e| panic!("datagram {i} to {to}: {e}\n{logs}"))
-                        .0
-                })
-                .collect()
-        })
-        .unwrap()
+    exchanges(c, From::Pod(from), true, to, n)
 }
 
-/// `n` TCP connections from the external client's address on node `via`'s link.
 fn tcp_from_outside(c: &Cluster, via: u8, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    let logs = c.logs();
-    let source = external_client_ip(via);
-    c.external
-        .run(move || {
-            (0..n)
-                .map(|i| {
-                    client::tcp_hello(to, Some(source), T)
-                        .unwrap_or_else(|e| panic!("connection {i} to {to}: {e}\n{logs}"))
-                })
-                .collect()
-        })
-        .unwrap()
+    exchanges(c, From::Outside(via), false, to, n)
 }
 
-/// `n` UDP exchanges from the external client's address on node `via`'s link.
 fn udp_from_outside(c: &Cluster, via: u8, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    let logs = c.logs();
-    let source = external_client_ip(via);
-    c.external
-        .run(move || {
-            (0..n)
-                .map(|i| {
-                    client::udp_hello(to, Some(source), 10, T)
-                        .unwrap_or_else(|e| panic!("datagram {i} to {to}: {e}\n{logs}"))
-                        .0
-                })
-                .collect()
-        })
-        .unwrap()
+    exchanges(c, From::Outside(via), true, to, n)
 }
 
 fn pods(hellos: &[Hello]) -> BTreeSet<String> {
