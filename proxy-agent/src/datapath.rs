@@ -189,6 +189,7 @@ impl Datapath {
             .map_max_entries(map_names::RR_STATE, sizes.services)
             .map_max_entries(map_names::BACKEND_CONNS, sizes.backends)
             .map_max_entries(map_names::BACKEND_RELEASED, sizes.backends)
+            .map_max_entries(map_names::LBLCR_SETS, sizes.services)
             .map_max_entries(map_names::MAGLEV, sizes.maglev);
         if let Some(root) = pins {
             for name in [
@@ -207,6 +208,7 @@ impl Datapath {
                 map_names::MAGLEV,
                 map_names::BACKEND_CONNS,
                 map_names::BACKEND_RELEASED,
+                map_names::LBLCR_SETS,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }

@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 15] {
+fn expected() -> [Expected; 16] {
     use std::mem::size_of;
     [
         Expected {
@@ -249,6 +249,14 @@ fn expected() -> [Expected; 15] {
             key_size: 4,
             value_size: 8,
             // Sized like BACKENDS.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::LBLCR_SETS,
+            map_type: MapType::Array,
+            key_size: 4,
+            value_size: size_of::<proxy_common::LblcrSet>(),
+            // Sized like SERVICES.
             configurable: false,
         },
         Expected {

@@ -34,6 +34,7 @@ pub mod map_names {
     pub const RR_STATE: &str = "RR_STATE";
     pub const BACKEND_CONNS: &str = "BACKEND_CONNS";
     pub const BACKEND_RELEASED: &str = "BACKEND_RELEASED";
+    pub const LBLCR_SETS: &str = "LBLCR_SETS";
     pub const MAGLEV: &str = "MAGLEV";
 }
 
@@ -134,10 +135,14 @@ pub mod scheduler {
     /// Locality-based least connections: a destination keeps its server until that server
     /// is overloaded, then takes the weighted-least-connection one.
     pub const LBLC: u16 = 10;
+    /// Locality-based least connections with replication: a destination has a set of
+    /// servers and takes its least-loaded one; when that is overloaded, the
+    /// weighted-least-connection server joins the set.
+    pub const LBLCR: u16 = 11;
 
     /// Whether the scheduler needs the datapath to count active connections per backend.
     pub const fn counts_connections(id: u16) -> bool {
-        matches!(id, LC | WLC | SED | NQ | LBLC)
+        matches!(id, LC | WLC | SED | NQ | LBLC | LBLCR)
     }
 }
 
@@ -405,6 +410,18 @@ pub struct LcScratch {
     pub _pad0: u32,
 }
 
+/// Servers an `lblcr` frontend's set holds at most.
+pub const LBLCR_SET_SIZE: usize = 4;
+
+/// Value of the `LBLCR_SETS` array (indexed by service id): an `lblcr` frontend's server
+/// set, each member `slot << 32 | backend id` (0: empty), and when the set last changed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LblcrSet {
+    pub members: [u64; LBLCR_SET_SIZE],
+    pub changed_ns: u64,
+}
+
 /// Key of the `MAGLEV` hash map: one entry of one frontend's Maglev lookup table.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -612,6 +629,7 @@ mod pod {
     unsafe impl aya::Pod for super::SockRevNatValue {}
     unsafe impl aya::Pod for super::MaglevKey {}
     unsafe impl aya::Pod for super::LcScratch {}
+    unsafe impl aya::Pod for super::LblcrSet {}
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    scheduler, FragmentKey, LcScratch, FragmentValue, MaglevKey, SockRevNatKey, SockRevNatValue,
+    scheduler, FragmentKey, LblcrSet, LcScratch, LBLCR_SET_SIZE, FragmentValue, MaglevKey, SockRevNatKey, SockRevNatValue,
     SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
     AffinityKey, AffinityValue, SourceRangeKey, SERVICE_FLAG_SOURCE_RANGES,
     Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
@@ -78,6 +78,8 @@ static BACKEND_CONNS: Array<u64> = Array::with_max_entries(65536, 0);
 /// agent is its only writer; active = BACKEND_CONNS - BACKEND_RELEASED).
 #[map]
 static BACKEND_RELEASED: Array<u64> = Array::with_max_entries(65536, 0);
+#[map]
+static LBLCR_SETS: Array<LblcrSet> = Array::with_max_entries(65536, 0);
 // Allocated as used: only `mh` frontends have tables.
 #[map]
 static MAGLEV: HashMap<MaglevKey, u32> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
@@ -130,6 +132,8 @@ const SNAT_PORT_TRIES: u32 = 8;
 /// Backends a least-connection scheduler compares per new flow (bpf_loop, so the cost is
 /// per backend scanned, not per verification).
 const LC_SCAN: u32 = 1024;
+/// IPVS's default lblcr expiration (net.ipv4.vs.lblcr_expiration): 24 hours.
+const LBLCR_EXPIRATION_NS: u64 = 24 * 3600 * 1_000_000_000;
 const ICMP_PORT_UNREACH: u8 = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -808,6 +812,7 @@ fn schedule(pkt: &Packet, header: &ServiceValue) -> u16 {
         scheduler::DH => mix(pkt.key.daddr) % count,
         scheduler::MH => return maglev(pkt, header),
         scheduler::LBLC => return locality(pkt, header),
+        scheduler::LBLCR => return replicated_locality(pkt, header, unsafe { bpf_ktime_get_ns() }),
         _ => random_below(count),
     };
     slot as u16 + 1
@@ -997,6 +1002,162 @@ fn locality(pkt: &Packet, header: &ServiceValue) -> u16 {
         unsafe { core::ptr::write_volatile(state, value) };
     }
     candidate
+}
+
+/// IPVS's lblc overload test for a member: more active connections than its weight, while
+/// the weighted-least-connection `candidate` is under half of its own.
+#[inline(always)]
+fn overloaded(pkt: &Packet, active: u64, weight: u64, candidate: u16) -> bool {
+    active > weight
+        && matches!(slot_backend(pkt, candidate), Some((cid, cweight)) if active_connections(cid) * 2 < cweight)
+}
+
+/// The scan of an lblcr set, passed to each step (a bpf_loop callback, so the scan is
+/// verified once).
+#[repr(C)]
+struct SetScan {
+    addr: u32,
+    port: u16,
+    proto: u8,
+    _pad0: u8,
+    count: u32,
+    set: LblcrSet,
+    /// Least loaded live member: index + 1 (0: none), slot, active, weight.
+    min: u32,
+    min_slot: u32,
+    min_active: u64,
+    min_weight: u64,
+    /// Most loaded live member: index + 1 (0: none), active, weight.
+    max: u32,
+    _pad1: u32,
+    max_active: u64,
+    max_weight: u64,
+    live: u32,
+    _pad2: u32,
+}
+
+/// One member of an lblcr set: dropped if its slot no longer holds its backend, else
+/// compared (active per weight) with the least and most loaded so far.
+extern "C" fn set_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: bpf_loop passes back the pointer replicated_locality gave it, to its stack.
+    let scan = unsafe { &mut *(ctx as *mut SetScan) };
+    let i = index as usize;
+    if i >= LBLCR_SET_SIZE {
+        return 1;
+    }
+    let value = scan.set.members[i];
+    let (slot, id) = ((value >> 32) as u16, value as u32);
+    if value == 0 || slot == 0 || slot as u32 > scan.count {
+        scan.set.members[i] = 0;
+        return 0;
+    }
+    let cumulative = |s: u16| -> u64 {
+        if s == 0 {
+            return 0;
+        }
+        match unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, s)) } {
+            Some(v) => ((v.flags as u64) << 16) | v.count as u64,
+            None => 0,
+        }
+    };
+    let Some(v) = (unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, slot)) })
+    else {
+        scan.set.members[i] = 0;
+        return 0;
+    };
+    if v.backend_id != id {
+        scan.set.members[i] = 0;
+        return 0;
+    }
+    let weight = cumulative(slot).saturating_sub(cumulative(slot - 1));
+    if weight == 0 {
+        return 0;
+    }
+    scan.live += 1;
+    let active = active_connections(id);
+    if scan.min == 0 || active * scan.min_weight < scan.min_active * weight {
+        (scan.min, scan.min_slot, scan.min_active, scan.min_weight) =
+            (i as u32 + 1, slot as u32, active, weight);
+    }
+    if scan.max == 0 || active * scan.max_weight > scan.max_active * weight {
+        (scan.max, scan.max_active, scan.max_weight) = (i as u32 + 1, active, weight);
+    }
+    0
+}
+
+/// lblcr, IPVS's locality-based least connection with replication: the destination (the
+/// frontend) has a set of servers and takes its least-loaded member (active per weight);
+/// when that member is overloaded (see [`overloaded`]) the weighted-least-connection server
+/// joins the set and takes the flow. After 24 h without change (IPVS's default expiration)
+/// a set of several drops its most loaded member. Sets hold [`LBLCR_SET_SIZE`] members; a
+/// full set gives up its most loaded one.
+#[inline(always)]
+fn replicated_locality(pkt: &Packet, header: &ServiceValue, now: u64) -> u16 {
+    let count = header.count;
+    let Some(set) = LBLCR_SETS.get_ptr_mut(header.service_id) else {
+        return random_below(count as u32) as u16 + 1;
+    };
+    let mut scan = SetScan {
+        addr: pkt.key.daddr,
+        port: pkt.key.dport,
+        proto: pkt.key.proto,
+        _pad0: 0,
+        count: count as u32,
+        // SAFETY: a map value pointer, valid for this run.
+        set: unsafe { core::ptr::read_volatile(set) },
+        min: 0,
+        min_slot: 0,
+        min_active: 0,
+        min_weight: 1,
+        max: 0,
+        _pad1: 0,
+        max_active: 0,
+        max_weight: 1,
+        live: 0,
+        _pad2: 0,
+    };
+    unsafe {
+        bpf_loop(
+            LBLCR_SET_SIZE as u32,
+            set_step as *mut core::ffi::c_void,
+            &mut scan as *mut SetScan as *mut core::ffi::c_void,
+            0,
+        );
+    }
+    if scan.live > 1 && scan.max != 0 && now.wrapping_sub(scan.set.changed_ns) > LBLCR_EXPIRATION_NS {
+        let i = (scan.max - 1) as usize;
+        if i < LBLCR_SET_SIZE {
+            scan.set.members[i] = 0;
+            scan.set.changed_ns = now;
+            if scan.min == scan.max {
+                scan.min = 0;
+            }
+        }
+    }
+    let candidate = least_loaded(pkt, header, scheduler::WLC);
+    let keep = scan.min != 0 && !overloaded(pkt, scan.min_active, scan.min_weight, candidate);
+    let chosen = if keep {
+        scan.min_slot as u16
+    } else {
+        // The candidate joins the set: in an empty place, else instead of the most loaded.
+        if let Some((cid, _)) = slot_backend(pkt, candidate) {
+            let mut place = if scan.max != 0 { scan.max as usize - 1 } else { 0 };
+            let mut i = LBLCR_SET_SIZE;
+            while i > 0 {
+                i -= 1;
+                if scan.set.members[i] == 0 {
+                    place = i;
+                }
+            }
+            if place < LBLCR_SET_SIZE {
+                scan.set.members[place] = (candidate as u64) << 32 | cid as u64;
+            }
+            scan.set.changed_ns = now;
+        }
+        candidate
+    };
+    unsafe { core::ptr::write_volatile(set, scan.set) };
+    chosen
 }
 
 /// The frontend's next turn, counted in a map value all CPUs share. The increment is atomic;

@@ -993,3 +993,27 @@ fn lblc_keeps_a_server_until_it_is_overloaded() {
     let servers: std::collections::BTreeSet<_> = picks.iter().collect();
     assert_eq!(servers.len(), 3, "{picks:?}");
 }
+
+#[test]
+fn lblcr_grows_a_server_set_under_load_and_prefers_its_least_loaded_member() {
+    require_kernel!();
+    use proxy_common::scheduler;
+    let backends = many_backends(3);
+    let dp = scheduled(scheduler::LBLCR, &backends, &Default::default());
+    // Weight 1 each: the first server serves one flow; the second flow still fits (active
+    // 1 <= weight 1); the third overloads it while others are idle, so one joins the set.
+    let picks: Vec<SocketAddrV4> = (39000..39005).map(|p| chosen(&dp, CLIENT, p)).collect();
+    assert_eq!(picks[0], picks[1], "{picks:?}");
+    assert_ne!(
+        picks[2], picks[0],
+        "an overloaded member makes the set grow: {picks:?}"
+    );
+    let members: std::collections::BTreeSet<_> = picks.iter().collect();
+    assert_eq!(members.len(), 3, "{picks:?}");
+    // The first member's flows close: it is the set's least loaded again and takes the next.
+    for port in [39000, 39001] {
+        let fin = PacketSpec::tcp(CLIENT, port, VIP, 81, TCP_FIN | TCP_ACK);
+        dp.run(Hook::Ingress, &fin.build()).unwrap();
+    }
+    assert_eq!(chosen(&dp, CLIENT, 39005), picks[0]);
+}

@@ -230,22 +230,22 @@ impl Scheduler {
         }
     }
 
-    /// The header id of a scheduler the eBPF datapath implements; `None` for the others.
-    pub fn datapath_id(self) -> Option<u16> {
+    /// The scheduler's id in the eBPF datapath's frontend header.
+    pub fn datapath_id(self) -> u16 {
         use proxy_common::scheduler as id;
         match self {
-            Scheduler::Random => Some(id::RANDOM),
-            Scheduler::Rr => Some(id::RR),
-            Scheduler::Wrr => Some(id::WRR),
-            Scheduler::Sh => Some(id::SH),
-            Scheduler::Dh => Some(id::DH),
-            Scheduler::Mh => Some(id::MH),
-            Scheduler::Lc => Some(id::LC),
-            Scheduler::Wlc => Some(id::WLC),
-            Scheduler::Sed => Some(id::SED),
-            Scheduler::Nq => Some(id::NQ),
-            Scheduler::Lblc => Some(id::LBLC),
-            Scheduler::Lblcr => None,
+            Scheduler::Random => id::RANDOM,
+            Scheduler::Rr => id::RR,
+            Scheduler::Wrr => id::WRR,
+            Scheduler::Sh => id::SH,
+            Scheduler::Dh => id::DH,
+            Scheduler::Mh => id::MH,
+            Scheduler::Lc => id::LC,
+            Scheduler::Wlc => id::WLC,
+            Scheduler::Sed => id::SED,
+            Scheduler::Nq => id::NQ,
+            Scheduler::Lblc => id::LBLC,
+            Scheduler::Lblcr => id::LBLCR,
         }
     }
 }

@@ -7,7 +7,7 @@ pub mod sync;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::Result;
-use tracing::{debug, error, warn};
+use tracing::{debug, error};
 
 use proxy_common::{
     SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
@@ -32,8 +32,6 @@ pub struct EbpfProxier<M: ServiceMaps> {
     prune_on_next_sync: bool,
     /// Which service port each programmed frontend belongs to (for per-service metrics).
     names: HashMap<Frontend, ServicePortName>,
-    /// Service ports already warned about asking for a scheduler not built yet.
-    unsupported_schedulers: HashSet<ServicePortName>,
 }
 
 impl<M: ServiceMaps> EbpfProxier<M> {
@@ -43,7 +41,6 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             failed: BTreeMap::new(),
             prune_on_next_sync: false,
             names: HashMap::new(),
-            unsupported_schedulers: HashSet::new(),
         }
     }
 
@@ -102,16 +99,7 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             if f.masquerade_all {
                 flags |= SERVICE_FLAG_MASQUERADE_ALL;
             }
-            let scheduler = match state.scheduler.datapath_id() {
-                Some(id) => id,
-                None => {
-                    if self.unsupported_schedulers.insert(state.name.clone()) {
-                        warn!(service = %state.name, scheduler = state.scheduler.name(), "this scheduler is not in the eBPF datapath yet; new flows are spread at random");
-                    }
-                    proxy_common::scheduler::RANDOM
-                }
-            };
-            flags |= scheduler << proxy_common::SERVICE_SCHEDULER_SHIFT;
+            flags |= state.scheduler.datapath_id() << proxy_common::SERVICE_SCHEDULER_SHIFT;
             let header = HeaderSettings {
                 flags,
                 affinity_timeout: state.affinity_timeout.unwrap_or(0),
