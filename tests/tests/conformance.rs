@@ -1,7 +1,8 @@
 //! The conformance suite: what a Service promises, checked with real TCP and UDP in the
 //! two-node lab (`proxy_tests::cluster`), from pods and from an external client. Each row is
-//! written once and run for every proxy mode; a mode that cannot run a row says why and
-//! skips it (printed as `SKIP <row> [<mode>]: <reason>`), it never passes silently.
+//! written once and run for every proxy mode; a mode that cannot run a row is reported as
+//! an ignored test with the reason (and, run anyway with `--ignored`, prints
+//! `SKIP <row> [<mode>]: <reason>`): it never passes silently.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -57,23 +58,27 @@ fn run(mode: Mode, row: &str, body: fn(Mode)) {
 }
 
 /// One `#[test]` per row and mode: `cargo test --test conformance ebpf::` runs a mode,
-/// `cargo test --test conformance node_port` a row everywhere.
+/// `cargo test --test conformance node_port` a row everywhere. Modes not built yet are
+/// generated as ignored tests with the reason, so every run lists them as
+/// `ignored, this proxier is not built yet ...` rather than passing them.
 macro_rules! conformance {
     ($($row:ident),* $(,)?) => {
-        conformance!(@mode ebpf, Ebpf, $($row),*);
-        conformance!(@mode iptables, Iptables, $($row),*);
-        conformance!(@mode ipvs, Ipvs, $($row),*);
-        conformance!(@mode nftables, Nftables, $($row),*);
-        conformance!(@mode userspace, Userspace, $($row),*);
+        conformance!(@mode ebpf, Ebpf, [], $($row),*);
+        conformance!(@mode iptables, Iptables, [ignore = "this proxier is not built yet ([5 of 6])"], $($row),*);
+        conformance!(@mode ipvs, Ipvs, [ignore = "this proxier is not built yet ([5 of 6])"], $($row),*);
+        conformance!(@mode nftables, Nftables, [ignore = "this proxier is not built yet ([5 of 6])"], $($row),*);
+        conformance!(@mode userspace, Userspace, [ignore = "this proxier is not built yet ([5 of 6])"], $($row),*);
     };
-    (@mode $module:ident, $mode:ident, $($row:ident),*) => {
+    (@mode $module:ident, $mode:ident, $attrs:tt, $($row:ident),*) => {
         mod $module {
-            $(
-                #[test]
-                fn $row() {
-                    super::run(super::Mode::$mode, stringify!($row), super::$row);
-                }
-            )*
+            $(conformance!(@test $attrs, $mode, $row);)*
+        }
+    };
+    (@test [$($attr:meta)?], $mode:ident, $row:ident) => {
+        #[test]
+        $(#[$attr])?
+        fn $row() {
+            super::run(super::Mode::$mode, stringify!($row), super::$row);
         }
     };
 }
