@@ -21,30 +21,29 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_NO_PREALLOC, BPF_NOEXIST, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
-        BPF_F_PSEUDO_HDR, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
+        BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_REDIRECT, TC_ACT_SHOT,
+        TC_ACT_UNSPEC,
     },
     helpers::{
         bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_loop, bpf_redirect,
         bpf_skb_change_tail,
     },
     macros::{cgroup_sock_addr, classifier, map},
-    Global,
     maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     programs::{SockAddrContext, TcContext},
-    EbpfContext,
+    EbpfContext, Global,
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    scheduler, FragmentKey, LblcrSet, LcScratch, LBLCR_SET_SIZE, FragmentValue, MaglevKey, SockRevNatKey, SockRevNatValue,
-    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
-    AffinityKey, AffinityValue, SourceRangeKey, SERVICE_FLAG_SOURCE_RANGES,
-    Backend, ConntrackKey, ConntrackValue, DatapathConfig, ServiceKey, ServiceStats, ServiceValue,
-    Stat,
-    BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY,
-    CT_FLAG_COUNTED, CT_FLAG_HAIRPIN, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, HAIRPIN_SOURCE, CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP,
-    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
-    SERVICE_FLAG_MASQUERADE_ALL,
+    scheduler, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue, DatapathConfig,
+    FragmentKey, FragmentValue, LblcrSet, LcScratch, MaglevKey, ServiceKey, ServiceStats,
+    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, Stat, BACKEND_FLAG_REMOTE,
+    BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
+    CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS,
+    HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP, LBLCR_SET_SIZE, SERVICE_FLAG_DROP_WHEN_EMPTY,
+    SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL,
+    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -200,7 +199,8 @@ fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
         return SOCK_REJECT;
     }
     let slot = random_below(count as u32) as u16 + 1;
-    let Some((_, backend)) = pick_slot(addr, port, proto, slot).or_else(|| pick_slot(addr, port, proto, 1))
+    let Some((_, backend)) =
+        pick_slot(addr, port, proto, slot).or_else(|| pick_slot(addr, port, proto, 1))
     else {
         return SOCK_ALLOW;
     };
@@ -300,8 +300,10 @@ impl Hook {
 /// with, so the datagram's other fragments get the same at this hook.
 #[inline(always)]
 fn remember_fragment(ctx: &TcContext, pkt: &Packet, hook: Hook) {
-    let (Some(saddr), Some(daddr)) = (read::<u32>(ctx, IP_SADDR_OFF), read::<u32>(ctx, IP_DADDR_OFF))
-    else {
+    let (Some(saddr), Some(daddr)) = (
+        read::<u32>(ctx, IP_SADDR_OFF),
+        read::<u32>(ctx, IP_DADDR_OFF),
+    ) else {
         return;
     };
     if saddr == pkt.key.saddr && daddr == pkt.key.daddr {
@@ -484,7 +486,12 @@ fn bump(stat: Stat) {
 fn account(ctx: &TcContext, service_id: u32, backend_id: u32, new_flow: bool) {
     add(&SERVICE_STATS, service_id, ctx, new_flow);
     if BACKEND_STATS_ENABLED.load() != 0 {
-        add(&BACKEND_STATS, backend_id & BACKEND_INDEX_MASK, ctx, new_flow);
+        add(
+            &BACKEND_STATS,
+            backend_id & BACKEND_INDEX_MASK,
+            ctx,
+            new_flow,
+        );
     }
 }
 
@@ -563,13 +570,7 @@ fn translate_reply(
     }
     if first_reply || closing {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
-        let original = ConntrackKey::new(
-            client,
-            nat_addr,
-            pkt.key.dport,
-            nat_port,
-            pkt.key.proto,
-        );
+        let original = ConntrackKey::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
         if let Some(orig) = CONNTRACK.get_ptr_mut(original) {
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
@@ -683,12 +684,7 @@ fn forget_clashing_flow(pkt: &Packet) {
 
 /// First packet of a flow to a service with `count` backends.
 #[inline(always)]
-fn new_flow(
-    ctx: &TcContext,
-    pkt: &Packet,
-    header: &ServiceValue,
-    now: u64,
-) -> Result<i32, Stat> {
+fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> Result<i32, Stat> {
     let service_id = header.service_id;
     if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0 && !source_allowed(pkt, service_id) {
         bump(Stat::SourceRangeDenied);
@@ -882,7 +878,11 @@ fn least_loaded(pkt: &Packet, header: &ServiceValue, id: u16) -> u16 {
             0,
         );
     }
-    let chosen = if scan.idle != 0 { scan.idle } else { scan.best.slot };
+    let chosen = if scan.idle != 0 {
+        scan.idle
+    } else {
+        scan.best.slot
+    };
     if chosen == 0 || chosen > count {
         random_below(count) as u16 + 1
     } else {
@@ -1060,7 +1060,8 @@ extern "C" fn set_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
             None => 0,
         }
     };
-    let Some(v) = (unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, slot)) })
+    let Some(v) =
+        (unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, slot)) })
     else {
         scan.set.members[i] = 0;
         return 0;
@@ -1124,7 +1125,8 @@ fn replicated_locality(pkt: &Packet, header: &ServiceValue, now: u64) -> u16 {
             0,
         );
     }
-    if scan.live > 1 && scan.max != 0 && now.wrapping_sub(scan.set.changed_ns) > LBLCR_EXPIRATION_NS {
+    if scan.live > 1 && scan.max != 0 && now.wrapping_sub(scan.set.changed_ns) > LBLCR_EXPIRATION_NS
+    {
         let i = (scan.max - 1) as usize;
         if i < LBLCR_SET_SIZE {
             scan.set.members[i] = 0;
@@ -1141,7 +1143,11 @@ fn replicated_locality(pkt: &Packet, header: &ServiceValue, now: u64) -> u16 {
     } else {
         // The candidate joins the set: in an empty place, else instead of the most loaded.
         if let Some((cid, _)) = slot_backend(pkt, candidate) {
-            let mut place = if scan.max != 0 { scan.max as usize - 1 } else { 0 };
+            let mut place = if scan.max != 0 {
+                scan.max as usize - 1
+            } else {
+                0
+            };
             let mut i = LBLCR_SET_SIZE;
             while i > 0 {
                 i -= 1;
@@ -1169,9 +1175,11 @@ fn next_turn(service_id: u32) -> u32 {
         Some(p) => {
             // SAFETY: a map value pointer, valid for this run; updated atomically.
             unsafe {
-                core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
-                    p, 1,
-                );
+                core::intrinsics::atomic_xadd::<
+                    u64,
+                    u64,
+                    { core::intrinsics::AtomicOrdering::Relaxed },
+                >(p, 1);
                 core::ptr::read_volatile(p).wrapping_sub(1) as u32
             }
         }
@@ -1281,7 +1289,8 @@ fn masquerades(header: &ServiceValue, pkt: &Packet, backend: &Backend) -> bool {
     }
     if header.flags & SERVICE_FLAG_EXTERNAL == 0 {
         let c = config();
-        return c.cluster_cidr_mask != 0 && pkt.key.saddr & c.cluster_cidr_mask != c.cluster_cidr_addr;
+        return c.cluster_cidr_mask != 0
+            && pkt.key.saddr & c.cluster_cidr_mask != c.cluster_cidr_addr;
     }
     header.flags & SERVICE_FLAG_MASQUERADE != 0 && backend.flags & BACKEND_FLAG_REMOTE != 0
 }
@@ -1352,10 +1361,23 @@ fn free_snat_port(pkt: &Packet, backend: &Backend, masq: u32) -> Option<u16> {
 
 /// Egress, a masqueraded flow leaving for its backend's node: the node becomes the source.
 #[inline(always)]
-fn masquerade(ctx: &TcContext, pkt: &Packet, ct: &mut ConntrackValue, now: u64) -> Result<i32, Stat> {
+fn masquerade(
+    ctx: &TcContext,
+    pkt: &Packet,
+    ct: &mut ConntrackValue,
+    now: u64,
+) -> Result<i32, Stat> {
     let (addr, port) = (ct.nat_addr, ct.nat_port);
     touch(ct, pkt, now, 0);
-    rewrite(ctx, pkt, Side::Source, pkt.key.saddr, addr, pkt.key.sport, port)?;
+    rewrite(
+        ctx,
+        pkt,
+        Side::Source,
+        pkt.key.saddr,
+        addr,
+        pkt.key.sport,
+        port,
+    )?;
     Ok(TC_ACT_UNSPEC)
 }
 
@@ -1370,7 +1392,15 @@ fn unmasquerade(
 ) -> Result<i32, Stat> {
     let (addr, port) = (ct.nat_addr, ct.nat_port);
     touch(ct, pkt, now, 0);
-    rewrite(ctx, pkt, Side::Destination, pkt.key.daddr, addr, pkt.key.dport, port)?;
+    rewrite(
+        ctx,
+        pkt,
+        Side::Destination,
+        pkt.key.daddr,
+        addr,
+        pkt.key.dport,
+        port,
+    )?;
     Ok(TC_ACT_UNSPEC)
 }
 

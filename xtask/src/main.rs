@@ -226,6 +226,14 @@ fn test(extra: &[String]) -> Result<()> {
     build_ebpf()?;
     step("test: cargo fmt --check");
     run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
+    // The eBPF crate is its own workspace, which --all does not reach.
+    run(&mut cargo(&[
+        "fmt",
+        "--manifest-path",
+        "proxy-ebpf/Cargo.toml",
+        "--",
+        "--check",
+    ]))?;
     step("test: cargo clippy -D warnings");
     run(&mut cargo(&[
         "clippy",
