@@ -919,16 +919,7 @@ extern "C" fn lc_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
     let Some(v) = (unsafe { SERVICES.get(key) }) else {
         return 0;
     };
-    // Slot 0 is the header, whose fields mean something else: the weight before slot 1 is 0.
-    let cumulative = |s: u16| -> u64 {
-        if s == 0 {
-            return 0;
-        }
-        match unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, s)) } {
-            Some(v) => ((v.flags as u64) << 16) | v.count as u64,
-            None => 0,
-        }
-    };
+    let cumulative = |s: u16| cumulative_weight_at(scan.addr, scan.port, scan.proto, s) as u64;
     let weight = cumulative(slot).saturating_sub(cumulative(slot - 1));
     if weight == 0 {
         return 0;
@@ -960,9 +951,10 @@ extern "C" fn lc_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
 #[inline(always)]
 fn slot_backend(pkt: &Packet, slot: u16) -> Option<(u32, u64)> {
     let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
-    let id = unsafe { SERVICES.get(key) }?.backend_id;
-    let weight = cumulative_weight(pkt, slot).saturating_sub(cumulative_weight(pkt, slot - 1));
-    Some((id, weight as u64))
+    let v = unsafe { SERVICES.get(key) }?;
+    let cumulative = (v.flags as u32) << 16 | v.count as u32;
+    let weight = cumulative.saturating_sub(cumulative_weight(pkt, slot - 1));
+    Some((v.backend_id, weight as u64))
 }
 
 /// lblc, IPVS's locality-based least connection: the destination keeps its server unless
@@ -1051,15 +1043,7 @@ extern "C" fn set_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
         scan.set.members[i] = 0;
         return 0;
     }
-    let cumulative = |s: u16| -> u64 {
-        if s == 0 {
-            return 0;
-        }
-        match unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, s)) } {
-            Some(v) => ((v.flags as u64) << 16) | v.count as u64,
-            None => 0,
-        }
-    };
+    let cumulative = |s: u16| cumulative_weight_at(scan.addr, scan.port, scan.proto, s) as u64;
     let Some(v) =
         (unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, slot)) })
     else {
@@ -1190,12 +1174,19 @@ fn next_turn(service_id: u32) -> u32 {
 /// A slot's cumulative weight (weights of slots 1..=slot), written by the agent.
 #[inline(always)]
 fn cumulative_weight(pkt: &Packet, slot: u16) -> u32 {
+    cumulative_weight_at(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot)
+}
+
+/// [`cumulative_weight`] by the frontend's address, port and protocol (as the bpf_loop
+/// scans have them). Scalars rather than a struct: they stay in registers, and the packet
+/// program's stack plus a scan step's must fit BPF's 512 bytes.
+#[inline(always)]
+fn cumulative_weight_at(addr: u32, port: u16, proto: u8, slot: u16) -> u32 {
     // Slot 0 is the header, whose fields mean something else.
     if slot == 0 {
         return 0;
     }
-    let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
-    match unsafe { SERVICES.get(key) } {
+    match unsafe { SERVICES.get(ServiceKey::new(addr, port, proto, slot)) } {
         Some(v) => (v.flags as u32) << 16 | v.count as u32,
         None => 0,
     }
