@@ -15,7 +15,7 @@
 //! source NAT and source preservation).
 
 use std::{
-    io::{BufRead, BufReader, Read, Write},
+    io::{BufRead, BufReader, Write},
     net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
     os::fd::AsRawFd,
     path::{Path, PathBuf},
@@ -477,17 +477,7 @@ fn serve_tcp(mut stream: TcpStream, name: &str) {
     {
         return;
     }
-    let mut buf = [0u8; 4096];
-    loop {
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => return,
-            Ok(n) => {
-                if stream.write_all(&buf[..n]).is_err() {
-                    return;
-                }
-            }
-        }
-    }
+    crate::lab::echo(&mut stream);
 }
 
 impl Drop for Cluster {

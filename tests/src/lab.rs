@@ -562,6 +562,11 @@ fn serve_tcp(mut stream: TcpStream, name: &str) {
     if stream.write_all(format!("{name}\n").as_bytes()).is_err() {
         return;
     }
+    echo(&mut stream);
+}
+
+/// Sends back whatever arrives until the peer closes (or 30 s of silence).
+pub(crate) fn echo(stream: &mut TcpStream) {
     let mut buf = [0u8; 4096];
     loop {
         match stream.read(&mut buf) {

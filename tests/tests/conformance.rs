@@ -127,6 +127,29 @@ fn service(name: &str, ip: &str, spec: &str, ports: &[(&str, &str, u16, &str)]) 
     )
 }
 
+/// A Service `name` with TCP 80 -> 8080 ("http") and UDP 53 -> 5353 ("dns"), extra `spec`
+/// lines, and one slice of `endpoints` for both ports.
+fn tcp_and_udp_service(
+    c: &Cluster,
+    name: &str,
+    ip: &str,
+    spec: &str,
+    endpoints: &[(&str, &str)],
+) -> String {
+    service(
+        name,
+        ip,
+        spec,
+        &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+    ) + &slice(
+        c,
+        name,
+        "1",
+        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+        endpoints,
+    )
+}
+
 /// An EndpointSlice of `svc`. `ports`: (name, protocol, port); `endpoints`: (pod, extra
 /// YAML for the endpoint, e.g. conditions and hints; default ready).
 fn slice(
@@ -247,20 +270,7 @@ fn counts(hellos: &[Hello]) -> BTreeMap<String, usize> {
 // --- rows ---------------------------------------------------------------------------------
 
 fn cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
-    let c = cluster(mode, |c| {
-        service(
-            "web",
-            "10.96.0.10",
-            "",
-            &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
-        ) + &slice(
-            c,
-            "web",
-            "1",
-            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
-            &ready(&ALL),
-        )
-    });
+    let c = cluster(mode, |c| web_with(c, "10.96.0.10", &ready(&ALL)));
     let tcp = tcp_from_pod(&c, CLIENT, addr("10.96.0.10", 80), 60);
     assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
     for h in &tcp {
@@ -327,16 +337,11 @@ fn named_target_port_is_resolved_per_endpoint(mode: Mode) {
 
 fn service_without_endpoints_is_refused(mode: Mode) {
     let c = cluster(mode, |c| {
-        service(
+        tcp_and_udp_service(
+            c,
             "empty",
             "10.96.0.13",
             "",
-            &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
-        ) + &slice(
-            c,
-            "empty",
-            "1",
-            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
             &[("web-1a", "conditions: {ready: false}")],
         )
     });
@@ -591,16 +596,11 @@ fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
 
 fn session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
     let c = cluster(mode, |c| {
-        service(
+        tcp_and_udp_service(
+            c,
             "sticky",
             "10.96.0.25",
             "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n",
-            &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
-        ) + &slice(
-            c,
-            "sticky",
-            "1",
-            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
             &ready(&ALL),
         )
     });
@@ -793,18 +793,7 @@ fn cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mo
 }
 
 fn web_with(c: &Cluster, ip: &str, endpoints: &[(&str, &str)]) -> String {
-    service(
-        "web",
-        ip,
-        "",
-        &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
-    ) + &slice(
-        c,
-        "web",
-        "1",
-        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
-        endpoints,
-    )
+    tcp_and_udp_service(c, "web", ip, "", endpoints)
 }
 
 const TERMINATING: &str = "conditions: {ready: false, serving: true, terminating: true}";
