@@ -982,11 +982,9 @@ fn locality(pkt: &Packet, header: &ServiceValue) -> u16 {
         }
     }
     let candidate = least_loaded(pkt, header, scheduler::WLC);
-    if current.is_some() {
-        // Overloaded, but stays unless the candidate is under half its weight.
-        match slot_backend(pkt, candidate) {
-            Some((cid, cweight)) if active_connections(cid) * 2 < cweight => {}
-            _ => return slot,
+    if let Some((id, weight)) = current {
+        if !overloaded(pkt, active_connections(id), weight, candidate) {
+            return slot;
         }
     }
     if let Some((cid, _)) = slot_backend(pkt, candidate) {
