@@ -3,13 +3,13 @@
 
 use anyhow::{bail, Context, Result};
 use aya::{
-    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues},
+    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues, ProgramArray},
     programs::{CgroupSockAddr, SchedClassifier},
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    map_names, program_names, ConntrackKey, ConntrackValue, DatapathConfig, ServiceStats, Stat,
-    CT_REFRESH_NS, MAX_BACKENDS,
+    map_names, program_names, tail_calls, ConntrackKey, ConntrackValue, DatapathConfig,
+    ServiceStats, Stat, CT_REFRESH_NS, MAX_BACKENDS,
 };
 
 use crate::{pins::BpffsRoot, proxier::ebpf::maps::KernelMaps};
@@ -190,7 +190,11 @@ impl Datapath {
             .map_max_entries(map_names::BACKEND_CONNS, sizes.backends)
             .map_max_entries(map_names::BACKEND_RELEASED, sizes.backends)
             .map_max_entries(map_names::LBLCR_SETS, sizes.services)
-            .map_max_entries(map_names::MAGLEV, sizes.maglev);
+            .map_max_entries(map_names::MAGLEV, sizes.maglev)
+            // IPv6 frontends and flows share the budgets of their IPv4 counterparts.
+            .map_max_entries(map_names::SERVICES6, sizes.services)
+            .map_max_entries(map_names::BACKEND_ADDRS6, sizes.backends)
+            .map_max_entries(map_names::CONNTRACK6, sizes.conntrack);
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -209,6 +213,13 @@ impl Datapath {
                 map_names::BACKEND_CONNS,
                 map_names::BACKEND_RELEASED,
                 map_names::LBLCR_SETS,
+                map_names::SERVICES6,
+                map_names::BACKEND_ADDRS6,
+                map_names::CONNTRACK6,
+                // Pinned so its slots outlive the agent: the kernel empties a program array
+                // when the last user-space reference goes, which would stop IPv6 service
+                // traffic (and refusals) while the agent restarts.
+                map_names::TAIL_CALLS,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -221,7 +232,13 @@ impl Datapath {
                 None => err,
             }
         })?;
-        for name in [program_names::TC_INGRESS, program_names::TC_EGRESS] {
+        for name in [
+            program_names::TC_INGRESS,
+            program_names::TC_EGRESS,
+            program_names::TC_INGRESS6,
+            program_names::TC_EGRESS6,
+            program_names::REFUSE,
+        ] {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .with_context(|| format!("eBPF object has no program {name}"))?
@@ -236,6 +253,27 @@ impl Datapath {
                     None => err,
                 }
             })?;
+        }
+        // The tc programs tail-call these (IPv6 packets, refusals).
+        let mut slots = Vec::new();
+        for (index, name) in [
+            (tail_calls::INGRESS6, program_names::TC_INGRESS6),
+            (tail_calls::EGRESS6, program_names::TC_EGRESS6),
+            (tail_calls::REFUSE, program_names::REFUSE),
+        ] {
+            let prog: &SchedClassifier = ebpf
+                .program(name)
+                .with_context(|| format!("eBPF object has no program {name}"))?
+                .try_into()?;
+            slots.push((index, prog.fd()?.try_clone()?));
+        }
+        let mut jump: ProgramArray<&mut MapData> = ProgramArray::try_from(
+            ebpf.map_mut(map_names::TAIL_CALLS)
+                .context("eBPF object has no TAIL_CALLS map")?,
+        )?;
+        for (index, fd) in &slots {
+            jump.set(*index, fd, 0)
+                .context("installing the tail-called programs")?;
         }
         for name in program_names::SOCKET_HOOKS {
             let prog: &mut CgroupSockAddr = ebpf
@@ -296,9 +334,19 @@ impl Datapath {
             .ebpf
             .take_map(map_names::MAGLEV)
             .context("eBPF object has no MAGLEV map")?;
+        let services6 = self
+            .ebpf
+            .take_map(map_names::SERVICES6)
+            .context("eBPF object has no SERVICES6 map")?;
+        let backend_addrs6 = self
+            .ebpf
+            .take_map(map_names::BACKEND_ADDRS6)
+            .context("eBPF object has no BACKEND_ADDRS6 map")?;
         Ok(KernelMaps {
             services: BpfHashMap::try_from(services)?,
+            services6: BpfHashMap::try_from(services6)?,
             backends: Array::try_from(backends)?,
+            backend_addrs6: Array::try_from(backend_addrs6)?,
             source_ranges: aya::maps::LpmTrie::try_from(source_ranges)?,
             maglev: BpfHashMap::try_from(maglev)?,
             maglev_capacity: self.sizes.maglev,

@@ -14,7 +14,7 @@ use proxy_agent::{
     health::{self, Health},
     metrics::{service_labels, Metrics, TrafficCounters},
     model::{
-        local_ipv4_addresses, objects::NodeInfo, ChangeTracker, DesiredState, NodeContext,
+        local_addresses, objects::NodeInfo, ChangeTracker, DesiredState, NodeContext,
         NodePortAddress, ServiceChange, WhenEmpty,
     },
     pins::{self, Adoption, BpffsRoot},
@@ -495,7 +495,7 @@ impl SyncLoop {
                 &self.node_name,
                 node,
                 &self.node_port_filter,
-                &local_ipv4_addresses(),
+                &local_addresses(),
             )
         };
         let (desired, model_problems) = DesiredState::build(&set.store, &context);

@@ -402,6 +402,7 @@ mod tests {
             },
             port: "http".into(),
             protocol: Protocol::Tcp,
+            family: crate::model::IpFamily::V4,
         };
         let stats = |p, b, n| ServiceStats {
             packets: p,

@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 16] {
+fn expected() -> [Expected; 20] {
     use std::mem::size_of;
     [
         Expected {
@@ -257,6 +257,37 @@ fn expected() -> [Expected; 16] {
             key_size: 4,
             value_size: size_of::<proxy_common::LblcrSet>(),
             // Sized like SERVICES.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SERVICES6,
+            map_type: MapType::Hash,
+            key_size: size_of::<proxy_common::ServiceKey6>(),
+            value_size: size_of::<ServiceValue>(),
+            // Sized like SERVICES.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::BACKEND_ADDRS6,
+            map_type: MapType::Array,
+            key_size: 4,
+            value_size: size_of::<proxy_common::BackendAddr6>(),
+            // Sized like BACKENDS.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::CONNTRACK6,
+            map_type: MapType::LruHash,
+            key_size: size_of::<proxy_common::ConntrackKey6>(),
+            value_size: size_of::<proxy_common::ConntrackValue6>(),
+            // Sized like CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::TAIL_CALLS,
+            map_type: MapType::ProgramArray,
+            key_size: 4,
+            value_size: 4,
             configurable: false,
         },
         Expected {

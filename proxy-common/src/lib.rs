@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 3;
+pub const MAP_LAYOUT_VERSION: u32 = 4;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -36,6 +36,14 @@ pub mod map_names {
     pub const BACKEND_RELEASED: &str = "BACKEND_RELEASED";
     pub const LBLCR_SETS: &str = "LBLCR_SETS";
     pub const MAGLEV: &str = "MAGLEV";
+    /// IPv6 frontends: [`super::ServiceKey6`] -> [`super::ServiceValue`], as `SERVICES`.
+    pub const SERVICES6: &str = "SERVICES6";
+    /// IPv6 backend addresses, indexed like `BACKENDS` (which holds their port and flags).
+    pub const BACKEND_ADDRS6: &str = "BACKEND_ADDRS6";
+    /// IPv6 flows, as `CONNTRACK`.
+    pub const CONNTRACK6: &str = "CONNTRACK6";
+    /// The programs the tc programs tail-call into (see [`super::tail_calls`]).
+    pub const TAIL_CALLS: &str = "TAIL_CALLS";
 }
 
 /// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
@@ -55,6 +63,13 @@ pub mod program_names {
     pub const SOCK_SENDMSG4: &str = "proxy_sendmsg4";
     pub const SOCK_RECVMSG4: &str = "proxy_recvmsg4";
     pub const SOCK_GETPEERNAME4: &str = "proxy_getpeername4";
+    /// IPv6 at tc ingress/egress: tail-called by the programs above when the packet is
+    /// IPv6, so each family's path has the whole BPF stack to itself.
+    pub const TC_INGRESS6: &str = "proxy_ingress6";
+    pub const TC_EGRESS6: &str = "proxy_egress6";
+    /// Answers a new flow to a service without endpoints (TCP reset, ICMP port unreachable);
+    /// tail-called by the tc programs of both families.
+    pub const REFUSE: &str = "proxy_refuse";
     pub const SOCKET_HOOKS: [&str; 4] = [
         SOCK_CONNECT4,
         SOCK_SENDMSG4,
@@ -92,6 +107,101 @@ impl ServiceKey {
             _pad1: [0; 2],
         }
     }
+}
+
+/// Slots of the `TAIL_CALLS` program array: each names the program in it.
+pub mod tail_calls {
+    /// IPv6 at tc ingress ([`super::program_names::TC_INGRESS6`]).
+    pub const INGRESS6: u32 = 0;
+    /// IPv6 at tc egress ([`super::program_names::TC_EGRESS6`]).
+    pub const EGRESS6: u32 = 1;
+    /// Refusals ([`super::program_names::REFUSE`]).
+    pub const REFUSE: u32 = 2;
+    pub const COUNT: u32 = 3;
+}
+
+/// Key of the `SERVICES6` hash map: [`ServiceKey`] with an IPv6 frontend address. The values
+/// are [`ServiceValue`]s, and backend ids come from the same `BACKENDS` array, so both
+/// families share service ids, slots, weights and counters.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey6 {
+    /// Frontend IPv6 address, network byte order.
+    pub addr: [u8; 16],
+    /// Frontend port, network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub _pad0: u8,
+    /// 0 for the header, 1..=count for backends (host byte order).
+    pub slot: u16,
+    pub _pad1: [u8; 2],
+}
+
+impl ServiceKey6 {
+    pub const fn new(addr: [u8; 16], port_be: u16, proto: u8, slot: u16) -> Self {
+        Self {
+            addr,
+            port: port_be,
+            proto,
+            _pad0: 0,
+            slot,
+            _pad1: [0; 2],
+        }
+    }
+}
+
+/// Value of `BACKEND_ADDRS6`: the address of an IPv6 backend whose port, flags and service
+/// sit in `BACKENDS` at the same index (with `addr` 0 there).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct BackendAddr6 {
+    pub addr: [u8; 16],
+}
+
+/// Key of the `CONNTRACK6` LRU map: an IPv6 packet's 5-tuple, as [`ConntrackKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConntrackKey6 {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub _pad0: [u8; 3],
+}
+
+impl ConntrackKey6 {
+    pub const fn new(saddr: [u8; 16], daddr: [u8; 16], sport: u16, dport: u16, proto: u8) -> Self {
+        Self {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            _pad0: [0; 3],
+        }
+    }
+
+    pub const fn reversed(&self) -> Self {
+        Self::new(self.daddr, self.saddr, self.dport, self.sport, self.proto)
+    }
+}
+
+/// Value of `CONNTRACK6`: [`ConntrackValue`] with an IPv6 address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConntrackValue6 {
+    pub last_seen_ns: u64,
+    /// Original entry: backend address; reply entry: service address.
+    pub nat_addr: [u8; 16],
+    /// Original entry: backend port; reply entry: service port (network byte order).
+    pub nat_port: u16,
+    /// `CT_FLAG_*` (REPLY, SEEN_REPLY, CLOSING, EGRESS_ONLY).
+    pub flags: u8,
+    pub _pad0: u8,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub _pad1: [u8; 4],
 }
 
 /// Header flag: an empty service drops new flows instead of refusing them (traffic policy
@@ -205,6 +315,8 @@ pub struct Backend {
 
 /// The backend runs on another node (its traffic may need source NAT).
 pub const BACKEND_FLAG_REMOTE: u8 = 1 << 0;
+/// An IPv6 backend: its address is in `BACKEND_ADDRS6` at the same index (`addr` is 0).
+pub const BACKEND_FLAG_IPV6: u8 = 1 << 1;
 
 impl Backend {
     pub const EMPTY: Self = Self {
@@ -630,6 +742,10 @@ mod pod {
     unsafe impl aya::Pod for super::MaglevKey {}
     unsafe impl aya::Pod for super::LcScratch {}
     unsafe impl aya::Pod for super::LblcrSet {}
+    unsafe impl aya::Pod for super::ServiceKey6 {}
+    unsafe impl aya::Pod for super::BackendAddr6 {}
+    unsafe impl aya::Pod for super::ConntrackKey6 {}
+    unsafe impl aya::Pod for super::ConntrackValue6 {}
 }
 
 #[cfg(test)]
@@ -648,6 +764,26 @@ mod tests {
         assert_eq!(offset_of!(ServiceKey, _pad0), 7);
         assert_eq!(offset_of!(ServiceKey, slot), 8);
         assert_eq!(offset_of!(ServiceKey, _pad1), 10);
+    }
+
+    #[test]
+    fn ipv6_layouts() {
+        assert_eq!(size_of::<ServiceKey6>(), 24);
+        assert_eq!(offset_of!(ServiceKey6, port), 16);
+        assert_eq!(offset_of!(ServiceKey6, proto), 18);
+        assert_eq!(offset_of!(ServiceKey6, slot), 20);
+        assert_eq!(size_of::<BackendAddr6>(), 16);
+        assert_eq!(size_of::<ConntrackKey6>(), 40);
+        assert_eq!(offset_of!(ConntrackKey6, daddr), 16);
+        assert_eq!(offset_of!(ConntrackKey6, sport), 32);
+        assert_eq!(offset_of!(ConntrackKey6, proto), 36);
+        assert_eq!(size_of::<ConntrackValue6>(), 40);
+        assert_eq!(offset_of!(ConntrackValue6, nat_addr), 8);
+        assert_eq!(offset_of!(ConntrackValue6, nat_port), 24);
+        assert_eq!(offset_of!(ConntrackValue6, flags), 26);
+        assert_eq!(offset_of!(ConntrackValue6, backend_id), 28);
+        assert_eq!(offset_of!(ConntrackValue6, service_id), 32);
+        assert_eq!(offset_of!(ConntrackValue6, _pad1), 36);
     }
 
     #[test]

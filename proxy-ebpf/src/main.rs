@@ -17,33 +17,35 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod ipv6;
+mod refuse;
+
 use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_ANY, BPF_F_INGRESS, BPF_F_MARK_MANGLED_0,
-        BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_REDIRECT, TC_ACT_SHOT,
-        TC_ACT_UNSPEC,
+        BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, BPF_NOEXIST,
+        TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
-    helpers::{
-        bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_loop, bpf_redirect,
-        bpf_skb_change_tail,
-    },
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_loop},
     macros::{cgroup_sock_addr, classifier, map},
-    maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{
+        lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray,
+    },
     programs::{SockAddrContext, TcContext},
     EbpfContext, Global,
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    scheduler, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue, DatapathConfig,
-    FragmentKey, FragmentValue, LblcrSet, LcScratch, MaglevKey, ServiceKey, ServiceStats,
-    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, Stat, BACKEND_FLAG_REMOTE,
-    BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
-    CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS,
-    HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP, LBLCR_SET_SIZE, SERVICE_FLAG_DROP_WHEN_EMPTY,
-    SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL,
-    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
+    scheduler, tail_calls, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue,
+    DatapathConfig, FragmentKey, FragmentValue, LblcrSet, LcScratch, MaglevKey, ServiceKey,
+    ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, Stat,
+    BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY,
+    CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY,
+    CT_REFRESH_NS, HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP, LBLCR_SET_SIZE,
+    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
+    SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
+    SERVICE_SCHEDULER_SHIFT,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -85,6 +87,9 @@ static MAGLEV: HashMap<MaglevKey, u32> = HashMap::with_max_entries(65536, BPF_F_
 #[map]
 static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
     LruHashMap::with_max_entries(65536, 0);
+/// The programs tail-called, filled by the agent (see `proxy_common::tail_calls`).
+#[map]
+static TAIL_CALLS: ProgramArray = ProgramArray::with_max_entries(tail_calls::COUNT, 0);
 #[map]
 static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(65536, 0);
 
@@ -115,14 +120,6 @@ const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 
-/// Bytes of the refused packet's transport header quoted in the ICMP error. RFC 792 asks for
-/// 8; 40 also keeps a TCP checksum field inside the packet, which the kernel requires when it
-/// trims a packet whose checksum is still to be completed by offload (CHECKSUM_PARTIAL).
-const REFUSAL_QUOTED_L4: usize = 40;
-const ICMP_HLEN: usize = 8;
-/// Ethernet + outer IPv4 + ICMP + quoted IPv4 header + quoted transport bytes.
-const REFUSAL_LEN: usize = ETH_HLEN + IPV4_HLEN + ICMP_HLEN + IPV4_HLEN + REFUSAL_QUOTED_L4;
-const ICMP_DEST_UNREACH: u8 = 3;
 /// Source ports tried for a masqueraded flow when the client's own port is taken for that
 /// backend: 32768..=65535. A port is only used when no reply entry from the backend holds it.
 const SNAT_PORT_MIN: u16 = 32768;
@@ -133,7 +130,6 @@ const SNAT_PORT_TRIES: u32 = 8;
 const LC_SCAN: u32 = 1024;
 /// IPVS's default lblcr expiration (net.ipv4.vs.lblcr_expiration): 24 hours.
 const LBLCR_EXPIRATION_NS: u64 = 24 * 3600 * 1_000_000_000;
-const ICMP_PORT_UNREACH: u8 = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Hook {
@@ -149,6 +145,21 @@ pub fn proxy_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn proxy_egress(ctx: TcContext) -> i32 {
     run(&ctx, Hook::Egress)
+}
+
+#[classifier]
+pub fn proxy_refuse(ctx: TcContext) -> i32 {
+    refuse::run(&ctx)
+}
+
+#[classifier]
+pub fn proxy_ingress6(ctx: TcContext) -> i32 {
+    ipv6::run(&ctx, Hook::Ingress)
+}
+
+#[classifier]
+pub fn proxy_egress6(ctx: TcContext) -> i32 {
+    ipv6::run(&ctx, Hook::Egress)
 }
 
 #[cgroup_sock_addr(connect4)]
@@ -254,6 +265,16 @@ fn run(ctx: &TcContext, hook: Hook) -> i32 {
 
 #[inline(always)]
 fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
+    if read::<u16>(ctx, 12) == Some(ipv6::ETH_P_IPV6.to_be()) {
+        let index = match hook {
+            Hook::Ingress => tail_calls::INGRESS6,
+            Hook::Egress => tail_calls::EGRESS6,
+        };
+        // SAFETY: the slot holds a tc classifier of this object or nothing; on failure
+        // (no IPv6 program loaded) the packet continues as not ours.
+        unsafe { TAIL_CALLS.tail_call(ctx, index) };
+        return Ok(TC_ACT_UNSPEC);
+    }
     match parse(ctx) {
         Some(Parsed::Flow(pkt)) => {
             let verdict = try_translate(ctx, hook, &pkt)?;
@@ -409,7 +430,7 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
             u32::from_be(pkt.key.daddr),
             u16::from_be(pkt.key.dport)
         );
-        return refuse(ctx, pkt, hook);
+        return refuse(ctx);
     }
     let now = unsafe { bpf_ktime_get_ns() };
     new_flow(ctx, pkt, &header, now)
@@ -1490,6 +1511,15 @@ enum Side {
 /// Rewrites one end of the packet (address and port) and fixes the IPv4 and L4 checksums
 /// with the kernel helpers, which also do the right thing for a checksum still to be
 /// completed by offload (CHECKSUM_PARTIAL) and for a packet-wide CHECKSUM_COMPLETE.
+/// Hands a packet for a service without endpoints to the refusal program (see `refuse`);
+/// returns only if that fails.
+#[inline(always)]
+fn refuse(ctx: &TcContext) -> Result<i32, Stat> {
+    // SAFETY: the slot holds a tc classifier of this object or nothing.
+    unsafe { TAIL_CALLS.tail_call(ctx, tail_calls::REFUSE) };
+    Err(Stat::RefuseFailed)
+}
+
 #[inline(always)]
 fn rewrite(
     ctx: &TcContext,
@@ -1530,126 +1560,6 @@ fn rewrite(
             .map_err(|_| Stat::RewriteFailed)?;
     }
     Ok(())
-}
-
-/// Answers a packet to a service without endpoints with ICMP port unreachable, as
-/// kube-proxy's REJECT rule does: TCP connects fail at once with ECONNREFUSED and UDP
-/// senders get the error on their next call, instead of waiting for a timeout.
-///
-/// The packet is turned into its own answer: trimmed (or zero-padded) to a fixed quote of
-/// its headers, given a new IPv4 + ICMP header in front, and sent back out of the interface
-/// it came from.
-#[inline(always)]
-fn refuse(ctx: &TcContext, pkt: &Packet, hook: Hook) -> Result<i32, Stat> {
-    // IP options would shift the quote; such packets to a ClusterIP are not worth the code.
-    if pkt.l4_off != ETH_HLEN + IPV4_HLEN {
-        return Err(Stat::RefuseFailed);
-    }
-    let quoted_len = (IPV4_HLEN + REFUSAL_QUOTED_L4) as u32;
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, ETH_HLEN as u32 + quoted_len, 0) } != 0 {
-        return Err(Stat::RefuseFailed);
-    }
-    ctx.adjust_room((IPV4_HLEN + ICMP_HLEN) as i32, BPF_ADJ_ROOM_MAC, 0)
-        .map_err(|_| Stat::RefuseFailed)?;
-
-    let start = ctx.data();
-    if start + REFUSAL_LEN > ctx.data_end() {
-        return Err(Stat::RefuseFailed);
-    }
-    let p = start as *mut u8;
-    // SAFETY: all writes below are within the REFUSAL_LEN bytes checked above.
-    unsafe {
-        // Ethernet: back to where it came from.
-        for i in 0..6 {
-            let d = *p.add(i);
-            *p.add(i) = *p.add(6 + i);
-            *p.add(6 + i) = d;
-        }
-        let ip = p.add(ETH_HLEN);
-        let fields: [u8; 12] = [
-            0x45,
-            0xc0, // precedence "internetwork control", as the kernel's own ICMP errors
-            0,
-            (REFUSAL_LEN - ETH_HLEN) as u8,
-            0,
-            0,
-            0x40, // don't fragment
-            0,
-            64,
-            1, // ICMP
-            0,
-            0,
-        ];
-        for (i, b) in fields.iter().enumerate() {
-            *ip.add(i) = *b;
-        }
-        // From the service address the client tried, to the client.
-        (ip.add(12) as *mut u32).write_unaligned(pkt.key.daddr);
-        (ip.add(16) as *mut u32).write_unaligned(pkt.key.saddr);
-        let ip_csum = fold(sum16(ip, IPV4_HLEN));
-        (ip.add(10) as *mut u16).write_unaligned(ip_csum);
-
-        let icmp = ip.add(IPV4_HLEN);
-        for i in 0..ICMP_HLEN {
-            *icmp.add(i) = 0;
-        }
-        *icmp = ICMP_DEST_UNREACH;
-        *icmp.add(1) = ICMP_PORT_UNREACH;
-
-        // If the refused packet still had its checksum to be completed by offload
-        // (CHECKSUM_PARTIAL), the kernel may complete it on the way out: it sums the bytes
-        // from the old transport header (now the quoted one) to the end and stores the
-        // result in the quoted checksum field, behind the ICMP checksum's back. Give that
-        // field the one value such a completion leaves unchanged, so the ICMP checksum holds
-        // either way. Receivers of the error read only the quote's first 8 bytes.
-        let quoted_l4 = icmp.add(ICMP_HLEN + IPV4_HLEN);
-        let field = quoted_l4.add(if pkt.key.proto == IPPROTO_TCP {
-            TCP_CSUM_OFF
-        } else {
-            UDP_CSUM_OFF
-        }) as *mut u16;
-        field.write_unaligned(0);
-        field.write_unaligned(completion_fixed_point(sum16(quoted_l4, REFUSAL_QUOTED_L4)));
-        let icmp_csum = fold(sum16(icmp, ICMP_HLEN + IPV4_HLEN + REFUSAL_QUOTED_L4));
-        (icmp.add(2) as *mut u16).write_unaligned(icmp_csum);
-    }
-    bump(Stat::Refused);
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let flags = match hook {
-        Hook::Ingress => 0,
-        Hook::Egress => BPF_F_INGRESS as u64,
-    };
-    unsafe { bpf_redirect(ifindex, flags) };
-    Ok(TC_ACT_REDIRECT as i32)
-}
-
-/// One's-complement sum of `len` bytes (even) as 16-bit words in memory order.
-#[inline(always)]
-unsafe fn sum16(p: *const u8, len: usize) -> u32 {
-    let mut sum: u32 = 0;
-    let mut i = 0;
-    while i < len {
-        sum += (p.add(i) as *const u16).read_unaligned() as u32;
-        i += 2;
-    }
-    sum
-}
-
-/// The 16-bit value F with `!fold(rest + F) == F`: a checksum field holding it is unchanged
-/// when the kernel completes a partial checksum over a region whose other words sum to `rest`.
-/// In one's-complement arithmetic (mod 0xffff) that is 2F = -rest, and 2 has the inverse
-/// 0x8000 (2 * 0x8000 = 0x10000 = 1).
-#[inline(always)]
-fn completion_fixed_point(rest: u32) -> u16 {
-    let rest = !fold(rest) as u64; // folded sum of the other words
-    (((0xffff - rest) * 0x8000) % 0xffff) as u16
-}
-
-#[inline(always)]
-fn fold(mut sum: u32) -> u16 {
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    !(sum as u16)
 }
 
 #[cfg(not(test))]

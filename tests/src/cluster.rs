@@ -10,13 +10,16 @@
 //!   node-1 pods 10.244.1.0/24 (lxc*), node-2 pods 10.244.2.0/24 (lxc*)
 //! ```
 //!
+//! The lab is dual-stack: every address above has an IPv6 twin ([`v6`]: 10.a.b.c becomes
+//! fd00:10:a:b::c), with the same routes, so IPv4 and IPv6 services run side by side.
+//!
 //! Backend pods answer TCP on 8080 and 8081 and UDP on 5353 with a greeting that says who
 //! answered, on which port, and which source address they saw (so tests can check
 //! source NAT and source preservation).
 
 use std::{
     io::{BufRead, BufReader, Write},
-    net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::AsRawFd,
     path::{Path, PathBuf},
     sync::{
@@ -36,6 +39,13 @@ use crate::lab::{
 pub const TCP_PORTS: [u16; 2] = [8080, 8081];
 pub const UDP_PORT: u16 = 5353;
 
+/// The IPv6 twin of a lab address: 10.a.b.c becomes fd00:10:a:b::c.
+pub fn v6(v4: Ipv4Addr) -> Ipv6Addr {
+    let [ten, a, b, c] = v4.octets();
+    let hex = |x: u8| u16::from_str_radix(&x.to_string(), 16).expect("decimal digits read as hex");
+    Ipv6Addr::new(0xfd00, hex(ten), hex(a), hex(b), 0, 0, 0, hex(c))
+}
+
 /// Where an external client sits: on each node's external link.
 pub fn external_client_ip(node: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 250, node, 2)
@@ -49,6 +59,7 @@ pub fn other_external_client_ip(node: u8) -> Ipv4Addr {
 /// Addresses routed to node-1 from the external namespace: external IPs and load-balancer
 /// IPs in tests live here.
 pub const EXTERNAL_RANGE: &str = "10.252.0.0/24";
+pub const EXTERNAL_RANGE6: &str = "fd00:10:252::/64";
 
 pub struct ClusterNode {
     pub name: String,
@@ -83,7 +94,7 @@ pub struct ClusterPod {
 pub struct Hello {
     pub pod: String,
     /// The peer address the backend saw (the client, or the node that source-NATed it).
-    pub from: SocketAddrV4,
+    pub from: SocketAddr,
     /// The backend's local port.
     pub port: u16,
 }
@@ -149,6 +160,9 @@ impl Cluster {
         for index in 1..=2u8 {
             let ns = Netns::create(&format!("{id}-n{index}"))?;
             ns.sysctl("net.ipv4.ip_forward=1")?;
+            ns.sysctl("net.ipv6.conf.all.forwarding=1")?;
+            // Static lab addresses need no duplicate detection (it would delay them by seconds).
+            ns.sysctl("net.ipv6.conf.default.accept_dad=0")?;
             let node_dir = dir.path().join(format!("node-{index}"));
             std::fs::create_dir_all(&node_dir)?;
             let ext_if = format!("eth{index}");
@@ -166,6 +180,7 @@ impl Cluster {
                 &external.name,
             ])?;
             ns.ip(&["addr", "add", &format!("{external_ip}/24"), "dev", "ext0"])?;
+            add_v6(&ns, external_ip, 64, "ext0")?;
             ns.ip(&["link", "set", "ext0", "up"])?;
             ns.ip(&[
                 "route",
@@ -173,6 +188,14 @@ impl Cluster {
                 "default",
                 "via",
                 &external_client_ip(index).to_string(),
+            ])?;
+            ns.ip(&[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &v6(external_client_ip(index)).to_string(),
             ])?;
             external.ip(&[
                 "addr",
@@ -188,6 +211,8 @@ impl Cluster {
                 "dev",
                 &ext_if,
             ])?;
+            add_v6(&external, external_client_ip(index), 64, &ext_if)?;
+            add_v6(&external, other_external_client_ip(index), 64, &ext_if)?;
             external.ip(&["link", "set", &ext_if, "up"])?;
             let cgroup = cgroup_mount.join(format!("{id}-n{index}"));
             std::fs::create_dir_all(&cgroup)
@@ -207,6 +232,14 @@ impl Cluster {
         }
         // External IPs and load-balancer IPs arrive at node-1, as a router would send them.
         external.ip(&["route", "add", EXTERNAL_RANGE, "via", "10.250.1.1"])?;
+        external.ip(&[
+            "-6",
+            "route",
+            "add",
+            EXTERNAL_RANGE6,
+            "via",
+            &v6(Ipv4Addr::new(10, 250, 1, 1)).to_string(),
+        ])?;
         // The link between the nodes, and each node's route to the other's pods.
         nodes[0].ns.ip(&[
             "link",
@@ -229,9 +262,19 @@ impl Cluster {
                 "dev",
                 "fab0",
             ])?;
+            add_v6(&node.ns, node.internal_ip, 64, "fab0")?;
             node.ns.ip(&["link", "set", "fab0", "up"])?;
             let other_pods = format!("10.244.{}.0/24", 2 - i);
             node.ns.ip(&["route", "add", &other_pods, "via", other])?;
+            let other_v6 = v6(Ipv4Addr::new(10, 251, 0, 2 - i as u8));
+            node.ns.ip(&[
+                "-6",
+                "route",
+                "add",
+                &format!("fd00:10:244:{}::/64", 2 - i),
+                "via",
+                &other_v6.to_string(),
+            ])?;
         }
         let mut cluster = Cluster {
             id,
@@ -267,6 +310,7 @@ impl Cluster {
         let node_ns = &self.nodes[node as usize - 1].ns;
         let host_if = format!("lxc{}", self.pods.iter().filter(|p| p.node == node).count());
         crate::lab::wire_pod(node_ns, &ns, &host_if, ip)?;
+        wire_pod_v6(node_ns, &ns, &host_if, v6(ip))?;
         self.pods.push(ClusterPod {
             name: name.into(),
             ip,
@@ -284,18 +328,27 @@ impl Cluster {
         let stop2 = stop.clone();
         let handle = pod.ns.spawn(move || -> Result<()> {
             let mut tcp = Vec::new();
-            for port in TCP_PORTS {
-                let l = TcpListener::bind(("0.0.0.0", port))?;
-                l.set_nonblocking(true)?;
-                tcp.push(l);
+            let mut udp = Vec::new();
+            // One socket per family (the pod has bindv6only set), so IPv4 peers are
+            // reported as IPv4 addresses.
+            for any in [
+                IpAddr::from(Ipv4Addr::UNSPECIFIED),
+                Ipv6Addr::UNSPECIFIED.into(),
+            ] {
+                for port in TCP_PORTS {
+                    let l = TcpListener::bind((any, port))?;
+                    l.set_nonblocking(true)?;
+                    tcp.push(l);
+                }
+                let u = UdpSocket::bind((any, UDP_PORT))?;
+                u.set_nonblocking(true)?;
+                udp.push(u);
             }
-            let udp = UdpSocket::bind(("0.0.0.0", UDP_PORT))?;
-            udp.set_nonblocking(true)?;
             ready_tx.send(()).ok();
             let mut fds: Vec<libc::pollfd> = tcp
                 .iter()
                 .map(|l| l.as_raw_fd())
-                .chain([udp.as_raw_fd()])
+                .chain(udp.iter().map(|u| u.as_raw_fd()))
                 .map(|fd| libc::pollfd {
                     fd,
                     events: libc::POLLIN,
@@ -314,13 +367,16 @@ impl Cluster {
                         std::thread::spawn(move || serve_tcp(stream, &name));
                     }
                 }
-                while let Ok((n, from)) = udp.recv_from(&mut buf) {
-                    // Large datagrams are echoed with the greeting in front (fragment tests).
-                    let mut reply = format!("{name} {from} {UDP_PORT}\n").into_bytes();
-                    if n > 100 {
-                        reply.extend_from_slice(&buf[..n]);
+                for udp in &udp {
+                    while let Ok((n, from)) = udp.recv_from(&mut buf) {
+                        // Large datagrams are echoed with the greeting in front (fragment
+                        // tests).
+                        let mut reply = format!("{name} {from} {UDP_PORT}\n").into_bytes();
+                        if n > 100 {
+                            reply.extend_from_slice(&buf[..n]);
+                        }
+                        let _ = udp.send_to(&reply, from);
                     }
-                    let _ = udp.send_to(&reply, from);
                 }
             }
             Ok(())
@@ -348,8 +404,8 @@ impl Cluster {
             .iter()
             .map(|n| {
                 format!(
-                    "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\n  labels: {{topology.kubernetes.io/zone: z{}}}\nstatus:\n  addresses:\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n---\n",
-                    n.name, n.index, n.internal_ip, n.external_ip
+                    "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\n  labels: {{topology.kubernetes.io/zone: z{}}}\nstatus:\n  addresses:\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n---\n",
+                    n.name, n.index, n.internal_ip, v6(n.internal_ip), n.external_ip, v6(n.external_ip)
                 )
             })
             .collect()
@@ -509,6 +565,54 @@ impl Drop for Cluster {
     }
 }
 
+/// Adds the IPv6 twin of `v4` with `prefix` to `dev` (no duplicate detection: lab addresses
+/// are unique by construction).
+fn add_v6(ns: &Netns, v4: Ipv4Addr, prefix: u8, dev: &str) -> Result<()> {
+    ns.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{}/{prefix}", v6(v4)),
+        "dev",
+        dev,
+        "nodad",
+    ])
+    .map(|_| ())
+}
+
+/// The IPv6 half of a pod's wiring (see `lab::wire_pod`): the pod's /128, a route to it on
+/// the node, and the pod's default route via a link-local gateway address the node holds on
+/// every pod interface, as Calico does with IPv4's 169.254.1.1.
+fn wire_pod_v6(node: &Netns, pod: &Netns, host_if: &str, ip: Ipv6Addr) -> Result<()> {
+    const GATEWAY: &str = "fe80::1";
+    node.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{GATEWAY}/64"),
+        "dev",
+        host_if,
+        "nodad",
+    ])?;
+    node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", host_if])?;
+    // Each family gets its own sockets, so IPv4 peers are not shown as ::ffff:a.b.c.d.
+    pod.sysctl("net.ipv6.bindv6only=1")?;
+    pod.sysctl("net.ipv6.conf.eth0.accept_dad=0")?;
+    pod.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{ip}/128"),
+        "dev",
+        "eth0",
+        "nodad",
+    ])?;
+    pod.ip(&[
+        "-6", "route", "add", "default", "via", GATEWAY, "dev", "eth0",
+    ])?;
+    Ok(())
+}
+
 /// Removes node cgroups that labs of killed runs left (named after their process).
 fn sweep_stale_cgroups(mount: &Path) {
     let Ok(entries) = std::fs::read_dir(mount) else {
@@ -535,12 +639,13 @@ pub mod client {
 
     /// Connects (from `source` when given), reads the greeting.
     pub fn tcp_hello(
-        to: SocketAddrV4,
-        source: Option<Ipv4Addr>,
+        to: impl Into<SocketAddr>,
+        source: Option<IpAddr>,
         timeout: Duration,
     ) -> std::io::Result<Hello> {
+        let to: SocketAddr = to.into();
         let mut s = match source {
-            None => TcpStream::connect_timeout(&to.into(), timeout)?,
+            None => TcpStream::connect_timeout(&to, timeout)?,
             Some(ip) => {
                 let socket = socket_bound(ip, libc::SOCK_STREAM)?;
                 let std_socket: std::net::TcpStream = socket.into();
@@ -555,12 +660,18 @@ pub mod client {
 
     /// Sends one datagram of `size` bytes (from `source` when given); returns the answer.
     pub fn udp_hello(
-        to: SocketAddrV4,
-        source: Option<Ipv4Addr>,
+        to: impl Into<SocketAddr>,
+        source: Option<IpAddr>,
         size: usize,
         timeout: Duration,
     ) -> std::io::Result<(Hello, usize)> {
-        let s = UdpSocket::bind((source.unwrap_or(Ipv4Addr::UNSPECIFIED), 0))?;
+        let to: SocketAddr = to.into();
+        let local: IpAddr = match (source, to) {
+            (Some(ip), _) => ip,
+            (None, SocketAddr::V4(_)) => Ipv4Addr::UNSPECIFIED.into(),
+            (None, SocketAddr::V6(_)) => Ipv6Addr::UNSPECIFIED.into(),
+        };
+        let s = UdpSocket::bind((local, 0))?;
         s.connect(to)?;
         s.set_read_timeout(Some(timeout))?;
         s.send(&vec![b'x'; size.max(1)])?;
@@ -573,29 +684,59 @@ pub mod client {
         Ok((hello, n))
     }
 
-    fn socket_bound(ip: Ipv4Addr, kind: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+    /// `addr` as a C socket address, with its length.
+    fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+        // SAFETY: an all-zero sockaddr_storage is valid, and it is large and aligned enough
+        // for both sockaddr_in and sockaddr_in6.
+        let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let len = match addr {
+            SocketAddr::V4(a) => {
+                let sin = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as _,
+                    sin_port: a.port().to_be(),
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from(*a.ip()).to_be(),
+                    },
+                    sin_zero: [0; 8],
+                };
+                // SAFETY: see above.
+                unsafe { std::ptr::write(&mut storage as *mut _ as *mut libc::sockaddr_in, sin) };
+                std::mem::size_of::<libc::sockaddr_in>()
+            }
+            SocketAddr::V6(a) => {
+                let sin6 = libc::sockaddr_in6 {
+                    sin6_family: libc::AF_INET6 as _,
+                    sin6_port: a.port().to_be(),
+                    sin6_flowinfo: 0,
+                    sin6_addr: libc::in6_addr {
+                        s6_addr: a.ip().octets(),
+                    },
+                    sin6_scope_id: 0,
+                };
+                // SAFETY: see above.
+                unsafe { std::ptr::write(&mut storage as *mut _ as *mut libc::sockaddr_in6, sin6) };
+                std::mem::size_of::<libc::sockaddr_in6>()
+            }
+        };
+        (storage, len as libc::socklen_t)
+    }
+
+    fn socket_bound(ip: IpAddr, kind: i32) -> std::io::Result<std::os::fd::OwnedFd> {
         use std::os::fd::FromRawFd;
+        let family = if ip.is_ipv4() {
+            libc::AF_INET
+        } else {
+            libc::AF_INET6
+        };
+        let (addr, len) = sockaddr(SocketAddr::new(ip, 0));
         // SAFETY: plain socket/bind calls on a fresh descriptor that OwnedFd then owns.
         unsafe {
-            let fd = libc::socket(libc::AF_INET, kind | libc::SOCK_CLOEXEC, 0);
+            let fd = libc::socket(family, kind | libc::SOCK_CLOEXEC, 0);
             if fd < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
-            let addr = libc::sockaddr_in {
-                sin_family: libc::AF_INET as _,
-                sin_port: 0,
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from(ip).to_be(),
-                },
-                sin_zero: [0; 8],
-            };
-            if libc::bind(
-                fd,
-                &addr as *const _ as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_in>() as _,
-            ) != 0
-            {
+            if libc::bind(fd, &addr as *const _ as *const libc::sockaddr, len) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(owned)
@@ -604,25 +745,19 @@ pub mod client {
 
     fn connect_stream(
         stream: TcpStream,
-        to: SocketAddrV4,
+        to: SocketAddr,
         timeout: Duration,
     ) -> std::io::Result<TcpStream> {
-        let addr = libc::sockaddr_in {
-            sin_family: libc::AF_INET as _,
-            sin_port: to.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(*to.ip()).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
+        let (addr, len) = sockaddr(to);
         stream.set_write_timeout(Some(timeout))?;
-        // SAFETY: connect on the stream's own descriptor with a valid sockaddr_in. A blocking
-        // connect is bounded by the kernel's SYN retries; SO_SNDTIMEO bounds it further.
+        // SAFETY: connect on the stream's own descriptor with a valid socket address. A
+        // blocking connect is bounded by the kernel's SYN retries; SO_SNDTIMEO bounds it
+        // further.
         let rc = unsafe {
             libc::connect(
                 stream.as_raw_fd(),
                 &addr as *const _ as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_in>() as _,
+                len,
             )
         };
         if rc != 0 {

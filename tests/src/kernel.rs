@@ -1,7 +1,7 @@
 //! Loading the real datapath into the running kernel for `BPF_PROG_TEST_RUN` tests and
 //! benchmarks.
 
-use std::net::SocketAddrV4;
+use std::net::{SocketAddr, SocketAddrV4};
 
 use anyhow::{Context, Result};
 use aya::{
@@ -89,8 +89,9 @@ impl TestDatapath {
     }
 
     pub fn set_service(&mut self, frontend: Frontend, backends: &[SocketAddrV4]) -> Result<()> {
+        let backends: Vec<SocketAddr> = backends.iter().map(|b| SocketAddr::V4(*b)).collect();
         self.sync
-            .set(&frontend, backends)
+            .set(&frontend, &backends)
             .with_context(|| format!("programming {frontend}"))?;
         Ok(())
     }
@@ -104,11 +105,12 @@ impl TestDatapath {
         header: HeaderSettings,
         remote: &[SocketAddrV4],
     ) -> Result<()> {
-        let remote = remote.iter().copied().collect();
+        let remote = remote.iter().map(|b| SocketAddr::V4(*b)).collect();
+        let backends: Vec<SocketAddr> = backends.iter().map(|b| SocketAddr::V4(*b)).collect();
         let spec = FrontendSpec {
             header,
             remote: &remote,
-            ..FrontendSpec::new(backends)
+            ..FrontendSpec::new(&backends)
         };
         self.sync
             .set_with(&frontend, &spec)

@@ -11,6 +11,7 @@ pub const IPPROTO_UDP: u8 = 17;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_ACK: u8 = 0x10;
 pub const TCP_FIN: u8 = 0x01;
+pub const TCP_RST: u8 = 0x04;
 
 /// RFC 1071 one's-complement sum over `data` (big-endian 16-bit words, odd byte padded).
 pub fn ones_complement_sum(data: &[u8]) -> u32 {

@@ -6,14 +6,14 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::SocketAddrV4,
+    net::{IpAddr, SocketAddr, SocketAddrV4},
     time::Duration,
 };
 
 use proxy_tests::{
     cluster::{
-        client, external_client_ip, other_external_client_ip, Cluster, Hello, CLIENT, CLIENT_2,
-        CLIENT_IP,
+        client, external_client_ip, other_external_client_ip, v6, Cluster, Hello, CLIENT, CLIENT_2,
+        CLIENT_2_IP, CLIENT_IP,
     },
     require_kernel,
 };
@@ -106,6 +106,10 @@ conformance!(
     udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
     the_node_itself_reaches_cluster_ips,
     schedulers_chosen_by_annotation_keep_their_defining_property,
+    ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes,
+    dual_stack_service_serves_each_family_from_its_own_slices,
+    ipv6_service_without_endpoints_is_refused,
+    ipv6_node_port_reaches_backends_from_outside,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -159,6 +163,28 @@ fn slice(
     ports: &[(&str, &str, u16)],
     endpoints: &[(&str, &str)],
 ) -> String {
+    slice_of_family(cluster, false, svc, suffix, ports, endpoints)
+}
+
+/// [`slice`] of the pods' IPv6 addresses (`addressType: IPv6`).
+fn slice6(
+    cluster: &Cluster,
+    svc: &str,
+    suffix: &str,
+    ports: &[(&str, &str, u16)],
+    endpoints: &[(&str, &str)],
+) -> String {
+    slice_of_family(cluster, true, svc, suffix, ports, endpoints)
+}
+
+fn slice_of_family(
+    cluster: &Cluster,
+    ipv6: bool,
+    svc: &str,
+    suffix: &str,
+    ports: &[(&str, &str, u16)],
+    endpoints: &[(&str, &str)],
+) -> String {
     let ports: String = ports
         .iter()
         .map(|(n, proto, port)| format!("  - {{name: \"{n}\", protocol: {proto}, port: {port}}}\n"))
@@ -172,14 +198,16 @@ fn slice(
             } else {
                 extra
             };
+            let ip: IpAddr = if ipv6 { v6(p.ip).into() } else { p.ip.into() };
             format!(
-                "  - addresses: [\"{}\"]\n    nodeName: node-{}\n    {extra}\n",
-                p.ip, p.node
+                "  - addresses: [\"{ip}\"]\n    nodeName: node-{}\n    {extra}\n",
+                p.node
             )
         })
         .collect();
+    let family = if ipv6 { "IPv6" } else { "IPv4" };
     format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-{suffix}, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: IPv4\nports:\n{ports}endpoints:\n{eps}---\n"
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-{suffix}, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: {family}\nports:\n{ports}endpoints:\n{eps}---\n"
     )
 }
 
@@ -214,11 +242,11 @@ enum From<'a> {
 
 /// `n` exchanges from `from` to `to` (TCP connections, or UDP datagrams each from a new
 /// socket); the greetings. Any failure fails the test with both agents' logs.
-fn exchanges(c: &Cluster, from: From, udp: bool, to: SocketAddrV4, n: usize) -> Vec<Hello> {
+fn exchanges(c: &Cluster, from: From, udp: bool, to: SocketAddr, n: usize) -> Vec<Hello> {
     let logs = c.logs();
     let (ns, source) = match from {
         From::Pod(pod) => (&c.pod(pod).ns, None),
-        From::Outside(via) => (&c.external, Some(external_client_ip(via))),
+        From::Outside(via) => (&c.external, Some(outside_client(via, to))),
     };
     ns.run(move || {
         (0..n)
@@ -235,20 +263,28 @@ fn exchanges(c: &Cluster, from: From, udp: bool, to: SocketAddrV4, n: usize) -> 
     .unwrap()
 }
 
-fn tcp_from_pod(c: &Cluster, from: &str, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    exchanges(c, From::Pod(from), false, to, n)
+/// The external client's address on node `via`'s link, in the family of `to`.
+fn outside_client(via: u8, to: SocketAddr) -> IpAddr {
+    match to {
+        SocketAddr::V4(_) => external_client_ip(via).into(),
+        SocketAddr::V6(_) => v6(external_client_ip(via)).into(),
+    }
 }
 
-fn udp_from_pod(c: &Cluster, from: &str, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    exchanges(c, From::Pod(from), true, to, n)
+fn tcp_from_pod(c: &Cluster, from: &str, to: impl Into<SocketAddr>, n: usize) -> Vec<Hello> {
+    exchanges(c, From::Pod(from), false, to.into(), n)
 }
 
-fn tcp_from_outside(c: &Cluster, via: u8, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    exchanges(c, From::Outside(via), false, to, n)
+fn udp_from_pod(c: &Cluster, from: &str, to: impl Into<SocketAddr>, n: usize) -> Vec<Hello> {
+    exchanges(c, From::Pod(from), true, to.into(), n)
 }
 
-fn udp_from_outside(c: &Cluster, via: u8, to: SocketAddrV4, n: usize) -> Vec<Hello> {
-    exchanges(c, From::Outside(via), true, to, n)
+fn tcp_from_outside(c: &Cluster, via: u8, to: impl Into<SocketAddr>, n: usize) -> Vec<Hello> {
+    exchanges(c, From::Outside(via), false, to.into(), n)
+}
+
+fn udp_from_outside(c: &Cluster, via: u8, to: impl Into<SocketAddr>, n: usize) -> Vec<Hello> {
+    exchanges(c, From::Outside(via), true, to.into(), n)
 }
 
 fn pods(hellos: &[Hello]) -> BTreeSet<String> {
@@ -275,7 +311,7 @@ fn cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
     assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
     for h in &tcp {
         assert_eq!(
-            *h.from.ip(),
+            h.from.ip(),
             CLIENT_IP,
             "a pod's source address is kept: {h:?}"
         );
@@ -283,7 +319,7 @@ fn cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
     }
     let udp = udp_from_pod(&c, CLIENT, addr("10.96.0.10", 53), 60);
     assert_eq!(pods(&udp), set(&ALL), "{:?}", counts(&udp));
-    assert!(udp.iter().all(|h| *h.from.ip() == CLIENT_IP));
+    assert!(udp.iter().all(|h| h.from.ip() == CLIENT_IP));
     // From a pod on the other node too.
     let tcp = tcp_from_pod(&c, CLIENT_2, addr("10.96.0.10", 80), 30);
     assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
@@ -486,7 +522,7 @@ fn node_port_reaches_every_backend_from_outside_with_replies_through_the_node(mo
             } else {
                 node.internal_ip
             };
-            assert_eq!(*h.from.ip(), want, "via node-{via}: {h:?}");
+            assert_eq!(h.from.ip(), want, "via node-{via}: {h:?}");
         }
         let udp = udp_from_outside(&c, via, SocketAddrV4::new(node.external_ip, 30053), 60);
         assert_eq!(
@@ -511,7 +547,7 @@ fn external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_add
         assert_eq!(pods(&hellos), local, "via node-{via}");
         for h in &hellos {
             assert_eq!(
-                *h.from.ip(),
+                h.from.ip(),
                 external_client_ip(via),
                 "client address kept: {h:?}"
             );
@@ -568,7 +604,14 @@ fn external_ips_and_load_balancer_ips_are_served(mode: Mode) {
     // ipMode Proxy: the load balancer proxies to the nodes; the IP itself is not served.
     let proxied = c
         .external
-        .run(|| client::tcp_hello(addr("10.252.0.10", 80), Some(external_client_ip(1)), T).is_err())
+        .run(|| {
+            client::tcp_hello(
+                addr("10.252.0.10", 80),
+                Some(external_client_ip(1).into()),
+                T,
+            )
+            .is_err()
+        })
         .unwrap();
     assert!(proxied, "an ipMode: Proxy address must not be programmed");
 }
@@ -585,7 +628,7 @@ fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
     let outcome = c
         .external
         .run(move || {
-            client::tcp_hello(lb, Some(denied), Duration::from_secs(1)).map_err(|e| e.kind())
+            client::tcp_hello(lb, Some(denied.into()), Duration::from_secs(1)).map_err(|e| e.kind())
         })
         .unwrap();
     assert!(
@@ -701,7 +744,7 @@ fn a_pod_reaches_itself_through_its_service(mode: Mode) {
         assert_eq!(h.pod, "web-1a");
         // Its own address as the source would be dropped as a martian: it sees the
         // hairpin address instead.
-        assert_eq!(*h.from.ip(), hairpin, "{h:?}");
+        assert_eq!(h.from.ip(), hairpin, "{h:?}");
     }
     let hellos = tcp_from_pod(&c, "web-2a", addr("10.96.0.28", 80), 40);
     assert_eq!(pods(&hellos), set(&ALL), "{:?}", counts(&hellos));
@@ -733,7 +776,7 @@ fn fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
         .external
         .run(move || {
             (0..30)
-                .map(|_| client::udp_hello(to, Some(source), size, T))
+                .map(|_| client::udp_hello(to, Some(source.into()), size, T))
                 .collect::<Vec<_>>()
         })
         .unwrap();
@@ -766,7 +809,7 @@ fn masquerade_all_source_nats_every_service_flow(mode: Mode) {
     assert_eq!(pods(&hellos), set(&ALL));
     for h in &hellos {
         // Local backend or remote: every one sees the node.
-        assert_eq!(*h.from.ip(), c.node(1).internal_ip, "{h:?}");
+        assert_eq!(h.from.ip(), c.node(1).internal_ip, "{h:?}");
     }
 }
 
@@ -778,7 +821,7 @@ fn cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mo
     let vip = addr("10.96.0.31", 80);
     // From a pod (inside the cluster CIDR): the pod's own address.
     for h in tcp_from_pod(&c, CLIENT, vip, 30) {
-        assert_eq!(*h.from.ip(), CLIENT_IP, "{h:?}");
+        assert_eq!(h.from.ip(), CLIENT_IP, "{h:?}");
     }
     // From outside, routed to node-1: masqueraded whatever the backend, so replies return
     // through the node that translated.
@@ -788,7 +831,7 @@ fn cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mo
     let hellos = tcp_from_outside(&c, 1, vip, 40);
     assert_eq!(pods(&hellos), set(&ALL));
     for h in &hellos {
-        assert_eq!(*h.from.ip(), c.node(1).internal_ip, "{h:?}");
+        assert_eq!(h.from.ip(), c.node(1).internal_ip, "{h:?}");
     }
 }
 
@@ -1007,5 +1050,152 @@ fn schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
     for vip in ["10.96.0.52", "10.96.0.53"] {
         let hellos = tcp_from_pod(&c, CLIENT, addr(vip, 80), 12);
         assert_eq!(pods(&hellos).len(), 1, "{vip}: {:?}", counts(&hellos));
+    }
+}
+
+// --- IPv6 and dual-stack -------------------------------------------------------------------
+
+fn addr6(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
+}
+
+/// An IPv6-only Service `name` (TCP 80 -> 8080, UDP 53 -> 5353) with one IPv6 slice.
+fn ipv6_service(
+    c: &Cluster,
+    name: &str,
+    ip: &str,
+    spec: &str,
+    endpoints: &[(&str, &str)],
+) -> String {
+    service(
+        name,
+        ip,
+        &format!("  ipFamilies: [IPv6]\n  clusterIPs: [\"{ip}\"]\n{spec}"),
+        &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+    ) + &slice6(
+        c,
+        name,
+        "v6",
+        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+        endpoints,
+    )
+}
+
+fn ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
+    let c = cluster(mode, |c| {
+        ipv6_service(c, "web6", "fd00:10:96::10", "", &ready(&ALL))
+    });
+    let client6 = IpAddr::from(v6(CLIENT_IP));
+    let tcp = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::10", 80), 60);
+    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
+    for h in &tcp {
+        assert_eq!(
+            h.from.ip(),
+            client6,
+            "a pod's source address is kept: {h:?}"
+        );
+        assert_eq!(h.port, 8080);
+    }
+    let udp = udp_from_pod(&c, CLIENT, addr6("fd00:10:96::10", 53), 60);
+    assert_eq!(pods(&udp), set(&ALL), "{:?}", counts(&udp));
+    assert!(udp.iter().all(|h| h.from.ip() == client6), "{udp:?}");
+    let tcp = tcp_from_pod(&c, CLIENT_2, addr6("fd00:10:96::10", 80), 30);
+    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
+}
+
+fn dual_stack_service_serves_each_family_from_its_own_slices(mode: Mode) {
+    // The IPv4 slice lists two pods, the IPv6 slice a third: each family's cluster IP must
+    // lead to its own slice's endpoints only.
+    let c = cluster(mode, |c| {
+        service(
+            "dual",
+            "10.96.0.60",
+            "  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIPs: [\"10.96.0.60\", \"fd00:10:96::60\"]\n",
+            &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+        ) + &slice(
+            c,
+            "dual",
+            "v4",
+            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+            &ready(&["web-1a", "web-2a"]),
+        ) + &slice6(
+            c,
+            "dual",
+            "v6",
+            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+            &ready(&["web-2b"]),
+        )
+    });
+    let v4 = tcp_from_pod(&c, CLIENT, addr("10.96.0.60", 80), 30);
+    assert_eq!(pods(&v4), set(&["web-1a", "web-2a"]), "{:?}", counts(&v4));
+    let v6_tcp = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::60", 80), 20);
+    assert_eq!(pods(&v6_tcp), set(&["web-2b"]));
+    let v6_udp = udp_from_pod(&c, CLIENT_2, addr6("fd00:10:96::60", 53), 20);
+    assert_eq!(pods(&v6_udp), set(&["web-2b"]));
+    assert!(v6_udp
+        .iter()
+        .all(|h| h.from.ip() == IpAddr::from(v6(CLIENT_2_IP))));
+}
+
+fn ipv6_service_without_endpoints_is_refused(mode: Mode) {
+    let c = cluster(mode, |c| {
+        ipv6_service(
+            c,
+            "empty6",
+            "fd00:10:96::13",
+            "",
+            &[("web-1a", "conditions: {ready: false}")],
+        )
+    });
+    let (tcp, udp) = c
+        .pod(CLIENT)
+        .ns
+        .run(|| {
+            let started = std::time::Instant::now();
+            let tcp = client::tcp_hello(addr6("fd00:10:96::13", 80), None, T)
+                .map(|_| ())
+                .map_err(|e| (e.kind(), started.elapsed()));
+            let udp = client::udp_hello(addr6("fd00:10:96::13", 53), None, 10, T)
+                .map(|_| ())
+                .map_err(|e| e.kind());
+            (tcp, udp)
+        })
+        .unwrap();
+    let (kind, elapsed) = tcp.expect_err("TCP to an IPv6 service without endpoints");
+    assert_eq!(kind, std::io::ErrorKind::ConnectionRefused, "{}", c.logs());
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "refused at once: {elapsed:?}"
+    );
+    assert_eq!(
+        udp.expect_err("UDP to an IPv6 service without endpoints"),
+        std::io::ErrorKind::ConnectionRefused
+    );
+}
+
+fn ipv6_node_port_reaches_backends_from_outside(mode: Mode) {
+    let c = cluster(mode, |c| {
+        let ports = "  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}\n  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: 30053}\n";
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: np6, namespace: lab}}\nspec:\n  type: NodePort\n  externalTrafficPolicy: Local\n  ipFamilies: [IPv6]\n  clusterIPs: [\"fd00:10:96::21\"]\n  clusterIP: \"fd00:10:96::21\"\n  ports:\n{ports}---\n"
+        ) + &slice6(
+            c,
+            "np6",
+            "v6",
+            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+            &ready(&ALL),
+        )
+    });
+    for (via, local) in [(1u8, set(&["web-1a"])), (2, set(&["web-2a", "web-2b"]))] {
+        let node = IpAddr::from(v6(c.node(via).external_ip));
+        let client = IpAddr::from(v6(external_client_ip(via)));
+        let tcp = tcp_from_outside(&c, via, SocketAddr::new(node, 30080), 30);
+        assert_eq!(pods(&tcp), local, "TCP via node-{via}: {:?}", counts(&tcp));
+        assert!(
+            tcp.iter().all(|h| h.from.ip() == client),
+            "client address kept: {tcp:?}"
+        );
+        let udp = udp_from_outside(&c, via, SocketAddr::new(node, 30053), 20);
+        assert_eq!(pods(&udp), local, "UDP via node-{via}: {:?}", counts(&udp));
     }
 }

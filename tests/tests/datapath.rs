@@ -3,7 +3,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
 };
 
 use proxy_agent::{
@@ -14,7 +14,10 @@ use proxy_agent::{
 use proxy_common::Stat;
 use proxy_tests::{
     kernel::{Hook, TestDatapath, TC_ACT_REDIRECT, TC_ACT_UNSPEC},
-    packet::{parse, PacketSpec, ETH_HLEN, IPPROTO_ICMP, L4, TCP_ACK, TCP_FIN, TCP_SYN},
+    packet::{
+        parse, PacketSpec, ETH_HLEN, IPPROTO_ICMP, IPPROTO_TCP, L4, TCP_ACK, TCP_FIN, TCP_RST,
+        TCP_SYN,
+    },
     require_kernel,
 };
 
@@ -43,7 +46,7 @@ fn datapath() -> TestDatapath {
     let mut dp = TestDatapath::load(small()).expect("load datapath");
     for protocol in [Protocol::Tcp, Protocol::Udp] {
         let f = Frontend {
-            addr: VIP,
+            addr: VIP.into(),
             port: 80,
             protocol,
         };
@@ -51,7 +54,7 @@ fn datapath() -> TestDatapath {
     }
     for protocol in [Protocol::Tcp, Protocol::Udp] {
         let f = Frontend {
-            addr: DEAD_VIP,
+            addr: DEAD_VIP.into(),
             port: 80,
             protocol,
         };
@@ -181,7 +184,7 @@ fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_eg
         .unwrap();
     for protocol in [Protocol::Tcp, Protocol::Udp] {
         let f = Frontend {
-            addr: node_external,
+            addr: node_external.into(),
             port: 30080,
             protocol,
         };
@@ -243,7 +246,7 @@ fn local_policy_without_local_endpoints_drops_instead_of_refusing() {
     require_kernel!();
     let mut dp = TestDatapath::load(small()).expect("load datapath");
     let f = Frontend {
-        addr: DEAD_VIP,
+        addr: DEAD_VIP.into(),
         port: 80,
         protocol: Protocol::Tcp,
     };
@@ -288,11 +291,10 @@ fn packets_not_for_a_service_leave_byte_identical_with_next_verdict() {
 }
 
 #[test]
-fn service_without_endpoints_is_refused_with_icmp_port_unreachable() {
+fn udp_to_a_service_without_endpoints_is_refused_with_icmp_port_unreachable() {
     require_kernel!();
     let dp = datapath();
     for spec in [
-        PacketSpec::tcp(CLIENT, 43000, DEAD_VIP, 80, TCP_SYN),
         PacketSpec::udp(CLIENT, 43001, DEAD_VIP, 80, &[7u8; 100]),
         PacketSpec::udp(CLIENT, 43002, DEAD_VIP, 80, b"q"),
     ] {
@@ -327,16 +329,80 @@ fn service_without_endpoints_is_refused_with_icmp_port_unreachable() {
         let quoted = &p.l4[8..];
         let original_ip = &frame[ETH_HLEN..ETH_HLEN + 20];
         assert_eq!(&quoted[..20], original_ip, "quoted IPv4 header");
-        // Ports, and the TCP sequence number or the UDP length: what the client's kernel
-        // uses to find the socket. (The quoted UDP checksum field is rewritten, below.)
-        let kept = if spec.proto() == 6 { 28 } else { 26 };
+        // Ports and the UDP length: what the client's kernel uses to find the socket. (The
+        // quoted UDP checksum field is rewritten.)
         assert_eq!(
-            &quoted[20..kept],
-            &frame[ETH_HLEN + 20..ETH_HLEN + kept],
+            &quoted[20..26],
+            &frame[ETH_HLEN + 20..ETH_HLEN + 26],
             "quoted ports"
         );
     }
-    assert_eq!(stat(&dp, Stat::Refused), 3);
+    assert_eq!(stat(&dp, Stat::Refused), 2);
+}
+
+#[test]
+fn tcp_to_a_service_without_endpoints_is_reset() {
+    require_kernel!();
+    let dp = datapath();
+    // A SYN: reset and acknowledged (its sequence number plus one).
+    let syn = PacketSpec::tcp(CLIENT, 43000, DEAD_VIP, 80, TCP_SYN);
+    let frame = syn.build();
+    let (verdict, out) = dp.run(Hook::Ingress, &frame).unwrap();
+    assert_eq!(verdict, TC_ACT_REDIRECT, "back out of the interface");
+    let p = parse(&out);
+    assert_eq!(p.proto, IPPROTO_TCP);
+    assert_eq!(
+        (p.src, p.dst),
+        (DEAD_VIP, CLIENT),
+        "from the service to the client"
+    );
+    assert_eq!((p.sport, p.dport), (80, 43000));
+    assert_eq!(
+        &out[0..6],
+        &frame[6..12],
+        "Ethernet destination is the sender"
+    );
+    assert_eq!(p.l4.len(), 20, "a bare TCP header");
+    let seq = u32::from_be_bytes(frame[ETH_HLEN + 24..ETH_HLEN + 28].try_into().unwrap());
+    assert_eq!(u32::from_be_bytes(p.l4[4..8].try_into().unwrap()), 0);
+    assert_eq!(
+        u32::from_be_bytes(p.l4[8..12].try_into().unwrap()),
+        seq.wrapping_add(1),
+        "acknowledges the SYN"
+    );
+    assert_eq!(p.l4[13], TCP_RST | TCP_ACK);
+    assert!(p.ip_checksum_ok(), "IPv4 checksum of the reset");
+    assert!(p.l4_checksum_ok(), "TCP checksum of the reset");
+    // Were the sender's offload to complete the checksum on the way out (summing the TCP
+    // header, checksum field included, and storing the complement), the field would keep
+    // its value.
+    assert_eq!(
+        proxy_tests::packet::checksum(&p.l4),
+        u16::from_be_bytes([p.l4[16], p.l4[17]]),
+        "a completed checksum equals the one written"
+    );
+
+    // An ACK (a stale flow's packet): the reset takes the acknowledged number as its own.
+    let mut ack = PacketSpec::tcp(CLIENT, 43001, DEAD_VIP, 80, TCP_ACK);
+    ack.payload = b"hello".to_vec();
+    let mut frame = ack.build();
+    frame[ETH_HLEN + 28..ETH_HLEN + 32].copy_from_slice(&0xdead_beefu32.to_be_bytes());
+    let (verdict, out) = dp.run(Hook::Ingress, &frame).unwrap();
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let p = parse(&out);
+    assert_eq!(p.l4[13], TCP_RST, "no ACK flag");
+    assert_eq!(
+        &p.l4[4..8],
+        &frame[ETH_HLEN + 28..ETH_HLEN + 32],
+        "seq = their ack"
+    );
+    assert!(p.l4_checksum_ok());
+
+    // A reset is never answered.
+    let rst = PacketSpec::tcp(CLIENT, 43002, DEAD_VIP, 80, TCP_RST);
+    let (verdict, _) = dp.run(Hook::Ingress, &rst.build()).unwrap();
+    assert_eq!(verdict, proxy_tests::kernel::TC_ACT_SHOT);
+    assert_eq!(stat(&dp, Stat::Refused), 2);
 }
 
 #[test]
@@ -380,7 +446,7 @@ fn removed_backend_moves_its_flows_and_kept_backends_keep_theirs() {
     require_kernel!();
     let mut dp = datapath();
     let f = Frontend {
-        addr: VIP,
+        addr: VIP.into(),
         port: 80,
         protocol: Protocol::Udp,
     };
@@ -527,7 +593,7 @@ fn evictions_from_a_full_conntrack_map_are_counted_and_rebalancing_is_not() {
     })
     .expect("load datapath");
     let f = Frontend {
-        addr: VIP,
+        addr: VIP.into(),
         port: 80,
         protocol: Protocol::Udp,
     };
@@ -590,7 +656,7 @@ fn traffic_is_counted_per_service_port_in_both_directions() {
     require_kernel!();
     let dp = datapath();
     let tcp = Frontend {
-        addr: VIP,
+        addr: VIP.into(),
         port: 80,
         protocol: Protocol::Tcp,
     };
@@ -632,7 +698,7 @@ fn per_backend_counters_count_only_when_switched_on_at_load() {
         )
         .unwrap();
         let f = Frontend {
-            addr: VIP,
+            addr: VIP.into(),
             port: 80,
             protocol: Protocol::Tcp,
         };
@@ -642,7 +708,7 @@ fn per_backend_counters_count_only_when_switched_on_at_load() {
         let id = dp
             .sync
             .backend_ids()
-            .find(|(_, addr, _)| *addr == backend)
+            .find(|(_, addr, _)| *addr == SocketAddr::V4(backend))
             .map(|(_, _, id)| id)
             .unwrap();
         let s = dp.datapath.backend_stats(&[id]).unwrap()[0];
@@ -684,8 +750,11 @@ fn set_scheduled(
     backends: &[SocketAddrV4],
     weights: &std::collections::BTreeMap<Ipv4Addr, u16>,
 ) {
+    let backends = v4_only(backends);
+    let weights: std::collections::BTreeMap<std::net::IpAddr, u16> =
+        weights.iter().map(|(a, w)| ((*a).into(), *w)).collect();
     let f = Frontend {
-        addr: VIP,
+        addr: VIP.into(),
         port: 81,
         protocol: Protocol::Tcp,
     };
@@ -694,8 +763,8 @@ fn set_scheduled(
             flags: scheduler << proxy_common::SERVICE_SCHEDULER_SHIFT,
             affinity_timeout: 0,
         },
-        weights,
-        ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(backends)
+        weights: &weights,
+        ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(&backends)
     };
     dp.sync.set_with(&f, &spec).unwrap();
 }
@@ -853,6 +922,9 @@ fn active(dp: &TestDatapath) -> std::collections::BTreeMap<SocketAddrV4, i64> {
         .map(|(_, addr, id)| {
             let slot = id & proxy_common::BACKEND_INDEX_MASK;
             let n = read("BACKEND_CONNS", slot).wrapping_sub(read("BACKEND_RELEASED", slot));
+            let SocketAddr::V4(addr) = addr else {
+                unreachable!("IPv4 frontend")
+            };
             (addr, n as i64)
         })
         .collect()
@@ -931,16 +1003,17 @@ fn expired_flows_stop_counting_once_collected() {
         .unwrap();
     // A UDP frontend on the same address and port.
     let f = Frontend {
-        addr: VIP,
+        addr: VIP.into(),
         port: 81,
         protocol: Protocol::Udp,
     };
+    let v4_backends = v4_only(&backends);
     let spec = proxy_agent::proxier::ebpf::sync::FrontendSpec {
         header: HeaderSettings {
             flags: scheduler::LC << proxy_common::SERVICE_SCHEDULER_SHIFT,
             affinity_timeout: 0,
         },
-        ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(&backends)
+        ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(&v4_backends)
     };
     dp.sync.set_with(&f, &spec).unwrap();
     let udp_active = |dp: &TestDatapath| -> i64 {
@@ -1016,4 +1089,8 @@ fn lblcr_grows_a_server_set_under_load_and_prefers_its_least_loaded_member() {
         dp.run(Hook::Ingress, &fin.build()).unwrap();
     }
     assert_eq!(chosen(&dp, CLIENT, 39005), picks[0]);
+}
+
+fn v4_only(backends: &[SocketAddrV4]) -> Vec<SocketAddr> {
+    backends.iter().map(|b| SocketAddr::V4(*b)).collect()
 }

@@ -8,7 +8,7 @@ pub mod objects;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::Arc,
 };
 
@@ -42,20 +42,53 @@ pub struct ObjectStore {
     pub slices: BTreeMap<ObjectName, (SliceInfo, Origin)>,
 }
 
-/// Identity of one port of one Service, as kube-proxy's `ServicePortName`.
+/// An IP family. A dual-stack Service is served as two independent service ports, one per
+/// family, as kube-proxy runs one proxier per family: each has its own cluster IP, its own
+/// EndpointSlices (they are per address type) and its own frontends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IpFamily {
+    #[default]
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(addr: IpAddr) -> Self {
+        match addr {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+
+    pub fn address_type(self) -> AddressType {
+        match self {
+            IpFamily::V4 => AddressType::IPv4,
+            IpFamily::V6 => AddressType::IPv6,
+        }
+    }
+}
+
+/// Identity of one port of one Service in one IP family, as kube-proxy's `ServicePortName`
+/// (which is per family because its proxiers are).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServicePortName {
     pub service: ObjectName,
     pub port: String,
     pub protocol: Protocol,
+    pub family: IpFamily,
 }
 
 impl fmt::Display for ServicePortName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.port.is_empty() {
-            write!(f, "{}/{}", self.service, self.protocol)
+            write!(f, "{}/{}", self.service, self.protocol)?;
         } else {
-            write!(f, "{}:{}/{}", self.service, self.port, self.protocol)
+            write!(f, "{}:{}/{}", self.service, self.port, self.protocol)?;
+        }
+        // IPv4 keeps kube-proxy's spelling; the IPv6 half of a dual-stack Service is marked.
+        match self.family {
+            IpFamily::V4 => Ok(()),
+            IpFamily::V6 => f.write_str(" (IPv6)"),
         }
     }
 }
@@ -63,14 +96,25 @@ impl fmt::Display for ServicePortName {
 /// An address:port:protocol that clients connect to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frontend {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
 }
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)
+        write!(
+            f,
+            "{}/{}",
+            SocketAddr::new(self.addr, self.port),
+            self.protocol
+        )
+    }
+}
+
+impl Frontend {
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(self.addr)
     }
 }
 
@@ -80,7 +124,8 @@ impl fmt::Display for Frontend {
 pub struct NodeContext {
     pub name: String,
     pub zone: Option<String>,
-    pub node_port_addresses: Vec<Ipv4Addr>,
+    /// Both families; each service port uses those of its own.
+    pub node_port_addresses: Vec<IpAddr>,
     /// The source address of masqueraded flows: the node's first IPv4 InternalIP.
     pub masquerade_addr: Option<Ipv4Addr>,
     /// `masqueradeAll`: every service flow is source-NATed to the node.
@@ -105,31 +150,33 @@ impl NodeContext {
         name: &str,
         node: Option<&NodeInfo>,
         filter: &[NodePortAddress],
-        local: &[Ipv4Addr],
+        local: &[IpAddr],
     ) -> Self {
-        let node_v4 = |only_internal: bool| -> Vec<Ipv4Addr> {
+        let node_addresses = |only_internal: bool| -> Vec<IpAddr> {
             node.into_iter()
                 .flat_map(|n| n.addresses.iter())
                 .filter(|(kind, _)| !only_internal || kind == "InternalIP")
-                .filter_map(|(_, a)| match a {
-                    IpAddr::V4(v4) => Some(*v4),
-                    IpAddr::V6(_) => None,
-                })
+                .map(|(_, a)| *a)
                 .collect()
         };
-        let mut addresses: BTreeSet<Ipv4Addr> = BTreeSet::new();
+        // Link-local IPv6 addresses need a zone to be reached: never NodePort addresses.
+        let usable = |a: &&IpAddr| match a {
+            IpAddr::V4(v4) => !v4.is_loopback(),
+            IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
+        };
+        let mut addresses: BTreeSet<IpAddr> = BTreeSet::new();
         if filter.is_empty() {
             if node.is_some() {
-                addresses.extend(node_v4(false));
+                addresses.extend(node_addresses(false));
             } else {
-                addresses.extend(local.iter().filter(|a| !a.is_loopback()));
+                addresses.extend(local.iter().filter(usable));
             }
         } else {
             for f in filter {
                 match f {
-                    NodePortAddress::Primary => addresses.extend(node_v4(true)),
+                    NodePortAddress::Primary => addresses.extend(node_addresses(true)),
                     NodePortAddress::Cidr(c) => {
-                        addresses.extend(local.iter().filter(|a| c.contains(IpAddr::V4(**a))))
+                        addresses.extend(local.iter().filter(usable).filter(|a| c.contains(**a)))
                     }
                 }
             }
@@ -138,15 +185,18 @@ impl NodeContext {
             name: name.to_string(),
             zone: node.and_then(|n| n.zone.clone()),
             node_port_addresses: addresses.into_iter().collect(),
-            masquerade_addr: node_v4(true).first().copied(),
+            masquerade_addr: node_addresses(true).into_iter().find_map(|a| match a {
+                IpAddr::V4(v4) => Some(v4),
+                IpAddr::V6(_) => None,
+            }),
             masquerade_all: false,
             default_scheduler: Scheduler::default(),
         }
     }
 }
 
-/// The IPv4 addresses of this network namespace's interfaces.
-pub fn local_ipv4_addresses() -> Vec<Ipv4Addr> {
+/// The IPv4 and IPv6 addresses of this network namespace's interfaces.
+pub fn local_addresses() -> Vec<IpAddr> {
     let mut found = Vec::new();
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `list` with a linked list that freeifaddrs releases; each
@@ -160,7 +210,12 @@ pub fn local_ipv4_addresses() -> Vec<Ipv4Addr> {
             let addr = (*cur).ifa_addr;
             if !addr.is_null() && (*addr).sa_family as i32 == libc::AF_INET {
                 let sin = &*(addr as *const libc::sockaddr_in);
-                found.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+                found.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                    sin.sin_addr.s_addr,
+                ))));
+            } else if !addr.is_null() && (*addr).sa_family as i32 == libc::AF_INET6 {
+                let sin6 = &*(addr as *const libc::sockaddr_in6);
+                found.push(IpAddr::V6(sin6.sin6_addr.s6_addr.into()));
             }
             cur = (*cur).ifa_next;
         }
@@ -201,10 +256,10 @@ pub struct FrontendState {
     pub frontend: Frontend,
     pub kind: FrontendKind,
     /// Endpoints that take new connections, sorted and without duplicates.
-    pub backends: Vec<SocketAddrV4>,
+    pub backends: Vec<SocketAddr>,
     /// Endpoints still listed but not ready (terminating, or failing readiness): no new
     /// connections, but established ones continue until the endpoint is gone.
-    pub draining: Vec<SocketAddrV4>,
+    pub draining: Vec<SocketAddr>,
     pub when_empty: WhenEmpty,
     /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
     pub source_ranges: Vec<Cidr>,
@@ -223,16 +278,16 @@ pub struct ServicePortState {
     pub frontend: Frontend,
     /// Endpoints for cluster-IP traffic (after `internalTrafficPolicy` and topology), sorted.
     /// Empty means refuse or drop, as `when_empty` says.
-    pub backends: Vec<SocketAddrV4>,
+    pub backends: Vec<SocketAddr>,
     /// Not-ready endpoints of cluster-IP traffic (see [`FrontendState::draining`]).
-    pub draining: Vec<SocketAddrV4>,
+    pub draining: Vec<SocketAddr>,
     pub when_empty: WhenEmpty,
     /// `masqueradeAll`.
     pub masquerade_all: bool,
     /// NodePort, external IP and load-balancer frontends.
     pub external: Vec<FrontendState>,
     /// Endpoints on other nodes (by `nodeName`); the rest are this node's.
-    pub remote: BTreeSet<SocketAddrV4>,
+    pub remote: BTreeSet<SocketAddr>,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout: Option<u32>,
     /// `healthCheckNodePort` of an `externalTrafficPolicy: Local` service, with the number
@@ -242,7 +297,7 @@ pub struct ServicePortState {
     pub scheduler: Scheduler,
     /// Backend weights for the weighted schedulers (absent: 1). Weight-0 endpoints take no
     /// new flows and are draining instead.
-    pub weights: BTreeMap<Ipv4Addr, u16>,
+    pub weights: BTreeMap<IpAddr, u16>,
 }
 
 impl ServicePortState {
@@ -263,7 +318,7 @@ impl ServicePortState {
     }
 
     /// Every backend of any frontend, sorted, without duplicates.
-    pub fn all_backends(&self) -> BTreeSet<SocketAddrV4> {
+    pub fn all_backends(&self) -> BTreeSet<SocketAddr> {
         self.backends
             .iter()
             .chain(self.external.iter().flat_map(|f| f.backends.iter()))
@@ -294,14 +349,18 @@ impl DesiredState {
 
         let mut ports = BTreeMap::new();
         let mut claimed: BTreeMap<Frontend, ServicePortName> = BTreeMap::new();
-        for (svc, origin) in store.services.values() {
-            // IPv6 cluster IPs are served from a later release; IPv4 only for now.
-            let Some(cluster_ip) = svc.cluster_ips.iter().find_map(|ip| match ip {
-                IpAddr::V4(v4) => Some(*v4),
-                IpAddr::V6(_) => None,
-            }) else {
-                continue;
-            };
+        // `clusterIPs` holds at most one address per family (the API server enforces it):
+        // each is served as its own set of service ports.
+        let families = store.services.values().flat_map(|(svc, origin)| {
+            let mut seen = BTreeSet::new();
+            svc.cluster_ips
+                .iter()
+                .filter(move |ip| seen.insert(IpFamily::of(**ip)))
+                .map(move |ip| (svc, origin, *ip))
+        });
+        for (svc, origin, cluster_ip) in families {
+            let family = IpFamily::of(cluster_ip);
+            let same_family = |a: &&IpAddr| IpFamily::of(**a) == family;
             let slices = slices_by_service
                 .get(&svc.name)
                 .map(Vec::as_slice)
@@ -311,6 +370,7 @@ impl DesiredState {
                     service: svc.name.clone(),
                     port: spec.name.clone(),
                     protocol: spec.protocol,
+                    family,
                 };
                 let mut claim = |frontend: Frontend, what: &str| -> bool {
                     if let Some(owner) = claimed.get(&frontend) {
@@ -339,19 +399,15 @@ impl DesiredState {
                 if let (Some(node_port), ServiceType::NodePort | ServiceType::LoadBalancer) =
                     (spec.node_port, svc.service_type)
                 {
-                    for addr in &node.node_port_addresses {
+                    for addr in node.node_port_addresses.iter().filter(same_family) {
                         external_frontends.push((*addr, node_port, FrontendKind::NodePort));
                     }
                 }
-                for ip in &svc.external_ips {
-                    if let IpAddr::V4(addr) = ip {
-                        external_frontends.push((*addr, spec.port, FrontendKind::ExternalIp));
-                    }
+                for addr in svc.external_ips.iter().filter(same_family) {
+                    external_frontends.push((*addr, spec.port, FrontendKind::ExternalIp));
                 }
-                for ip in &svc.load_balancer_ips {
-                    if let IpAddr::V4(addr) = ip {
-                        external_frontends.push((*addr, spec.port, FrontendKind::LoadBalancer));
-                    }
+                for addr in svc.load_balancer_ips.iter().filter(same_family) {
+                    external_frontends.push((*addr, spec.port, FrontendKind::LoadBalancer));
                 }
                 let mut external_claimed = Vec::new();
                 for (addr, port, kind) in external_frontends {
@@ -365,7 +421,7 @@ impl DesiredState {
                     }
                 }
 
-                let endpoints = resolve_endpoints(spec, slices, &mut problems, &svc.name);
+                let endpoints = resolve_endpoints(spec, family, slices, &mut problems, &svc.name);
                 let picked = categorize(&endpoints, svc, node);
                 let policy = |local: bool| {
                     if local {
@@ -382,7 +438,7 @@ impl DesiredState {
                 let (backends, when_empty) = policy(svc.internal_local);
                 let (external_backends, external_when_empty) = policy(svc.external_local);
                 // Weight 0 (IPVS's "quiesced"): no new flows, established ones continue.
-                let quiesced = |a: &SocketAddrV4| svc.weights.get(&IpAddr::V4(*a.ip())) == Some(&0);
+                let quiesced = |a: &SocketAddr| svc.weights.get(&a.ip()) == Some(&0);
                 let (backends, external_backends): (Vec<_>, Vec<_>) = (
                     backends.into_iter().filter(|a| !quiesced(a)).collect(),
                     external_backends
@@ -390,8 +446,8 @@ impl DesiredState {
                         .filter(|a| !quiesced(a))
                         .collect(),
                 );
-                let draining_for = |local_only: bool, chosen: &[SocketAddrV4]| {
-                    let set: BTreeSet<SocketAddrV4> = endpoints
+                let draining_for = |local_only: bool, chosen: &[SocketAddr]| {
+                    let set: BTreeSet<SocketAddr> = endpoints
                         .iter()
                         .filter(|(a, ep)| {
                             (!ep.ready || quiesced(a)) && (!local_only || is_local(ep, node))
@@ -412,7 +468,11 @@ impl DesiredState {
                         draining: external_draining.clone(),
                         when_empty: external_when_empty,
                         source_ranges: if kind == FrontendKind::LoadBalancer {
-                            svc.source_ranges.clone()
+                            svc.source_ranges
+                                .iter()
+                                .filter(|c| IpFamily::of(c.addr) == family)
+                                .cloned()
+                                .collect()
                         } else {
                             Vec::new()
                         },
@@ -446,10 +506,8 @@ impl DesiredState {
                         weights: svc
                             .weights
                             .iter()
-                            .filter_map(|(a, w)| match a {
-                                IpAddr::V4(v4) => Some((*v4, *w)),
-                                IpAddr::V6(_) => None,
-                            })
+                            .filter(|(a, _)| IpFamily::of(**a) == family)
+                            .map(|(a, w)| (*a, *w))
                             .collect(),
                     }),
                 );
@@ -469,9 +527,9 @@ fn is_local(ep: &EndpointInfo, node: &NodeContext) -> bool {
 struct Categorized {
     /// For Cluster policy: ready endpoints (in this node's zone when topology applies);
     /// when none is ready anywhere, the serving-and-terminating ones (KEP-1669).
-    cluster: Vec<SocketAddrV4>,
+    cluster: Vec<SocketAddr>,
     /// For Local policy: this node's ready endpoints, else its serving-and-terminating ones.
-    local: Vec<SocketAddrV4>,
+    local: Vec<SocketAddr>,
     /// Some endpoint anywhere is ready or serving-and-terminating.
     any_serving: bool,
 }
@@ -481,12 +539,12 @@ fn serving_terminating(ep: &EndpointInfo) -> bool {
 }
 
 fn categorize(
-    endpoints: &[(SocketAddrV4, &EndpointInfo)],
+    endpoints: &[(SocketAddr, &EndpointInfo)],
     svc: &ServiceInfo,
     node: &NodeContext,
 ) -> Categorized {
-    let pick = |keep: &dyn Fn(&EndpointInfo) -> bool| -> Vec<SocketAddrV4> {
-        let set: BTreeSet<SocketAddrV4> = endpoints
+    let pick = |keep: &dyn Fn(&EndpointInfo) -> bool| -> Vec<SocketAddr> {
+        let set: BTreeSet<SocketAddr> = endpoints
             .iter()
             .filter(|(_, ep)| keep(ep))
             .map(|(a, _)| *a)
@@ -518,7 +576,7 @@ fn categorize(
 /// endpoint carries zone hints, and at least one is hinted for this node's zone (else
 /// topology would leave the zone with nothing, and it is ignored).
 fn use_topology(
-    endpoints: &[(SocketAddrV4, &EndpointInfo)],
+    endpoints: &[(SocketAddr, &EndpointInfo)],
     svc: &ServiceInfo,
     node: &NodeContext,
 ) -> bool {
@@ -538,18 +596,19 @@ fn use_topology(
     for_zone
 }
 
-/// The IPv4 endpoints of one service port with their conditions, the target port resolved
+/// The endpoints of one service port in one family with their conditions, the target port resolved
 /// per slice: the EndpointSlice controller writes each slice's resolved port under the
 /// service port's name, and pods whose named port differs land in different slices.
 fn resolve_endpoints<'a>(
     spec: &ServicePortSpec,
+    family: IpFamily,
     slices: &[&'a (SliceInfo, Origin)],
     problems: &mut Vec<Problem>,
     service: &ObjectName,
-) -> Vec<(SocketAddrV4, &'a EndpointInfo)> {
+) -> Vec<(SocketAddr, &'a EndpointInfo)> {
     let mut endpoints = Vec::new();
     for (slice, origin) in slices.iter().map(|e| (&e.0, &e.1)) {
-        if slice.address_type != AddressType::IPv4 {
+        if slice.address_type != family.address_type() {
             continue;
         }
         let listed = match &slice.ports {
@@ -579,8 +638,8 @@ fn resolve_endpoints<'a>(
             }
         };
         for ep in &slice.endpoints {
-            if let IpAddr::V4(addr) = ep.addr {
-                endpoints.push((SocketAddrV4::new(addr, port), ep));
+            if IpFamily::of(ep.addr) == family {
+                endpoints.push((SocketAddr::new(ep.addr, port), ep));
             }
         }
     }

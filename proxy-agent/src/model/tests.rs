@@ -1,4 +1,4 @@
-use std::net::{IpAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use super::*;
 
@@ -87,10 +87,18 @@ fn spn(svc: &str, port: &str) -> ServicePortName {
         service: name("default", svc),
         port: port.into(),
         protocol: Protocol::Tcp,
+        family: IpFamily::V4,
     }
 }
 
-fn addrs(list: &[&str]) -> Vec<SocketAddrV4> {
+fn last_octet(a: &SocketAddr) -> u8 {
+    match a.ip() {
+        IpAddr::V4(v4) => v4.octets()[3],
+        IpAddr::V6(v6) => v6.octets()[15],
+    }
+}
+
+fn addrs(list: &[&str]) -> Vec<SocketAddr> {
     list.iter().map(|s| s.parse().unwrap()).collect()
 }
 
@@ -192,19 +200,122 @@ fn slices_of_other_services_and_families_are_ignored() {
 }
 
 #[test]
-fn headless_and_ipv6_only_services_are_not_proxied() {
+fn headless_services_are_not_proxied() {
     let mut headless = service("h", "10.96.0.1", vec![port("", 80, TargetPort::Number(80))]);
     headless.cluster_ips.clear();
-    let mut v6 = service(
-        "v6",
-        "10.96.0.2",
-        vec![port("", 80, TargetPort::Number(80))],
-    );
-    v6.cluster_ips = vec!["fd00::10".parse::<IpAddr>().unwrap()];
     let (state, problems) =
-        DesiredState::build(&store(vec![headless, v6], vec![]), &NodeContext::default());
+        DesiredState::build(&store(vec![headless], vec![]), &NodeContext::default());
     assert!(state.ports.is_empty());
     assert!(problems.is_empty());
+}
+
+fn v6_slice(n: &str, svc: &str, addrs: &[&str]) -> SliceInfo {
+    SliceInfo {
+        address_type: AddressType::IPv6,
+        ..slice(
+            n,
+            svc,
+            Some(vec![("", 8080)]),
+            addrs.iter().map(|a| endpoint(a, true)).collect(),
+        )
+    }
+}
+
+#[test]
+fn a_dual_stack_service_is_two_service_ports_each_with_its_own_family() {
+    let mut svc = service(
+        "web",
+        "10.96.0.10",
+        vec![ServicePortSpec {
+            node_port: Some(30080),
+            ..port("", 80, TargetPort::Number(8080))
+        }],
+    );
+    svc.service_type = ServiceType::NodePort;
+    svc.cluster_ips.push("fd00:96::10".parse().unwrap());
+    svc.external_ips = vec![
+        "203.0.113.9".parse().unwrap(),
+        "2001:db8::9".parse().unwrap(),
+    ];
+    svc.weights = [
+        ("10.0.0.1".parse().unwrap(), 3),
+        ("fd00:244::1".parse().unwrap(), 5),
+    ]
+    .into_iter()
+    .collect();
+    let node = NodeContext {
+        node_port_addresses: vec!["192.168.0.1".parse().unwrap(), "fd00:1::1".parse().unwrap()],
+        ..NodeContext::default()
+    };
+    let st = store(
+        vec![svc],
+        vec![
+            slice(
+                "web-v4",
+                "web",
+                Some(vec![("", 8080)]),
+                vec![endpoint("10.0.0.1", true)],
+            ),
+            v6_slice("web-v6", "web", &["fd00:244::1", "fd00:244::2"]),
+        ],
+    );
+    let (state, problems) = DesiredState::build(&st, &node);
+    assert!(problems.is_empty(), "{problems:?}");
+    let v4 = &state.ports[&spn("web", "")];
+    let v6 = &state.ports[&ServicePortName {
+        family: IpFamily::V6,
+        ..spn("web", "")
+    }];
+    assert_eq!(state.ports.len(), 2);
+    assert_eq!(v4.frontend.addr, "10.96.0.10".parse::<IpAddr>().unwrap());
+    assert_eq!(v4.backends, addrs(&["10.0.0.1:8080"]));
+    assert_eq!(v6.frontend.addr, "fd00:96::10".parse::<IpAddr>().unwrap());
+    assert_eq!(
+        v6.backends,
+        addrs(&["[fd00:244::1]:8080", "[fd00:244::2]:8080"])
+    );
+    let external = |s: &ServicePortState| -> Vec<String> {
+        s.external.iter().map(|f| f.frontend.to_string()).collect()
+    };
+    assert_eq!(
+        external(v4),
+        ["192.168.0.1:30080/TCP", "203.0.113.9:80/TCP"]
+    );
+    assert_eq!(
+        external(v6),
+        ["[fd00:1::1]:30080/TCP", "[2001:db8::9]:80/TCP"]
+    );
+    assert_eq!(v4.weights.len(), 1);
+    assert_eq!(v6.weights.values().collect::<Vec<_>>(), [&5]);
+    assert_eq!(v6.name.to_string(), "default/web/TCP (IPv6)");
+    assert_eq!(v4.name.to_string(), "default/web/TCP");
+}
+
+#[test]
+fn an_ipv6_only_service_uses_only_ipv6_slices() {
+    let mut v6 = service(
+        "v6",
+        "fd00:96::20",
+        vec![port("", 80, TargetPort::Number(8080))],
+    );
+    v6.cluster_ips = vec!["fd00:96::20".parse::<IpAddr>().unwrap()];
+    let st = store(
+        vec![v6],
+        vec![
+            v6_slice("v6-a", "v6", &["fd00:244::7"]),
+            slice(
+                "v6-b",
+                "v6",
+                Some(vec![("", 8080)]),
+                vec![endpoint("10.0.0.7", true)],
+            ),
+        ],
+    );
+    let (state, _) = DesiredState::build(&st, &NodeContext::default());
+    assert_eq!(state.ports.len(), 1);
+    let port = state.ports.values().next().unwrap();
+    assert_eq!(port.name.family, IpFamily::V6);
+    assert_eq!(port.backends, addrs(&["[fd00:244::7]:8080"]));
 }
 
 #[test]
@@ -469,10 +580,10 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
         let (state, problems) = DesiredState::build(&st, &node);
         assert!(problems.is_empty(), "{}: {problems:?}", case.what);
         let s = &state.ports[&spn("a", "")];
-        let chosen = |octets: &[u8]| -> Vec<SocketAddrV4> {
+        let chosen = |octets: &[u8]| -> Vec<SocketAddr> {
             octets
                 .iter()
-                .map(|o| SocketAddrV4::new(std::net::Ipv4Addr::new(10, 0, 0, *o), 8080))
+                .map(|o| SocketAddr::new([10, 0, 0, *o].into(), 8080))
                 .collect()
         };
         assert_eq!(
@@ -582,24 +693,39 @@ fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
         ],
         zone: Some("z1".into()),
     };
-    let local: Vec<std::net::Ipv4Addr> = ["127.0.0.1", "10.0.0.5", "192.168.7.1"]
-        .iter()
-        .map(|a| a.parse().unwrap())
-        .collect();
-    let v4 = |list: &[&str]| -> Vec<std::net::Ipv4Addr> {
-        list.iter().map(|a| a.parse().unwrap()).collect()
-    };
+    let ips = |list: &[&str]| -> Vec<IpAddr> { list.iter().map(|a| a.parse().unwrap()).collect() };
+    let local = ips(&[
+        "127.0.0.1",
+        "10.0.0.5",
+        "192.168.7.1",
+        "::1",
+        "fe80::1",
+        "fd00::5",
+    ]);
     let ctx = NodeContext::new("n1", Some(&node), &[], &local);
-    assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "203.0.113.5"]));
+    assert_eq!(
+        ctx.node_port_addresses,
+        ips(&["10.0.0.5", "203.0.113.5", "fd00::5"])
+    );
     assert_eq!(ctx.zone.as_deref(), Some("z1"));
     assert_eq!(ctx.masquerade_addr, Some("10.0.0.5".parse().unwrap()));
+    // No Node object: every local address but loopback and link-local ones.
     let ctx = NodeContext::new("n1", None, &[], &local);
-    assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
+    assert_eq!(
+        ctx.node_port_addresses,
+        ips(&["10.0.0.5", "192.168.7.1", "fd00::5"])
+    );
     let cidr = NodePortAddress::Cidr("192.168.0.0/16".parse().unwrap());
     let ctx = NodeContext::new("n1", Some(&node), std::slice::from_ref(&cidr), &local);
-    assert_eq!(ctx.node_port_addresses, v4(&["192.168.7.1"]));
+    assert_eq!(ctx.node_port_addresses, ips(&["192.168.7.1"]));
+    let cidr6 = NodePortAddress::Cidr("fd00::/64".parse().unwrap());
+    let ctx = NodeContext::new("n1", Some(&node), &[cidr.clone(), cidr6], &local);
+    assert_eq!(ctx.node_port_addresses, ips(&["192.168.7.1", "fd00::5"]));
     let ctx = NodeContext::new("n1", Some(&node), &[cidr, NodePortAddress::Primary], &local);
-    assert_eq!(ctx.node_port_addresses, v4(&["10.0.0.5", "192.168.7.1"]));
+    assert_eq!(
+        ctx.node_port_addresses,
+        ips(&["10.0.0.5", "192.168.7.1", "fd00::5"])
+    );
 }
 
 #[test]
@@ -624,7 +750,7 @@ fn not_ready_endpoints_drain_instead_of_disappearing() {
     );
     let (state, _) = DesiredState::build(&st, &node);
     let s = &state.ports[&spn("a", "")];
-    let octets = |v: &[SocketAddrV4]| v.iter().map(|a| a.ip().octets()[3]).collect::<Vec<_>>();
+    let octets = |v: &[SocketAddr]| v.iter().map(last_octet).collect::<Vec<_>>();
     assert_eq!(octets(&s.backends), [1]);
     assert_eq!(
         octets(&s.draining),
@@ -670,7 +796,7 @@ fn the_scheduler_is_the_annotations_else_the_default_and_weight_zero_drains() {
     assert_eq!(state.ports[&spn("a", "")].scheduler, Scheduler::Rr);
     let b = &state.ports[&spn("b", "")];
     assert_eq!(b.scheduler, Scheduler::Wrr);
-    let octets = |v: &[SocketAddrV4]| v.iter().map(|a| a.ip().octets()[3]).collect::<Vec<_>>();
+    let octets = |v: &[SocketAddr]| v.iter().map(last_octet).collect::<Vec<_>>();
     assert_eq!(octets(&b.backends), [1], "weight 0: no new flows");
     assert_eq!(octets(&b.draining), [2], "its established flows go on");
 }

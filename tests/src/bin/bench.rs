@@ -8,7 +8,7 @@
 //! twice, in opposite orders, and averaged, because a datapath measured right after a
 //! larger one was torn down runs measurably slower while the kernel frees the old maps.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use anyhow::{bail, Result};
 use proxy_agent::{
@@ -126,15 +126,15 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
     };
     let started = std::time::Instant::now();
     for s in 0..n_services {
-        let backends: Vec<SocketAddrV4> = (0..args.backends)
+        let backends: Vec<SocketAddr> = (0..args.backends)
             .map(|b| {
                 let ip =
                     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + s * args.backends + b);
-                SocketAddrV4::new(ip, 8080)
+                SocketAddr::new(ip.into(), 8080)
             })
             .collect();
         let frontend = Frontend {
-            addr: vip(s),
+            addr: vip(s).into(),
             port: 80,
             protocol: Protocol::Tcp,
         };
@@ -214,12 +214,12 @@ fn maglev_memory(frontends: u32) -> Result<()> {
     };
     let mut dp = TestDatapath::load(sizes)?;
     dp.sync.set_maglev_size(table);
-    let backends: Vec<SocketAddrV4> = (1..=10)
-        .map(|b| SocketAddrV4::new(Ipv4Addr::new(10, 128, 0, b), 8080))
+    let backends: Vec<SocketAddr> = (1..=10)
+        .map(|b| SocketAddr::new(Ipv4Addr::new(10, 128, 0, b).into(), 8080))
         .collect();
     for s in 0..frontends {
         let frontend = Frontend {
-            addr: vip(s),
+            addr: vip(s).into(),
             port: 80,
             protocol: Protocol::Tcp,
         };

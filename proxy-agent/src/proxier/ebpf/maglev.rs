@@ -3,18 +3,17 @@
 //! owns an equal share (within one entry) and removing one of N backends moves about 1/N of
 //! the entries, almost all of them the removed backend's own.
 
-use std::net::SocketAddrV4;
+use std::net::{IpAddr, SocketAddr};
 
 /// FNV-1a over the backend's address and port, with a seed: two independent hashes give a
 /// backend its permutation (offset and skip).
-fn hash(addr: &SocketAddrV4, seed: u64) -> u64 {
+fn hash(addr: &SocketAddr, seed: u64) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
-    for b in addr
-        .ip()
-        .octets()
-        .into_iter()
-        .chain(addr.port().to_be_bytes())
-    {
+    let ip = match addr.ip() {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    };
+    for b in ip.into_iter().chain(addr.port().to_be_bytes()) {
         h ^= b as u64;
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
@@ -23,13 +22,13 @@ fn hash(addr: &SocketAddrV4, seed: u64) -> u64 {
 
 /// The table of `size` entries (a prime) over `backends`: entry -> index into `backends`.
 /// Empty when there are no backends. Depends only on the set of backends, not their order.
-pub fn table(backends: &[SocketAddrV4], size: u32) -> Vec<u32> {
+pub fn table(backends: &[SocketAddr], size: u32) -> Vec<u32> {
     let m = size as u64;
     let n = backends.len();
     if n == 0 || m < 2 {
         return Vec::new();
     }
-    let mut sorted: Vec<(usize, SocketAddrV4)> = backends.iter().copied().enumerate().collect();
+    let mut sorted: Vec<(usize, SocketAddr)> = backends.iter().copied().enumerate().collect();
     sorted.sort_by_key(|(_, a)| *a);
     let perm: Vec<(u64, u64)> = sorted
         .iter()
@@ -71,10 +70,17 @@ pub fn prime_at_least(n: u32) -> u32 {
 mod tests {
     use super::*;
 
-    fn pods(n: u8) -> Vec<SocketAddrV4> {
+    fn pods(n: u8) -> Vec<SocketAddr> {
         (1..=n)
-            .map(|i| SocketAddrV4::new([10, 244, 0, i].into(), 8080))
+            .map(|i| SocketAddr::new([10, 244, 0, i].into(), 8080))
             .collect()
+    }
+
+    fn last_octet(a: &SocketAddr) -> u8 {
+        match a.ip() {
+            IpAddr::V4(v4) => v4.octets()[3],
+            IpAddr::V6(v6) => v6.octets()[15],
+        }
     }
 
     #[test]
@@ -92,22 +98,22 @@ mod tests {
     #[test]
     fn removing_one_of_n_backends_moves_about_one_nth_of_the_entries() {
         let before = pods(10);
-        let after: Vec<SocketAddrV4> = before
+        let after: Vec<SocketAddr> = before
             .iter()
             .copied()
-            .filter(|a| a.ip().octets()[3] != 4)
+            .filter(|a| last_octet(a) != 4)
             .collect();
         let size = 65537;
-        let t1: Vec<SocketAddrV4> = table(&before, size)
+        let t1: Vec<SocketAddr> = table(&before, size)
             .iter()
             .map(|i| before[*i as usize])
             .collect();
-        let t2: Vec<SocketAddrV4> = table(&after, size)
+        let t2: Vec<SocketAddr> = table(&after, size)
             .iter()
             .map(|i| after[*i as usize])
             .collect();
         let moved = t1.iter().zip(&t2).filter(|(a, b)| a != b).count();
-        let removed_share = t1.iter().filter(|a| a.ip().octets()[3] == 4).count();
+        let removed_share = t1.iter().filter(|a| last_octet(a) == 4).count();
         // The removed backend's own entries must move; the others barely.
         let collateral = moved - removed_share;
         assert!(
@@ -124,9 +130,9 @@ mod tests {
     #[test]
     fn the_table_depends_on_the_set_not_the_order() {
         let mut a = pods(5);
-        let t1: Vec<SocketAddrV4> = table(&a, 251).iter().map(|i| a[*i as usize]).collect();
+        let t1: Vec<SocketAddr> = table(&a, 251).iter().map(|i| a[*i as usize]).collect();
         a.reverse();
-        let t2: Vec<SocketAddrV4> = table(&a, 251).iter().map(|i| a[*i as usize]).collect();
+        let t2: Vec<SocketAddr> = table(&a, 251).iter().map(|i| a[*i as usize]).collect();
         assert_eq!(t1, t2);
     }
 

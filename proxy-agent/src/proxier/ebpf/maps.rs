@@ -11,8 +11,26 @@ use aya::maps::{
     Array, HashMap as BpfHashMap, MapData, MapError as AyaMapError,
 };
 use proxy_common::{
-    Backend, MaglevKey, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_INDEX_MASK,
+    Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue, SourceRangeKey,
+    BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
 };
+
+/// A key of `SERVICES` (IPv4 frontends) or `SERVICES6` (IPv6 frontends): the two maps share
+/// their values, service ids and backend ids, so the sync logic writes them alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ServiceMapKey {
+    V4(ServiceKey),
+    V6(ServiceKey6),
+}
+
+impl ServiceMapKey {
+    pub fn slot(&self) -> u16 {
+        match self {
+            ServiceMapKey::V4(k) => k.slot,
+            ServiceMapKey::V6(k) => k.slot,
+        }
+    }
+}
 
 /// One `loadBalancerSourceRanges` entry of a frontend: (service id, IPv4 address in network
 /// byte order, prefix length).
@@ -29,9 +47,16 @@ pub enum MapError {
 /// `BACKENDS` is an array: the agent allocates its slots (see `sync::BackendIds`), so only
 /// `SERVICES` can be full at write time.
 pub trait ServiceMaps {
-    fn set_service(&mut self, key: ServiceKey, value: ServiceValue) -> Result<(), MapError>;
-    fn remove_service(&mut self, key: &ServiceKey) -> Result<(), MapError>;
-    fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError>;
+    fn set_service(&mut self, key: ServiceMapKey, value: ServiceValue) -> Result<(), MapError>;
+    fn remove_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError>;
+    /// Writes a backend; an IPv6 one (`addr6`) has its address written first, so the datapath
+    /// never finds the backend without it.
+    fn set_backend(
+        &mut self,
+        id: u32,
+        backend: Backend,
+        addr6: Option<BackendAddr6>,
+    ) -> Result<(), MapError>;
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError>;
     fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
@@ -48,8 +73,10 @@ pub trait ServiceMaps {
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct MapContents {
-    pub services: Vec<(ServiceKey, ServiceValue)>,
+    pub services: Vec<(ServiceMapKey, ServiceValue)>,
     pub backends: Vec<Backend>,
+    /// Addresses of the IPv6 backends (`BACKEND_FLAG_IPV6`), by backend slot.
+    pub backend_addrs6: BTreeMap<u32, BackendAddr6>,
     pub source_ranges: Vec<SourceRange>,
 }
 
@@ -59,8 +86,10 @@ pub struct MapContents {
 /// datapath.
 #[derive(Debug, Clone)]
 pub struct InMemoryMaps {
-    pub services: BTreeMap<ServiceKey, ServiceValue>,
+    pub services: BTreeMap<ServiceMapKey, ServiceValue>,
     pub backends: BTreeMap<u32, Backend>,
+    /// `BACKEND_ADDRS6`, by backend slot.
+    pub backend_addrs6: BTreeMap<u32, BackendAddr6>,
     pub source_ranges: BTreeSet<SourceRange>,
     /// (service id, entry) -> slot.
     pub maglev: BTreeMap<(u32, u32), u32>,
@@ -77,6 +106,7 @@ impl Default for InMemoryMaps {
         Self {
             services: BTreeMap::new(),
             backends: BTreeMap::new(),
+            backend_addrs6: BTreeMap::new(),
             source_ranges: BTreeSet::new(),
             maglev: BTreeMap::new(),
             services_capacity: None,
@@ -112,21 +142,29 @@ fn check_capacity<K: Ord, V>(
 }
 
 impl ServiceMaps for InMemoryMaps {
-    fn set_service(&mut self, key: ServiceKey, value: ServiceValue) -> Result<(), MapError> {
+    fn set_service(&mut self, key: ServiceMapKey, value: ServiceValue) -> Result<(), MapError> {
         check_capacity(&self.services, &key, self.services_capacity, "SERVICES")?;
         self.operations += 1;
         self.services.insert(key, value);
         Ok(())
     }
 
-    fn remove_service(&mut self, key: &ServiceKey) -> Result<(), MapError> {
+    fn remove_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
         self.operations += 1;
         self.services.remove(key);
         Ok(())
     }
 
-    fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError> {
+    fn set_backend(
+        &mut self,
+        id: u32,
+        backend: Backend,
+        addr6: Option<BackendAddr6>,
+    ) -> Result<(), MapError> {
         self.operations += 1;
+        if let Some(a) = addr6 {
+            self.backend_addrs6.insert(id & BACKEND_INDEX_MASK, a);
+        }
         self.backends.insert(id, backend);
         Ok(())
     }
@@ -175,6 +213,7 @@ impl ServiceMaps for InMemoryMaps {
         Ok(MapContents {
             services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
             backends: self.backends.values().copied().collect(),
+            backend_addrs6: self.backend_addrs6.clone(),
             source_ranges: self.source_ranges.iter().copied().collect(),
         })
     }
@@ -188,7 +227,9 @@ fn lpm_key((service_id, addr, prefix): SourceRange) -> LpmKey<SourceRangeKey> {
 /// The kernel's maps, through aya.
 pub struct KernelMaps {
     pub services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
+    pub services6: BpfHashMap<MapData, ServiceKey6, ServiceValue>,
     pub backends: Array<MapData, Backend>,
+    pub backend_addrs6: Array<MapData, BackendAddr6>,
     pub source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     pub maglev: BpfHashMap<MapData, MaglevKey, u32>,
     pub maglev_capacity: u32,
@@ -222,21 +263,45 @@ fn ignore_missing(map: &'static str, capacity: u32, err: AyaMapError) -> Result<
 }
 
 impl ServiceMaps for KernelMaps {
-    fn set_service(&mut self, key: ServiceKey, value: ServiceValue) -> Result<(), MapError> {
-        self.services
-            .insert(key, value, 0)
-            .map_err(|e| classify("SERVICES", self.services_capacity, e))
+    fn set_service(&mut self, key: ServiceMapKey, value: ServiceValue) -> Result<(), MapError> {
+        match key {
+            ServiceMapKey::V4(k) => self
+                .services
+                .insert(k, value, 0)
+                .map_err(|e| classify("SERVICES", self.services_capacity, e)),
+            ServiceMapKey::V6(k) => self
+                .services6
+                .insert(k, value, 0)
+                .map_err(|e| classify("SERVICES6", self.services_capacity, e)),
+        }
     }
 
-    fn remove_service(&mut self, key: &ServiceKey) -> Result<(), MapError> {
-        self.services
-            .remove(key)
-            .or_else(|e| ignore_missing("SERVICES", self.services_capacity, e))
+    fn remove_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
+        match key {
+            ServiceMapKey::V4(k) => self
+                .services
+                .remove(k)
+                .or_else(|e| ignore_missing("SERVICES", self.services_capacity, e)),
+            ServiceMapKey::V6(k) => self
+                .services6
+                .remove(k)
+                .or_else(|e| ignore_missing("SERVICES6", self.services_capacity, e)),
+        }
     }
 
-    fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError> {
+    fn set_backend(
+        &mut self,
+        id: u32,
+        backend: Backend,
+        addr6: Option<BackendAddr6>,
+    ) -> Result<(), MapError> {
         let capacity = self.backends.len();
         let slot = id & BACKEND_INDEX_MASK;
+        if let Some(a) = addr6 {
+            self.backend_addrs6
+                .set(slot, a, 0)
+                .map_err(|e| classify("BACKEND_ADDRS6", capacity, e))?;
+        }
         // A new backend in the slot starts with no active connections.
         for counters in [&mut self.backend_conns, &mut self.backend_released] {
             counters
@@ -296,11 +361,24 @@ impl ServiceMaps for KernelMaps {
         };
         let mut contents = MapContents::default();
         for entry in self.services.iter() {
-            contents.services.push(entry.map_err(other("SERVICES"))?);
+            let (k, v) = entry.map_err(other("SERVICES"))?;
+            contents.services.push((ServiceMapKey::V4(k), v));
+        }
+        for entry in self.services6.iter() {
+            let (k, v) = entry.map_err(other("SERVICES6"))?;
+            contents.services.push((ServiceMapKey::V6(k), v));
         }
         for b in self.backends.iter() {
             let b = b.map_err(other("BACKENDS"))?;
             if b.id != 0 {
+                if b.flags & BACKEND_FLAG_IPV6 != 0 {
+                    let slot = b.id & BACKEND_INDEX_MASK;
+                    let a = self
+                        .backend_addrs6
+                        .get(&slot, 0)
+                        .map_err(other("BACKEND_ADDRS6"))?;
+                    contents.backend_addrs6.insert(slot, a);
+                }
                 contents.backends.push(b);
             }
         }

@@ -7,7 +7,7 @@ pub mod sync;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::Result;
-use tracing::{debug, error};
+use tracing::{debug, error, warn};
 
 use proxy_common::{
     SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
@@ -20,7 +20,8 @@ use self::{
 };
 use super::{Proxier, ProxyMode, SyncReport};
 use crate::model::{
-    DesiredState, Frontend, ServiceChange, ServicePortName, ServicePortState, WhenEmpty,
+    DesiredState, Frontend, IpFamily, Scheduler, ServiceChange, ServicePortName, ServicePortState,
+    WhenEmpty,
 };
 
 pub struct EbpfProxier<M: ServiceMaps> {
@@ -50,7 +51,7 @@ impl<M: ServiceMaps> EbpfProxier<M> {
     }
 
     /// Every programmed backend: its service port, address and id (slot in `BACKEND_STATS`).
-    pub fn backend_ids(&self) -> Vec<(ServicePortName, std::net::SocketAddrV4, u32)> {
+    pub fn backend_ids(&self) -> Vec<(ServicePortName, std::net::SocketAddr, u32)> {
         self.sync
             .backend_ids()
             .filter_map(|(f, addr, id)| Some((self.names.get(f)?.clone(), addr, id)))
@@ -85,7 +86,21 @@ impl<M: ServiceMaps> EbpfProxier<M> {
     /// Writes every frontend of one service port; stops at the first that fails.
     fn write_service_port(&mut self, state: &ServicePortState) -> Result<usize, MapError> {
         let mut ops = 0;
-        for f in state.frontends() {
+        let gaps = ipv6_gaps(state);
+        if !gaps.is_empty() {
+            warn!(service = %state.name, "the eBPF datapath serves this IPv6 service port without {}", gaps.join(", "));
+        }
+        for mut f in state.frontends() {
+            if state.name.family == IpFamily::V6 && !f.source_ranges.is_empty() {
+                // Fail closed: a load balancer restricted to some sources must not be open
+                // to all.
+                continue;
+            }
+            if state.name.family == IpFamily::V6 && f.masquerade {
+                // Without source NAT, a reply from another node's endpoint would not come
+                // back through this node: only this node's endpoints can serve.
+                f.backends.retain(|b| !state.remote.contains(b));
+            }
             let mut flags = 0;
             if f.when_empty == WhenEmpty::Drop {
                 flags |= SERVICE_FLAG_DROP_WHEN_EMPTY;
@@ -239,6 +254,35 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
     fn programmed(&self) -> (usize, usize) {
         self.sync.counts()
     }
+}
+
+/// What an IPv6 service port asks for that the IPv6 datapath does not do yet (empty for
+/// IPv4 and for IPv6 ports that ask for none of it).
+fn ipv6_gaps(state: &ServicePortState) -> Vec<&'static str> {
+    let mut gaps = Vec::new();
+    if state.name.family != IpFamily::V6 {
+        return gaps;
+    }
+    if state.scheduler != Scheduler::Random {
+        gaps.push("its scheduler (IPv6 picks endpoints at random)");
+    }
+    if state.affinity_timeout.is_some() {
+        gaps.push("sessionAffinity: ClientIP");
+    }
+    if state.masquerade_all {
+        gaps.push("masqueradeAll");
+    }
+    if state
+        .external
+        .iter()
+        .any(|f| f.masquerade && !f.backends.iter().all(|b| !state.remote.contains(b)))
+    {
+        gaps.push("source NAT for external traffic (externalTrafficPolicy: Cluster is served by this node's endpoints only)");
+    }
+    if state.external.iter().any(|f| !f.source_ranges.is_empty()) {
+        gaps.push("loadBalancerSourceRanges (its load-balancer IPs are not served)");
+    }
+    gaps
 }
 
 #[cfg(test)]

@@ -11,16 +11,16 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use proxy_common::{
-    Backend, MaglevKey, ServiceKey, ServiceValue, BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS,
-    BACKEND_INDEX_MASK, MAX_BACKENDS, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
-    SERVICE_SCHEDULER_SHIFT,
+    Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue, BACKEND_FLAG_IPV6,
+    BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK, MAX_BACKENDS,
+    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
-use super::maps::{MapError, ServiceMaps};
+use super::maps::{MapError, ServiceMapKey, ServiceMaps};
 use crate::model::{Frontend, Protocol};
 
 /// What the agent last wrote for one frontend.
@@ -31,9 +31,9 @@ struct Written {
     /// `loadBalancerSourceRanges` in `SOURCE_RANGES`: (address, network byte order; prefix).
     source_ranges: BTreeSet<(u32, u8)>,
     /// Slot `i + 1` holds `slots[i]`.
-    slots: Vec<(u32, SocketAddrV4)>,
+    slots: Vec<(u32, SocketAddr)>,
     /// Backends in `BACKENDS` that no slot names: their established flows go on.
-    draining: Vec<(u32, SocketAddrV4)>,
+    draining: Vec<(u32, SocketAddr)>,
     /// Cumulative weight written in each slot (weighted schedulers).
     cumulative: Vec<u32>,
     /// The Maglev table written (entry -> slot), empty unless the scheduler is `mh`.
@@ -44,22 +44,22 @@ struct Written {
 #[derive(Clone, Copy, Debug)]
 pub struct FrontendSpec<'a> {
     /// Endpoints that take new flows.
-    pub backends: &'a [SocketAddrV4],
+    pub backends: &'a [SocketAddr],
     /// Endpoints that take no new flows but keep their established ones.
-    pub draining: &'a [SocketAddrV4],
+    pub draining: &'a [SocketAddr],
     pub header: HeaderSettings,
     /// Endpoints on other nodes.
-    pub remote: &'a BTreeSet<SocketAddrV4>,
+    pub remote: &'a BTreeSet<SocketAddr>,
     /// `loadBalancerSourceRanges` (IPv4 address, prefix).
     pub source_ranges: &'a [(Ipv4Addr, u8)],
     /// Backend weights (absent: 1).
-    pub weights: &'a BTreeMap<Ipv4Addr, u16>,
+    pub weights: &'a BTreeMap<IpAddr, u16>,
 }
 
 impl<'a> FrontendSpec<'a> {
-    pub fn new(backends: &'a [SocketAddrV4]) -> Self {
-        static NONE: BTreeSet<SocketAddrV4> = BTreeSet::new();
-        static NO_WEIGHTS: BTreeMap<Ipv4Addr, u16> = BTreeMap::new();
+    pub fn new(backends: &'a [SocketAddr]) -> Self {
+        static NONE: BTreeSet<SocketAddr> = BTreeSet::new();
+        static NO_WEIGHTS: BTreeMap<IpAddr, u16> = BTreeMap::new();
         Self {
             backends,
             draining: &[],
@@ -71,40 +71,67 @@ impl<'a> FrontendSpec<'a> {
     }
 }
 
-pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
-    ServiceKey::new(
-        u32::from(frontend.addr).to_be(),
-        frontend.port.to_be(),
-        frontend.protocol.number(),
-        slot,
-    )
+pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceMapKey {
+    let (port, proto) = (frontend.port.to_be(), frontend.protocol.number());
+    match frontend.addr {
+        IpAddr::V4(a) => {
+            ServiceMapKey::V4(ServiceKey::new(u32::from(a).to_be(), port, proto, slot))
+        }
+        IpAddr::V6(a) => ServiceMapKey::V6(ServiceKey6::new(a.octets(), port, proto, slot)),
+    }
 }
 
-fn frontend_of(key: &ServiceKey) -> Option<Frontend> {
+fn frontend_of(key: &ServiceMapKey) -> Option<Frontend> {
+    let (addr, port, proto) = match key {
+        ServiceMapKey::V4(k) => (
+            IpAddr::V4(Ipv4Addr::from(u32::from_be(k.addr))),
+            k.port,
+            k.proto,
+        ),
+        ServiceMapKey::V6(k) => (IpAddr::V6(Ipv6Addr::from(k.addr)), k.port, k.proto),
+    };
     Some(Frontend {
-        addr: Ipv4Addr::from(u32::from_be(key.addr)),
-        port: u16::from_be(key.port),
-        protocol: Protocol::from_number(key.proto)?,
+        addr,
+        port: u16::from_be(port),
+        protocol: Protocol::from_number(proto)?,
     })
 }
 
-fn backend_addr(b: &Backend) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port))
+/// A backend's address as written: IPv6 ones have theirs in `BACKEND_ADDRS6`.
+fn backend_addr(b: &Backend, addrs6: &BTreeMap<u32, BackendAddr6>) -> Option<SocketAddr> {
+    let ip = if b.flags & BACKEND_FLAG_IPV6 != 0 {
+        IpAddr::V6(Ipv6Addr::from(
+            addrs6.get(&(b.id & BACKEND_INDEX_MASK))?.addr,
+        ))
+    } else {
+        IpAddr::V4(Ipv4Addr::from(u32::from_be(b.addr)))
+    };
+    Some(SocketAddr::new(ip, u16::from_be(b.port)))
 }
 
-pub fn backend_value(id: u32, addr: &SocketAddrV4, remote: bool, service_id: u32) -> Backend {
-    let flags = if remote { BACKEND_FLAG_REMOTE } else { 0 };
-    Backend::new(
-        id,
-        u32::from(*addr.ip()).to_be(),
-        addr.port().to_be(),
-        flags,
-        service_id,
+/// The `BACKENDS` entry of a backend, and for an IPv6 one its `BACKEND_ADDRS6` entry.
+pub fn backend_value(
+    id: u32,
+    addr: &SocketAddr,
+    remote: bool,
+    service_id: u32,
+) -> (Backend, Option<BackendAddr6>) {
+    let mut flags = if remote { BACKEND_FLAG_REMOTE } else { 0 };
+    let (v4, v6) = match addr.ip() {
+        IpAddr::V4(a) => (u32::from(a).to_be(), None),
+        IpAddr::V6(a) => {
+            flags |= BACKEND_FLAG_IPV6;
+            (0, Some(BackendAddr6 { addr: a.octets() }))
+        }
+    };
+    (
+        Backend::new(id, v4, addr.port().to_be(), flags, service_id),
+        v6,
     )
 }
 
 /// Backends with their ids, as written in slots or as draining.
-type IdList = [(u32, SocketAddrV4)];
+type IdList = [(u32, SocketAddr)];
 /// Source ranges of a frontend: (address, network byte order; prefix).
 type RangeSet = BTreeSet<(u32, u8)>;
 /// (old, new).
@@ -118,7 +145,7 @@ struct Transition<'a> {
     header_changed: bool,
     slots: Change<'a, IdList>,
     draining: Change<'a, IdList>,
-    remote: &'a BTreeSet<SocketAddrV4>,
+    remote: &'a BTreeSet<SocketAddr>,
     ranges: Change<'a, RangeSet>,
     cumulative: Change<'a, [u32]>,
     maglev: Change<'a, [u32]>,
@@ -273,7 +300,7 @@ impl<M: ServiceMaps> MapSync<M> {
     }
 
     /// Every backend written: its frontend, address and id.
-    pub fn backend_ids(&self) -> impl Iterator<Item = (&Frontend, SocketAddrV4, u32)> {
+    pub fn backend_ids(&self) -> impl Iterator<Item = (&Frontend, SocketAddr, u32)> {
         self.written
             .iter()
             .flat_map(|(f, w)| w.slots.iter().map(move |(id, addr)| (f, *addr, *id)))
@@ -299,11 +326,11 @@ impl<M: ServiceMaps> MapSync<M> {
         let mut stray = Vec::new();
         for (key, value) in contents.services {
             match frontend_of(&key) {
-                Some(f) if key.slot == 0 => {
+                Some(f) if key.slot() == 0 => {
                     headers.insert(f, value);
                 }
                 Some(f) => {
-                    slots.entry(f).or_default().insert(key.slot, value);
+                    slots.entry(f).or_default().insert(key.slot(), value);
                 }
                 None => stray.push(key),
             }
@@ -316,12 +343,12 @@ impl<M: ServiceMaps> MapSync<M> {
         for (frontend, header) in headers {
             let mut found = slots.remove(&frontend).unwrap_or_default();
             let mut cumulative = Vec::new();
-            let list: Option<Vec<(u32, SocketAddrV4)>> = (1..=header.count)
+            let list: Option<Vec<(u32, SocketAddr)>> = (1..=header.count)
                 .map(|slot| {
                     let value = found.remove(&slot)?;
                     cumulative.push((value.flags as u32) << 16 | value.count as u32);
                     let b = backends.get(&value.backend_id)?;
-                    Some((value.backend_id, backend_addr(b)))
+                    Some((value.backend_id, backend_addr(b, &contents.backend_addrs6)?))
                 })
                 .collect();
             // Slots beyond the count are leftovers of an interrupted shrink.
@@ -332,11 +359,11 @@ impl<M: ServiceMaps> MapSync<M> {
                 Some(list) if list.iter().all(|(id, _)| self.backend_ids.mark_used(*id)) => {
                     referenced.extend(list.iter().map(|s| s.0));
                     let in_slots: HashSet<u32> = list.iter().map(|s| s.0).collect();
-                    let mut draining: Vec<(u32, SocketAddrV4)> = backends
+                    let mut draining: Vec<(u32, SocketAddr)> = backends
                         .values()
                         .filter(|b| b.service_id == header.service_id && !in_slots.contains(&b.id))
-                        .filter(|b| self.backend_ids.mark_used(b.id))
-                        .map(|b| (b.id, backend_addr(b)))
+                        .filter_map(|b| Some((b.id, backend_addr(b, &contents.backend_addrs6)?)))
+                        .filter(|(id, _)| self.backend_ids.mark_used(*id))
                         .collect();
                     draining.sort_by_key(|d| d.1);
                     referenced.extend(draining.iter().map(|d| d.0));
@@ -391,11 +418,7 @@ impl<M: ServiceMaps> MapSync<M> {
     /// Makes `frontend` select among `backends` (empty: refuse connections). Returns the
     /// number of map operations it took. On error the frontend is removed from the maps (a
     /// half-written service is worse than none) and a later call retries it from scratch.
-    pub fn set(
-        &mut self,
-        frontend: &Frontend,
-        backends: &[SocketAddrV4],
-    ) -> Result<usize, MapError> {
+    pub fn set(&mut self, frontend: &Frontend, backends: &[SocketAddr]) -> Result<usize, MapError> {
         self.set_with(frontend, &FrontendSpec::new(backends))
     }
 
@@ -440,19 +463,19 @@ impl<M: ServiceMaps> MapSync<M> {
             .unwrap_or_default();
         // An endpoint moving between the slots and draining keeps its id: its established
         // flows stay on it.
-        let mut reusable: HashMap<SocketAddrV4, u32> =
+        let mut reusable: HashMap<SocketAddr, u32> =
             old_draining.iter().map(|(id, a)| (*a, *id)).collect();
         let assigned = self
             .assign_slots(&old_slots, backends, &mut reusable)
             .and_then(|slots| {
-                let in_slots: HashSet<SocketAddrV4> = slots.iter().map(|s| s.1).collect();
+                let in_slots: HashSet<SocketAddr> = slots.iter().map(|s| s.1).collect();
                 reusable.extend(
                     old_slots
                         .iter()
                         .filter(|s| !in_slots.contains(&s.1))
                         .map(|(id, a)| (*a, *id)),
                 );
-                let wanted: BTreeSet<SocketAddrV4> = spec
+                let wanted: BTreeSet<SocketAddr> = spec
                     .draining
                     .iter()
                     .filter(|a| !in_slots.contains(a))
@@ -507,13 +530,13 @@ impl<M: ServiceMaps> MapSync<M> {
         let cumulative: Vec<u32> = new_slots
             .iter()
             .map(|(_, a)| {
-                total += spec.weights.get(a.ip()).copied().unwrap_or(1) as u32;
+                total += spec.weights.get(&a.ip()).copied().unwrap_or(1) as u32;
                 total
             })
             .collect();
         let scheduler = (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK;
         let maglev: Vec<u32> = if scheduler == proxy_common::scheduler::MH && self.maglev_size > 0 {
-            let addrs: Vec<SocketAddrV4> = new_slots.iter().map(|s| s.1).collect();
+            let addrs: Vec<SocketAddr> = new_slots.iter().map(|s| s.1).collect();
             super::maglev::table(&addrs, self.maglev_size)
                 .into_iter()
                 .map(|i| i + 1)
@@ -576,16 +599,16 @@ impl<M: ServiceMaps> MapSync<M> {
     #[allow(clippy::type_complexity)]
     fn assign_slots(
         &mut self,
-        old: &[(u32, SocketAddrV4)],
-        backends: &[SocketAddrV4],
-        reusable: &mut HashMap<SocketAddrV4, u32>,
-    ) -> Result<Vec<(u32, SocketAddrV4)>, (MapError, Vec<u32>)> {
-        let wanted: BTreeSet<SocketAddrV4> = backends.iter().copied().collect();
-        let mut slots: Vec<Option<(u32, SocketAddrV4)>> = old
+        old: &[(u32, SocketAddr)],
+        backends: &[SocketAddr],
+        reusable: &mut HashMap<SocketAddr, u32>,
+    ) -> Result<Vec<(u32, SocketAddr)>, (MapError, Vec<u32>)> {
+        let wanted: BTreeSet<SocketAddr> = backends.iter().copied().collect();
+        let mut slots: Vec<Option<(u32, SocketAddr)>> = old
             .iter()
             .map(|s| wanted.contains(&s.1).then_some(*s))
             .collect();
-        let present: HashSet<SocketAddrV4> = slots.iter().flatten().map(|s| s.1).collect();
+        let present: HashSet<SocketAddr> = slots.iter().flatten().map(|s| s.1).collect();
         let mut allocated = Vec::new();
         let mut fresh_ids = Vec::new();
         for addr in wanted.iter().filter(|a| !present.contains(a)) {
@@ -648,8 +671,8 @@ impl<M: ServiceMaps> MapSync<M> {
             .chain(new_draining)
             .filter(|s| !old_ids.contains(&s.0))
         {
-            let value = backend_value(*id, addr, remote.contains(addr), service_id);
-            self.maps.set_backend(*id, value)?;
+            let (value, addr6) = backend_value(*id, addr, remote.contains(addr), service_id);
+            self.maps.set_backend(*id, value, addr6)?;
             ops += 1;
         }
         // 2. slots that changed (backend or cumulative weight)

@@ -14,9 +14,10 @@ fn state(name: &str, vip: [u8; 4], backends: &[&str]) -> Arc<ServicePortState> {
             },
             port: String::new(),
             protocol: Protocol::Tcp,
+            family: crate::model::IpFamily::V4,
         },
         frontend: Frontend {
-            addr: Ipv4Addr::from(vip),
+            addr: Ipv4Addr::from(vip).into(),
             port: 80,
             protocol: Protocol::Tcp,
         },
@@ -127,12 +128,12 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
         SERVICE_FLAG_MASQUERADE,
     };
     let node_port = Frontend {
-        addr: Ipv4Addr::new(192, 168, 0, 1),
+        addr: Ipv4Addr::new(192, 168, 0, 1).into(),
         port: 30080,
         protocol: Protocol::Tcp,
     };
-    let local: std::net::SocketAddrV4 = "10.0.0.1:80".parse().unwrap();
-    let remote: std::net::SocketAddrV4 = "10.0.1.1:80".parse().unwrap();
+    let local: std::net::SocketAddr = "10.0.0.1:80".parse().unwrap();
+    let remote: std::net::SocketAddr = "10.0.1.1:80".parse().unwrap();
     let plain = state("a", [10, 96, 0, 1], &["10.0.0.1:80", "10.0.1.1:80"]);
     let mut exposed = (*plain).clone();
     exposed.remote = [remote].into_iter().collect();
@@ -164,8 +165,11 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
         .values()
         .map(|b| (u32::from_be(b.addr), b.flags))
         .collect();
-    assert!(remote_flags.contains(&(u32::from(*remote.ip()), BACKEND_FLAG_REMOTE)));
-    assert!(remote_flags.contains(&(u32::from(*local.ip()), 0)));
+    assert!(remote_flags.contains(&(
+        u32::from(std::net::Ipv4Addr::from([10, 0, 1, 1])),
+        BACKEND_FLAG_REMOTE
+    )));
+    assert!(remote_flags.contains(&(u32::from(std::net::Ipv4Addr::from([10, 0, 0, 1])), 0)));
     assert_eq!(
         proxier.programmed(),
         (2, 4),

@@ -3,7 +3,6 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    net::SocketAddrV4,
     time::Duration,
 };
 
@@ -154,10 +153,11 @@ fn port(name: &str) -> ServicePortName {
         },
         port: "http".into(),
         protocol: Protocol::Tcp,
+        family: crate::model::IpFamily::V4,
     }
 }
 
-fn backends(state: &DesiredState, name: &str) -> Option<Vec<SocketAddrV4>> {
+fn backends(state: &DesiredState, name: &str) -> Option<Vec<std::net::SocketAddr>> {
     state.ports.get(&port(name)).map(|s| s.backends.clone())
 }
 

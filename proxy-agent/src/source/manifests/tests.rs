@@ -1,4 +1,4 @@
-use std::{fs, net::SocketAddrV4, os::unix::fs::symlink, time::Duration};
+use std::{fs, net::SocketAddr, os::unix::fs::symlink, time::Duration};
 
 use tokio::sync::mpsc;
 
@@ -98,6 +98,7 @@ fn port(ns: &str, name: &str, port: &str, protocol: Protocol) -> ServicePortName
         },
         port: port.into(),
         protocol,
+        family: crate::model::IpFamily::V4,
     }
 }
 
@@ -144,13 +145,13 @@ fn named_and_numeric_target_ports_resolve_per_slice_and_duplicates_merge() {
     assert_eq!(http.frontend.port, 80);
     // web-1 resolves `http` to 8080, web-2 to 8081; 10.244.1.2 is not ready; 10.244.1.1
     // appears in both slices with different ports, so both are distinct backends.
-    let want: Vec<SocketAddrV4> = ["10.244.1.1:8080", "10.244.1.1:8081", "10.244.2.1:8081"]
+    let want: Vec<SocketAddr> = ["10.244.1.1:8080", "10.244.1.1:8081", "10.244.2.1:8081"]
         .iter()
         .map(|s| s.parse().unwrap())
         .collect();
     assert_eq!(http.backends, want);
     let metrics = &state.ports[&port("shop", "web", "metrics", Protocol::Tcp)];
-    let want: Vec<SocketAddrV4> = ["10.244.1.1:9100", "10.244.2.1:9100"]
+    let want: Vec<SocketAddr> = ["10.244.1.1:9100", "10.244.2.1:9100"]
         .iter()
         .map(|s| s.parse().unwrap())
         .collect();

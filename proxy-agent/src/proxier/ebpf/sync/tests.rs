@@ -1,9 +1,9 @@
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr},
 };
 
-use proxy_common::{Backend, ServiceKey, ServiceValue};
+use proxy_common::{Backend, BackendAddr6, ServiceValue};
 
 use super::*;
 use crate::{
@@ -13,22 +13,22 @@ use crate::{
 
 fn frontend(last: u8) -> Frontend {
     Frontend {
-        addr: Ipv4Addr::new(10, 96, 0, last),
+        addr: Ipv4Addr::new(10, 96, 0, last).into(),
         port: 80,
         protocol: Protocol::Tcp,
     }
 }
 
-fn pods(range: std::ops::Range<u8>) -> Vec<SocketAddrV4> {
+fn pods(range: std::ops::Range<u8>) -> Vec<SocketAddr> {
     range
-        .map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, i), 8080))
+        .map(|i| SocketAddr::new(Ipv4Addr::new(10, 244, 0, i).into(), 8080))
         .collect()
 }
 
 /// What a packet arriving now would be sent to: `None` if the frontend is unknown, else the
 /// set of backends reachable through the header's slots (panics on a dangling slot or
 /// backend, which a packet would hit).
-fn datapath_view(maps: &InMemoryMaps, f: &Frontend) -> Option<Vec<SocketAddrV4>> {
+fn datapath_view(maps: &InMemoryMaps, f: &Frontend) -> Option<Vec<SocketAddr>> {
     let header = maps.services.get(&service_key(f, 0))?;
     let mut out = Vec::new();
     for slot in 1..=header.count {
@@ -40,10 +40,10 @@ fn datapath_view(maps: &InMemoryMaps, f: &Frontend) -> Option<Vec<SocketAddrV4>>
             .backends
             .get(&v.backend_id)
             .unwrap_or_else(|| panic!("{f}: slot {slot} names missing backend {}", v.backend_id));
-        out.push(SocketAddrV4::new(
-            Ipv4Addr::from(u32::from_be(b.addr)),
-            u16::from_be(b.port),
-        ));
+        out.push(
+            backend_addr(b, &maps.backend_addrs6)
+                .unwrap_or_else(|| panic!("{f}: backend {} has no IPv6 address", b.id)),
+        );
     }
     out.sort();
     Some(out)
@@ -55,7 +55,7 @@ struct CheckedMaps {
     inner: InMemoryMaps,
     watched: Frontend,
     nonempty: bool,
-    allowed: Vec<SocketAddrV4>,
+    allowed: Vec<SocketAddr>,
     checks: usize,
 }
 
@@ -90,18 +90,23 @@ impl CheckedMaps {
 }
 
 impl ServiceMaps for CheckedMaps {
-    fn set_service(&mut self, key: ServiceKey, value: ServiceValue) -> Result<(), MapError> {
+    fn set_service(&mut self, key: ServiceMapKey, value: ServiceValue) -> Result<(), MapError> {
         self.inner.set_service(key, value)?;
         self.check();
         Ok(())
     }
-    fn remove_service(&mut self, key: &ServiceKey) -> Result<(), MapError> {
+    fn remove_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
         self.inner.remove_service(key)?;
         self.check();
         Ok(())
     }
-    fn set_backend(&mut self, id: u32, backend: Backend) -> Result<(), MapError> {
-        self.inner.set_backend(id, backend)?;
+    fn set_backend(
+        &mut self,
+        id: u32,
+        backend: Backend,
+        addr6: Option<BackendAddr6>,
+    ) -> Result<(), MapError> {
+        self.inner.set_backend(id, backend, addr6)?;
         self.check();
         Ok(())
     }
@@ -183,8 +188,8 @@ fn one_endpoint_change_costs_three_writes_whatever_the_service_size() {
     let mut sync = MapSync::new(InMemoryMaps::default());
     let mut backends = pods(1..201);
     sync.set(&f, &backends).unwrap();
-    backends.retain(|b| b.ip().octets()[3] != 57);
-    backends.push(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 1), 8080));
+    backends.retain(|b| b.ip() != std::net::IpAddr::from([10, 244, 0, 57]));
+    backends.push(SocketAddr::new(Ipv4Addr::new(10, 244, 1, 1).into(), 8080));
     let ops = sync.set(&f, &backends).unwrap();
     // new backend, the departed one's slot, the departed backend's deletion
     assert_eq!(ops, 3);
@@ -432,7 +437,7 @@ fn a_draining_backend_keeps_its_id_without_a_slot_and_survives_adoption() {
     let mut sync = MapSync::new(InMemoryMaps::default());
     let all = pods(1..4);
     sync.set(&f, &all).unwrap();
-    let id_of = |sync: &MapSync<InMemoryMaps>, addr: SocketAddrV4| {
+    let id_of = |sync: &MapSync<InMemoryMaps>, addr: SocketAddr| {
         sync.backend_ids()
             .find(|(_, a, _)| *a == addr)
             .map(|(_, _, id)| id)
@@ -461,4 +466,69 @@ fn a_draining_backend_keeps_its_id_without_a_slot_and_survives_adoption() {
     adopted.set_with(&f, &spec).unwrap();
     adopted.set(&f, &all[1..]).unwrap();
     assert!(!adopted.maps.backends.contains_key(&id));
+}
+
+fn frontend6(last: u16) -> Frontend {
+    Frontend {
+        addr: std::net::Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, last).into(),
+        port: 80,
+        protocol: Protocol::Tcp,
+    }
+}
+
+fn pods6(range: std::ops::Range<u16>) -> Vec<SocketAddr> {
+    range
+        .map(|i| {
+            SocketAddr::new(
+                std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, i).into(),
+                8080,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn ipv6_frontends_go_to_their_own_map_and_share_backend_ids_with_ipv4() {
+    let mut sync = MapSync::new(InMemoryMaps::default());
+    sync.set(&frontend(1), &pods(1..3)).unwrap();
+    sync.set(&frontend6(1), &pods6(1..4)).unwrap();
+    let maps = sync.maps();
+    assert!(matches!(
+        maps.services.keys().find(|k| k.slot() == 0 && matches!(k, ServiceMapKey::V6(_))),
+        Some(ServiceMapKey::V6(k)) if k.addr == std::net::Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 1).octets()
+    ));
+    assert_eq!(datapath_view(maps, &frontend6(1)), Some(pods6(1..4)));
+    assert_eq!(datapath_view(maps, &frontend(1)), Some(pods(1..3)));
+    // One id space: no IPv6 backend shares an id with an IPv4 one.
+    let ids: Vec<u32> = sync.backend_ids().map(|(_, _, id)| id).collect();
+    let unique: std::collections::BTreeSet<u32> = ids.iter().copied().collect();
+    assert_eq!(ids.len(), 5);
+    assert_eq!(unique.len(), 5);
+    for (f, _, id) in sync.backend_ids() {
+        let b = maps.backends[&id];
+        let v6 = b.flags & proxy_common::BACKEND_FLAG_IPV6 != 0;
+        assert_eq!(v6, f.family() == crate::model::IpFamily::V6);
+        assert_eq!(
+            maps.backend_addrs6.contains_key(&(id & BACKEND_INDEX_MASK)),
+            v6
+        );
+    }
+
+    // A new agent adopts both families as they are.
+    let mut second = MapSync::new(maps.clone());
+    assert_eq!(second.adopt().unwrap(), 2);
+    assert_eq!(second.set(&frontend6(1), &pods6(1..4)).unwrap(), 0);
+    assert_eq!(second.set(&frontend(1), &pods(1..3)).unwrap(), 0);
+    // ... and changes them as usual.
+    second.set(&frontend6(1), &pods6(2..4)).unwrap();
+    assert_eq!(
+        datapath_view(second.maps(), &frontend6(1)),
+        Some(pods6(2..4))
+    );
+    second.remove(&frontend6(1)).unwrap();
+    assert!(second
+        .maps()
+        .services
+        .keys()
+        .all(|k| matches!(k, ServiceMapKey::V4(_))));
 }
