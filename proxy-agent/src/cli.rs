@@ -183,6 +183,9 @@ pub struct Settings {
     pub min_sync_period: Duration,
     pub config_sync_period: Duration,
     pub datapath: DatapathConfig,
+    /// The IPv6 half of the datapath settings (the IPv6 cluster CIDR; the masquerade
+    /// address follows the Node object).
+    pub datapath6: proxy_common::DatapathConfig6,
     pub file: Option<FileSettings>,
 }
 
@@ -316,15 +319,27 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         Some(list) => list.split(',').map(|c| c.trim().to_string()).collect(),
         None => f.map(|f| f.cluster_cidrs.clone()).unwrap_or_default(),
     };
+    // One range per family (kube-proxy takes the first of each in a dual-stack list).
+    let mut datapath6 = proxy_common::DatapathConfig6::default();
+    let (mut seen_v4, mut seen_v6) = (false, false);
     for text in cidrs.iter().filter(|c| !c.is_empty()) {
         let cidr: crate::model::Cidr = text
             .parse()
             .map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
-        if let std::net::IpAddr::V4(addr) = cidr.addr {
-            let mask = u32::MAX.checked_shl(32 - cidr.prefix as u32).unwrap_or(0);
-            datapath.cluster_cidr_addr = (u32::from(addr) & mask).to_be();
-            datapath.cluster_cidr_mask = mask.to_be();
-            break;
+        match cidr.addr {
+            std::net::IpAddr::V4(addr) if !seen_v4 => {
+                seen_v4 = true;
+                let mask = u32::MAX.checked_shl(32 - cidr.prefix as u32).unwrap_or(0);
+                datapath.cluster_cidr_addr = (u32::from(addr) & mask).to_be();
+                datapath.cluster_cidr_mask = mask.to_be();
+            }
+            std::net::IpAddr::V6(addr) if !seen_v6 => {
+                seen_v6 = true;
+                let mask = u128::MAX.checked_shl(128 - cidr.prefix as u32).unwrap_or(0);
+                datapath6.cluster_cidr_addr = (u128::from(addr) & mask).to_be_bytes();
+                datapath6.cluster_cidr_mask = mask.to_be_bytes();
+            }
+            _ => {}
         }
     }
     Ok(Settings {
@@ -357,6 +372,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
             .and_then(|f| f.config_sync_period)
             .unwrap_or(DEFAULT_CONFIG_SYNC_PERIOD),
         datapath,
+        datapath6,
         file,
         cli,
     })

@@ -9,7 +9,7 @@ use aya::{
 };
 use proxy_common::{
     map_names, program_names, tail_calls, ConntrackKey, ConntrackValue, DatapathConfig,
-    ServiceStats, Stat, CT_REFRESH_NS, MAX_BACKENDS,
+    DatapathConfig6, ServiceStats, Stat, CT_REFRESH_NS, MAX_BACKENDS,
 };
 
 use crate::{pins::BpffsRoot, proxier::ebpf::maps::KernelMaps};
@@ -74,6 +74,8 @@ pub struct Datapath {
     pub sizes: DatapathSizes,
     /// What was last written to `CONFIG`.
     pub config: DatapathConfig,
+    /// What was last written to `CONFIG6`.
+    pub config6: DatapathConfig6,
 }
 
 /// What a conntrack garbage collection found.
@@ -194,7 +196,10 @@ impl Datapath {
             // IPv6 frontends and flows share the budgets of their IPv4 counterparts.
             .map_max_entries(map_names::SERVICES6, sizes.services)
             .map_max_entries(map_names::BACKEND_ADDRS6, sizes.backends)
-            .map_max_entries(map_names::CONNTRACK6, sizes.conntrack);
+            .map_max_entries(map_names::CONNTRACK6, sizes.conntrack)
+            .map_max_entries(map_names::AFFINITY6, sizes.conntrack)
+            .map_max_entries(map_names::SOURCE_RANGES6, sizes.services)
+            .map_max_entries(map_names::SOCK_REVNAT6, sizes.conntrack);
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -216,6 +221,10 @@ impl Datapath {
                 map_names::SERVICES6,
                 map_names::BACKEND_ADDRS6,
                 map_names::CONNTRACK6,
+                map_names::AFFINITY6,
+                map_names::SOURCE_RANGES6,
+                map_names::CONFIG6,
+                map_names::SOCK_REVNAT6,
                 // Pinned so its slots outlive the agent: the kernel empties a program array
                 // when the last user-space reference goes, which would stop IPv6 service
                 // traffic (and refusals) while the agent restarts.
@@ -289,8 +298,10 @@ impl Datapath {
             ebpf,
             sizes,
             config: DatapathConfig::DEFAULT,
+            config6: DatapathConfig6::default(),
         };
         datapath.configure(&DatapathConfig::DEFAULT)?;
+        datapath.configure6(&DatapathConfig6::default())?;
         Ok(datapath)
     }
 
@@ -316,6 +327,20 @@ impl Datapath {
         Ok(())
     }
 
+    /// Writes the IPv6 datapath settings (masquerade address, cluster CIDR).
+    pub fn configure6(&mut self, config: &DatapathConfig6) -> Result<()> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::CONFIG6)
+            .context("eBPF object has no CONFIG6 map")?;
+        let mut array: Array<&mut MapData, DatapathConfig6> = Array::try_from(map)?;
+        array
+            .set(0, config, 0)
+            .context("writing the IPv6 datapath configuration")?;
+        self.config6 = *config;
+        Ok(())
+    }
+
     /// Takes the maps the service sync writes. Call once.
     pub fn take_service_maps(&mut self) -> Result<KernelMaps> {
         let services = self
@@ -330,6 +355,10 @@ impl Datapath {
             .ebpf
             .take_map(map_names::SOURCE_RANGES)
             .context("eBPF object has no SOURCE_RANGES map")?;
+        let source_ranges6 = self
+            .ebpf
+            .take_map(map_names::SOURCE_RANGES6)
+            .context("eBPF object has no SOURCE_RANGES6 map")?;
         let maglev = self
             .ebpf
             .take_map(map_names::MAGLEV)
@@ -348,6 +377,7 @@ impl Datapath {
             backends: Array::try_from(backends)?,
             backend_addrs6: Array::try_from(backend_addrs6)?,
             source_ranges: aya::maps::LpmTrie::try_from(source_ranges)?,
+            source_ranges6: aya::maps::LpmTrie::try_from(source_ranges6)?,
             maglev: BpfHashMap::try_from(maglev)?,
             maglev_capacity: self.sizes.maglev,
             // Second handles: the garbage collector keeps using these maps through `ebpf`.

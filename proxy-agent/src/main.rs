@@ -236,6 +236,7 @@ async fn run(s: Settings) -> Result<()> {
         None
     };
     datapath.configure(&s.datapath)?;
+    datapath.configure6(&s.datapath6)?;
     let maps = datapath.take_service_maps()?;
     let mut proxier = EbpfProxier::new(maps);
     proxier.set_maglev_size(s.datapath.maglev_table_size);
@@ -299,6 +300,7 @@ async fn run(s: Settings) -> Result<()> {
         node_name: s.node_name.clone(),
         node_port_filter: s.node_port_addresses.clone(),
         masquerade_addr: None,
+        masquerade_addr6: None,
         masquerade_all: s.masquerade_all,
         default_scheduler: s.scheduler,
         node: None,
@@ -444,21 +446,31 @@ async fn run(s: Settings) -> Result<()> {
     Ok(())
 }
 
-/// Keeps the datapath's masquerade address at this node's InternalIP.
+/// Keeps the datapath's masquerade addresses at this node's InternalIPs (one per family).
 fn follow_masquerade_address(datapath: &mut Datapath, loop_state: &SyncLoop) {
     let wanted = loop_state
         .masquerade_addr
         .map_or(0, |a| u32::from(a).to_be());
-    if datapath.config.masquerade_addr == wanted {
-        return;
+    if datapath.config.masquerade_addr != wanted {
+        let config = proxy_common::DatapathConfig {
+            masquerade_addr: wanted,
+            ..datapath.config
+        };
+        match datapath.configure(&config) {
+            Ok(()) => info!(address = ?loop_state.masquerade_addr, "masquerade address"),
+            Err(e) => warn!("setting the masquerade address: {e:#}"),
+        }
     }
-    let config = proxy_common::DatapathConfig {
-        masquerade_addr: wanted,
-        ..datapath.config
-    };
-    match datapath.configure(&config) {
-        Ok(()) => info!(address = ?loop_state.masquerade_addr, "masquerade address"),
-        Err(e) => warn!("setting the masquerade address: {e:#}"),
+    let wanted6 = loop_state.masquerade_addr6.map_or([0; 16], |a| a.octets());
+    if datapath.config6.masquerade_addr != wanted6 {
+        let config = proxy_common::DatapathConfig6 {
+            masquerade_addr: wanted6,
+            ..datapath.config6
+        };
+        match datapath.configure6(&config) {
+            Ok(()) => info!(address = ?loop_state.masquerade_addr6, "IPv6 masquerade address"),
+            Err(e) => warn!("setting the IPv6 masquerade address: {e:#}"),
+        }
     }
 }
 
@@ -470,6 +482,8 @@ struct SyncLoop {
     node_port_filter: Vec<NodePortAddress>,
     /// The source for masqueraded flows: this node's first IPv4 InternalIP.
     masquerade_addr: Option<std::net::Ipv4Addr>,
+    /// The same for IPv6: this node's first IPv6 InternalIP.
+    masquerade_addr6: Option<std::net::Ipv6Addr>,
     masquerade_all: bool,
     default_scheduler: proxy_agent::model::Scheduler,
     /// This node's Node object, as last seen (addresses and zone, for features to come).
@@ -500,6 +514,7 @@ impl SyncLoop {
         };
         let (desired, model_problems) = DesiredState::build(&set.store, &context);
         self.masquerade_addr = context.masquerade_addr;
+        self.masquerade_addr6 = context.masquerade_addr6;
         // Problems are reported when they appear, not again on every reload.
         let problems: Vec<String> = set
             .problems

@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 20] {
+fn expected() -> [Expected; 24] {
     use std::mem::size_of;
     [
         Expected {
@@ -280,6 +280,37 @@ fn expected() -> [Expected; 20] {
             map_type: MapType::LruHash,
             key_size: size_of::<proxy_common::ConntrackKey6>(),
             value_size: size_of::<proxy_common::ConntrackValue6>(),
+            // Sized like CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::AFFINITY6,
+            map_type: MapType::LruHash,
+            key_size: size_of::<proxy_common::AffinityKey6>(),
+            value_size: size_of::<AffinityValue>(),
+            // Sized like CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SOURCE_RANGES6,
+            map_type: MapType::LpmTrie,
+            key_size: 4 + size_of::<proxy_common::SourceRangeKey6>(),
+            value_size: 1,
+            // Sized like SERVICES.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::CONFIG6,
+            map_type: MapType::Array,
+            key_size: 4,
+            value_size: size_of::<proxy_common::DatapathConfig6>(),
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SOCK_REVNAT6,
+            map_type: MapType::LruHash,
+            key_size: size_of::<proxy_common::SockRevNatKey6>(),
+            value_size: size_of::<proxy_common::SockRevNatValue6>(),
             // Sized like CONNTRACK.
             configurable: false,
         },

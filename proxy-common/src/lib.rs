@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 4;
+pub const MAP_LAYOUT_VERSION: u32 = 5;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -42,6 +42,14 @@ pub mod map_names {
     pub const BACKEND_ADDRS6: &str = "BACKEND_ADDRS6";
     /// IPv6 flows, as `CONNTRACK`.
     pub const CONNTRACK6: &str = "CONNTRACK6";
+    /// `sessionAffinity: ClientIP` for IPv6 clients, as `AFFINITY`.
+    pub const AFFINITY6: &str = "AFFINITY6";
+    /// `loadBalancerSourceRanges` of IPv6 frontends, as `SOURCE_RANGES`.
+    pub const SOURCE_RANGES6: &str = "SOURCE_RANGES6";
+    /// The IPv6 settings ([`super::DatapathConfig6`]).
+    pub const CONFIG6: &str = "CONFIG6";
+    /// The node's own IPv6 sockets given a backend, as `SOCK_REVNAT`.
+    pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6";
     /// The programs the tc programs tail-call into (see [`super::tail_calls`]).
     pub const TAIL_CALLS: &str = "TAIL_CALLS";
 }
@@ -67,14 +75,23 @@ pub mod program_names {
     /// IPv6, so each family's path has the whole BPF stack to itself.
     pub const TC_INGRESS6: &str = "proxy_ingress6";
     pub const TC_EGRESS6: &str = "proxy_egress6";
+    /// Socket-level hooks for the node's own IPv6 sockets, as the IPv4 ones.
+    pub const SOCK_CONNECT6: &str = "proxy_connect6";
+    pub const SOCK_SENDMSG6: &str = "proxy_sendmsg6";
+    pub const SOCK_RECVMSG6: &str = "proxy_recvmsg6";
+    pub const SOCK_GETPEERNAME6: &str = "proxy_getpeername6";
     /// Answers a new flow to a service without endpoints (TCP reset, ICMP port unreachable);
     /// tail-called by the tc programs of both families.
     pub const REFUSE: &str = "proxy_refuse";
-    pub const SOCKET_HOOKS: [&str; 4] = [
+    pub const SOCKET_HOOKS: [&str; 8] = [
         SOCK_CONNECT4,
         SOCK_SENDMSG4,
         SOCK_RECVMSG4,
         SOCK_GETPEERNAME4,
+        SOCK_CONNECT6,
+        SOCK_SENDMSG6,
+        SOCK_RECVMSG6,
+        SOCK_GETPEERNAME6,
     ];
 }
 
@@ -148,6 +165,53 @@ impl ServiceKey6 {
             _pad1: [0; 2],
         }
     }
+}
+
+/// Key of `AFFINITY6`: [`AffinityKey`] for an IPv6 client (values are [`AffinityValue`]s).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityKey6 {
+    pub client: [u8; 16],
+    pub service_id: u32,
+}
+
+/// The data of a `SOURCE_RANGES6` LPM-trie key: as [`SourceRangeKey`], with an IPv6 source.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SourceRangeKey6 {
+    pub service_id: u32,
+    pub addr: [u8; 16],
+}
+
+/// The IPv6 datapath's settings (`CONFIG6`, one entry), beside [`DatapathConfig`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DatapathConfig6 {
+    /// The node's IPv6 address masqueraded flows take as their source; all zero: none known,
+    /// such flows go out unmasqueraded.
+    pub masquerade_addr: [u8; 16],
+    /// The IPv6 `clusterCIDR`, address and mask; mask all zero: not set.
+    pub cluster_cidr_addr: [u8; 16],
+    pub cluster_cidr_mask: [u8; 16],
+}
+
+/// Key of `SOCK_REVNAT6`: [`SockRevNatKey`] with an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey6 {
+    pub cookie: u64,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub _pad0: [u8; 6],
+}
+
+/// Value of `SOCK_REVNAT6`: the IPv6 frontend the socket asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockRevNatValue6 {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub _pad0: [u8; 2],
 }
 
 /// Value of `BACKEND_ADDRS6`: the address of an IPv6 backend whose port, flags and service
@@ -746,6 +810,11 @@ mod pod {
     unsafe impl aya::Pod for super::BackendAddr6 {}
     unsafe impl aya::Pod for super::ConntrackKey6 {}
     unsafe impl aya::Pod for super::ConntrackValue6 {}
+    unsafe impl aya::Pod for super::AffinityKey6 {}
+    unsafe impl aya::Pod for super::SourceRangeKey6 {}
+    unsafe impl aya::Pod for super::DatapathConfig6 {}
+    unsafe impl aya::Pod for super::SockRevNatKey6 {}
+    unsafe impl aya::Pod for super::SockRevNatValue6 {}
 }
 
 #[cfg(test)]
@@ -784,6 +853,15 @@ mod tests {
         assert_eq!(offset_of!(ConntrackValue6, backend_id), 28);
         assert_eq!(offset_of!(ConntrackValue6, service_id), 32);
         assert_eq!(offset_of!(ConntrackValue6, _pad1), 36);
+        assert_eq!(size_of::<AffinityKey6>(), 20);
+        assert_eq!(offset_of!(AffinityKey6, service_id), 16);
+        assert_eq!(size_of::<SourceRangeKey6>(), 20);
+        assert_eq!(offset_of!(SourceRangeKey6, addr), 4);
+        assert_eq!(size_of::<DatapathConfig6>(), 48);
+        assert_eq!(size_of::<SockRevNatKey6>(), 32);
+        assert_eq!(offset_of!(SockRevNatKey6, addr), 8);
+        assert_eq!(offset_of!(SockRevNatKey6, port), 24);
+        assert_eq!(size_of::<SockRevNatValue6>(), 20);
     }
 
     #[test]

@@ -2,29 +2,39 @@
 //! BPF stack to itself.
 //!
 //! Services are found in `SERVICES6`, backends in the shared `BACKENDS` array (port, flags,
-//! generation) with their addresses in `BACKEND_ADDRS6`, flows in `CONNTRACK6`. It serves
-//! every frontend the agent writes there: destination NAT to a uniformly random backend,
-//! replies restored (at egress only for external frontends, as for IPv4), backends that left
-//! their service re-balanced, and refusals (see `refuse`) for services without endpoints.
-//! What IPv4 has beyond that (schedulers other than random, affinity, source NAT, hairpin,
-//! fragments, source ranges) is not here yet; the agent programs only the frontends this
-//! can serve.
+//! generation) with their addresses in `BACKEND_ADDRS6`, flows in `CONNTRACK6`. As for IPv4:
+//! destination NAT to a backend, replies restored (at egress only for external frontends),
+//! backends that left their service re-balanced, refusals (see `refuse`) for services
+//! without endpoints, `sessionAffinity: ClientIP`, `loadBalancerSourceRanges`, and source NAT
+//! to the node's IPv6 address (external traffic to another node's endpoint, `masqueradeAll`,
+//! `clusterCIDR`), the schedulers random, rr, wrr, sh, dh and mh. Not yet: the
+//! least-connection and locality schedulers (random instead), hairpin, fragments (extension
+//! headers pass untranslated).
+//!
+//! Each step is a subprogram called from the entry, one level deep: their stack frames are
+//! then never stacked on each other, only on the entry's.
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::{bpf_csum_diff, bpf_ktime_get_ns},
+    helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
     macros::map,
-    maps::{Array, HashMap, LruHashMap},
-    programs::TcContext,
+    maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap},
+    programs::{SockAddrContext, TcContext},
+    EbpfContext,
 };
 use proxy_common::{
-    BackendAddr6, ConntrackKey6, ConntrackValue6, ServiceKey6, ServiceValue, Stat,
-    BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY,
+    scheduler, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
+    DatapathConfig6, MaglevKey, ServiceKey6, ServiceValue, SockRevNatKey6, SockRevNatValue6,
+    SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING,
+    CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY,
     CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
+    SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
+    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 use crate::{
-    account, backend, bump, config, random_below, read, Hook, ETH_HLEN, REFRESH_NS, TCP_ACK,
+    account, backend, bump, config, next_turn, random_below, read, Hook, ETH_HLEN, MAGLEV,
+    REFRESH_NS, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, TCP_ACK,
     TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN, UDP_CSUM_OFF,
 };
 
@@ -34,6 +44,15 @@ pub static SERVICES6: HashMap<ServiceKey6, ServiceValue> = HashMap::with_max_ent
 pub static BACKEND_ADDRS6: Array<BackendAddr6> = Array::with_max_entries(65536, 0);
 #[map]
 pub static CONNTRACK6: LruHashMap<ConntrackKey6, ConntrackValue6> =
+    LruHashMap::with_max_entries(65536, 0);
+#[map]
+static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::with_max_entries(65536, 0);
+#[map]
+static SOURCE_RANGES6: LpmTrie<SourceRangeKey6, u8> = LpmTrie::with_max_entries(65536, 0);
+#[map]
+static CONFIG6: Array<DatapathConfig6> = Array::with_max_entries(1, 0);
+#[map]
+static SOCK_REVNAT6: LruHashMap<SockRevNatKey6, SockRevNatValue6> =
     LruHashMap::with_max_entries(65536, 0);
 
 pub const ETH_P_IPV6: u16 = 0x86dd;
@@ -67,8 +86,22 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         // SAFETY: the pointer is to a map value and valid for this program run.
         let ct = unsafe { &mut *ct };
         let now = unsafe { bpf_ktime_get_ns() };
-        if ct.flags & CT_FLAG_REPLY != 0 {
-            if ct.flags & CT_FLAG_EGRESS_ONLY != 0 && hook == Hook::Ingress {
+        let flags = ct.flags;
+        // Each kind of entry acts at one hook only; elsewhere the packet passes as it is.
+        if flags & CT_FLAG_SNAT != 0 {
+            return match hook {
+                Hook::Egress => source_nat(ctx, &pkt, ct, IP6_SADDR_OFF),
+                Hook::Ingress => Ok(TC_ACT_UNSPEC),
+            };
+        }
+        if flags & CT_FLAG_SNAT_REPLY != 0 {
+            return match hook {
+                Hook::Ingress => source_nat(ctx, &pkt, ct, IP6_DADDR_OFF),
+                Hook::Egress => Ok(TC_ACT_UNSPEC),
+            };
+        }
+        if flags & CT_FLAG_REPLY != 0 {
+            if flags & CT_FLAG_EGRESS_ONLY != 0 && hook == Hook::Ingress {
                 return Ok(TC_ACT_UNSPEC);
             }
             return translate_reply(ctx, &pkt, ct, now);
@@ -85,6 +118,7 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     }
     let header_key = ServiceKey6::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
     let Some(header) = (unsafe { SERVICES6.get(&header_key) }) else {
+        forget_clashing_flow(&pkt);
         return Ok(TC_ACT_UNSPEC);
     };
     let header = *header;
@@ -95,7 +129,18 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         }
         return crate::refuse(ctx);
     }
-    new_flow(ctx, &pkt, &header)
+    if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0 && !source_allowed(&pkt, header.service_id) {
+        bump(Stat::SourceRangeDenied);
+        return Ok(TC_ACT_SHOT as i32);
+    }
+    let backend_id = choose_backend(&pkt, &header);
+    if backend_id == 0 {
+        return Err(Stat::RewriteFailed);
+    }
+    if new_flow(ctx, &pkt, &header, backend_id)? {
+        plan_source_nat(&pkt, backend_id, header.service_id);
+    }
+    Ok(TC_ACT_UNSPEC)
 }
 
 /// IPv6 with TCP or UDP directly after the fixed header; anything else (extension headers,
@@ -233,21 +278,176 @@ fn translate_tracked(
     Ok(Some(TC_ACT_UNSPEC))
 }
 
+/// The backend id for a new flow: the client's affinity backend while within the timeout,
+/// else a uniformly random slot. 0: none (a slot vanished under a shrinking service).
 // A subprogram of its own: its stack frame is not added to its callers'.
 #[inline(never)]
-fn new_flow(ctx: &TcContext, pkt: &Packet6, header: &ServiceValue) -> Result<i32, Stat> {
-    let slot = random_below(header.count as u32) as u16 + 1;
+fn choose_backend(pkt: &Packet6, header: &ServiceValue) -> u32 {
+    // The header slot's backend_id is the ClientIP affinity timeout in seconds.
+    let affinity_ns = header.backend_id as u64 * 1_000_000_000;
+    let now = unsafe { bpf_ktime_get_ns() };
+    let key = AffinityKey6 {
+        client: pkt.key.saddr,
+        service_id: header.service_id,
+    };
+    if affinity_ns != 0 {
+        if let Some(last) = unsafe { AFFINITY6.get(&key) } {
+            let id = last.backend_id;
+            if now.wrapping_sub(last.last_seen_ns) <= affinity_ns && backend(id).is_some() {
+                remember_affinity(&key, id, now);
+                return id;
+            }
+        }
+    }
+    let slot = schedule(pkt, header);
+    let mut id = slot_backend(pkt, slot);
+    if id == 0 {
+        // The agent lowers the count before it deletes slots; slot 1 exists while count > 0.
+        id = slot_backend(pkt, 1);
+    }
+    if affinity_ns != 0 && id != 0 {
+        remember_affinity(&key, id, now);
+    }
+    id
+}
+
+/// The slot (1..=count) a new flow goes to, by the frontend's scheduler: as for IPv4, with
+/// an address hashed as the exclusive or of its four words. The least-connection and
+/// locality schedulers are not here yet: their frontends pick at random (the agent says so).
+#[inline(always)]
+fn schedule(pkt: &Packet6, header: &ServiceValue) -> u16 {
+    let count = header.count as u32;
+    // Never 0 here (the caller refuses empty services), but this function is compiled
+    // apart from that check: without it a division by zero would be a panic path the
+    // verifier rejects.
+    if count == 0 {
+        return 1;
+    }
+    let slot = match (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK {
+        scheduler::RR => next_turn(header.service_id) % count,
+        scheduler::WRR => return weighted_turn(pkt, header),
+        scheduler::SH => mix6(&pkt.key.saddr) % count,
+        scheduler::DH => mix6(&pkt.key.daddr) % count,
+        scheduler::MH => return maglev(pkt, header),
+        _ => random_below(count),
+    };
+    slot as u16 + 1
+}
+
+#[inline(always)]
+fn mix6(addr: &[u8; 16]) -> u32 {
+    let mut x = 0u32;
+    for i in 0..4 {
+        x ^= u32::from_ne_bytes([
+            addr[i * 4],
+            addr[i * 4 + 1],
+            addr[i * 4 + 2],
+            addr[i * 4 + 3],
+        ]);
+    }
+    proxy_common::mix32(x)
+}
+
+/// A slot's cumulative weight (written by the agent, as for IPv4); 0 for the header.
+#[inline(always)]
+fn cumulative_weight(pkt: &Packet6, slot: u16) -> u32 {
+    if slot == 0 {
+        return 0;
+    }
     let key = ServiceKey6::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
-    let Some(entry) = (unsafe { SERVICES6.get(&key) }) else {
-        return Ok(TC_ACT_UNSPEC);
+    match unsafe { SERVICES6.get(&key) } {
+        Some(v) => (v.flags as u32) << 16 | v.count as u32,
+        None => 0,
+    }
+}
+
+/// Weighted round robin (see the IPv4 `weighted_turn`).
+#[inline(always)]
+fn weighted_turn(pkt: &Packet6, header: &ServiceValue) -> u16 {
+    let count = header.count;
+    let total = cumulative_weight(pkt, count);
+    if total == 0 {
+        return 1;
+    }
+    let t = next_turn(header.service_id) % total;
+    let (mut lo, mut hi) = (1u16, count);
+    let mut steps = 0;
+    while lo < hi && steps < 17 {
+        let mid = lo + (hi - lo) / 2;
+        if cumulative_weight(pkt, mid) > t {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+        steps += 1;
+    }
+    lo
+}
+
+/// Maglev (see the IPv4 `maglev`): the tables are the same, only the client hash differs.
+#[inline(always)]
+fn maglev(pkt: &Packet6, header: &ServiceValue) -> u16 {
+    let size = config().maglev_table_size;
+    if size == 0 {
+        return random_below(header.count as u32) as u16 + 1;
+    }
+    let key = MaglevKey {
+        service_id: header.service_id,
+        index: mix6(&pkt.key.saddr) % size,
     };
-    let backend_id = entry.backend_id;
+    match unsafe { MAGLEV.get(key) } {
+        Some(slot) if *slot >= 1 && *slot <= header.count as u32 => *slot as u16,
+        _ => random_below(header.count as u32) as u16 + 1,
+    }
+}
+
+#[inline(always)]
+fn remember_affinity(key: &AffinityKey6, backend_id: u32, now: u64) {
+    let value = AffinityValue {
+        last_seen_ns: now,
+        backend_id,
+        _pad0: 0,
+    };
+    let _ = AFFINITY6.insert(key, &value, BPF_ANY as u64);
+}
+
+#[inline(always)]
+fn slot_backend(pkt: &Packet6, slot: u16) -> u32 {
+    let key = ServiceKey6::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
+    match unsafe { SERVICES6.get(&key) } {
+        Some(entry) if backend(entry.backend_id).is_some() => entry.backend_id,
+        _ => 0,
+    }
+}
+
+#[inline(always)]
+fn source_allowed(pkt: &Packet6, service_id: u32) -> bool {
+    let key = LpmKey::new(
+        32 + 128,
+        SourceRangeKey6 {
+            service_id,
+            addr: pkt.key.saddr,
+        },
+    );
+    SOURCE_RANGES6.get(&key).is_some()
+}
+
+/// Tracks the new flow to `backend_id` both ways and sends the packet to it. Returns whether
+/// the flow is to be source-NATed to the node.
+// A subprogram of its own: its stack frame is not added to its callers'.
+#[inline(never)]
+fn new_flow(
+    ctx: &TcContext,
+    pkt: &Packet6,
+    header: &ServiceValue,
+    backend_id: u32,
+) -> Result<bool, Stat> {
     let Some(b) = backend(backend_id) else {
-        return Ok(TC_ACT_UNSPEC);
+        return Err(Stat::RewriteFailed);
     };
-    let backend_port = b.port;
+    let (backend_port, remote) = (b.port, b.flags & BACKEND_FLAG_REMOTE != 0);
     let Some(addr) = BACKEND_ADDRS6.get(backend_id & BACKEND_INDEX_MASK) else {
-        return Ok(TC_ACT_UNSPEC);
+        return Err(Stat::RewriteFailed);
     };
     let backend_addr = addr.addr;
     let service_id = header.service_id;
@@ -262,16 +462,20 @@ fn new_flow(ctx: &TcContext, pkt: &Packet6, header: &ServiceValue) -> Result<i32
         service_id,
         _pad1: [0; 4],
     };
-    let reply_flags = if header.flags & SERVICE_FLAG_EXTERNAL != 0 {
-        CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY
-    } else {
-        CT_FLAG_REPLY
-    };
+    let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
     let reply = ConntrackValue6 {
+        last_seen_ns: now,
         nat_addr: pkt.key.daddr,
         nat_port: pkt.key.dport,
-        flags: reply_flags,
-        ..original
+        flags: if external {
+            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY
+        } else {
+            CT_FLAG_REPLY
+        },
+        _pad0: 0,
+        backend_id,
+        service_id,
+        _pad1: [0; 4],
     };
     let reply_key = ConntrackKey6::new(
         backend_addr,
@@ -281,10 +485,10 @@ fn new_flow(ctx: &TcContext, pkt: &Packet6, header: &ServiceValue) -> Result<i32
         pkt.key.proto,
     );
     if CONNTRACK6
-        .insert(&pkt.key, &original, BPF_ANY as u64)
+        .insert(&reply_key, &reply, BPF_ANY as u64)
         .is_err()
         || CONNTRACK6
-            .insert(&reply_key, &reply, BPF_ANY as u64)
+            .insert(&pkt.key, &original, BPF_ANY as u64)
             .is_err()
     {
         bump(Stat::ConntrackInsertFailed);
@@ -299,7 +503,274 @@ fn new_flow(ctx: &TcContext, pkt: &Packet6, header: &ServiceValue) -> Result<i32
     )?;
     bump(Stat::NewFlow);
     account(ctx, service_id, backend_id, true);
+    // As for IPv4: always under masqueradeAll; to a cluster IP from outside clusterCIDR;
+    // external traffic under externalTrafficPolicy: Cluster to another node's endpoint.
+    Ok(if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
+        true
+    } else if !external {
+        outside_cluster_cidr(&pkt.key.saddr)
+    } else {
+        header.flags & SERVICE_FLAG_MASQUERADE != 0 && remote
+    })
+}
+
+#[inline(always)]
+fn config6() -> Option<&'static DatapathConfig6> {
+    CONFIG6.get(0)
+}
+
+#[inline(always)]
+fn outside_cluster_cidr(addr: &[u8; 16]) -> bool {
+    let Some(c) = config6() else {
+        return false;
+    };
+    let mut set = false;
+    let mut inside = true;
+    for i in 0..16 {
+        let m = c.cluster_cidr_mask[i];
+        set |= m != 0;
+        inside &= addr[i] & m == c.cluster_cidr_addr[i];
+    }
+    set && !inside
+}
+
+/// Records the source NAT of a new flow (see the IPv4 `plan_masquerade`): at egress the
+/// source becomes the node's IPv6 address and a port free for that backend (the client's
+/// own when possible); the backend's reply is mapped back at ingress.
+// A subprogram of its own: its stack frame is not added to its callers'.
+#[inline(never)]
+fn plan_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32) {
+    let Some(c) = config6() else {
+        return;
+    };
+    let masq = c.masquerade_addr;
+    if masq == [0u8; 16] {
+        return;
+    }
+    let (Some(b), Some(addr)) = (
+        backend(backend_id),
+        BACKEND_ADDRS6.get(backend_id & BACKEND_INDEX_MASK),
+    ) else {
+        return;
+    };
+    let (backend_port, backend_addr) = (b.port, addr.addr);
+    let mut port = pkt.key.sport;
+    let mut tries = 0;
+    let mut found = false;
+    while tries < SNAT_PORT_TRIES {
+        let reply = ConntrackKey6::new(backend_addr, masq, backend_port, port, pkt.key.proto);
+        if unsafe { CONNTRACK6.get(&reply) }.is_none() {
+            found = true;
+            break;
+        }
+        port = ((unsafe { bpf_get_prandom_u32() } % SNAT_PORT_SPAN) as u16 + SNAT_PORT_MIN).to_be();
+        tries += 1;
+    }
+    if !found {
+        bump(Stat::SnatPortsExhausted);
+        return;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    // Created as established so they live as long as the flow's own entries.
+    let snat_key = ConntrackKey6::new(
+        pkt.key.saddr,
+        backend_addr,
+        pkt.key.sport,
+        backend_port,
+        pkt.key.proto,
+    );
+    let snat = ConntrackValue6 {
+        last_seen_ns: now,
+        nat_addr: masq,
+        nat_port: port,
+        flags: CT_FLAG_SNAT | CT_FLAG_SEEN_REPLY,
+        _pad0: 0,
+        backend_id,
+        service_id,
+        _pad1: [0; 4],
+    };
+    let unsnat_key = ConntrackKey6::new(backend_addr, masq, backend_port, port, pkt.key.proto);
+    let unsnat = ConntrackValue6 {
+        nat_addr: pkt.key.saddr,
+        nat_port: pkt.key.sport,
+        flags: CT_FLAG_SNAT_REPLY | CT_FLAG_SEEN_REPLY,
+        ..snat
+    };
+    if CONNTRACK6
+        .insert(&unsnat_key, &unsnat, BPF_ANY as u64)
+        .is_err()
+        || CONNTRACK6.insert(&snat_key, &snat, BPF_ANY as u64).is_err()
+    {
+        bump(Stat::ConntrackInsertFailed);
+    }
+}
+
+/// A source-NAT entry at its hook: at egress the source becomes the node (`addr_off` of the
+/// source), at ingress the reply's destination goes back to the client.
+// A subprogram of its own: its stack frame is not added to its callers'.
+#[inline(never)]
+fn source_nat(
+    ctx: &TcContext,
+    pkt: &Packet6,
+    ct: &mut ConntrackValue6,
+    addr_off: usize,
+) -> Result<i32, Stat> {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (addr, port) = (ct.nat_addr, ct.nat_port);
+    touch(ct, pkt, now, 0);
+    if addr_off == IP6_SADDR_OFF {
+        rewrite(
+            ctx,
+            pkt,
+            IP6_SADDR_OFF,
+            &pkt.key.saddr,
+            &addr,
+            (pkt.l4_off, pkt.key.sport, port),
+        )?;
+    } else {
+        rewrite(
+            ctx,
+            pkt,
+            IP6_DADDR_OFF,
+            &pkt.key.daddr,
+            &addr,
+            (pkt.l4_off + 2, pkt.key.dport, port),
+        )?;
+    }
     Ok(TC_ACT_UNSPEC)
+}
+
+/// A new flow that is not for a service may have the reply tuple of an earlier service
+/// flow; as for IPv4, the new flow wins and the old entries go.
+// A subprogram of its own: its stack frame is not added to its callers'.
+#[inline(never)]
+fn forget_clashing_flow(pkt: &Packet6) {
+    let opens = match pkt.key.proto {
+        IPPROTO_TCP => pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN,
+        _ => true,
+    };
+    if !opens {
+        return;
+    }
+    let reply = pkt.key.reversed();
+    let Some(ct) = (unsafe { CONNTRACK6.get(&reply) }) else {
+        return;
+    };
+    if ct.flags & CT_FLAG_REPLY == 0 {
+        return;
+    }
+    let original = ConntrackKey6::new(
+        pkt.key.saddr,
+        ct.nat_addr,
+        pkt.key.sport,
+        ct.nat_port,
+        pkt.key.proto,
+    );
+    let _ = CONNTRACK6.remove(&original);
+    let _ = CONNTRACK6.remove(&reply);
+    bump(Stat::ClashResolved);
+}
+
+/// The node's own IPv6 sockets (see the IPv4 `socket_to_backend`): a service frontend
+/// becomes one of its backends, remembered for replies; no endpoints: refused.
+#[inline(always)]
+pub fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
+    // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let proto = sa.protocol as u8;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return SOCK_ALLOW;
+    }
+    let addr = words_to_addr(&sa.user_ip6);
+    // user_port holds the port in network byte order in its low 16 bits.
+    let port = sa.user_port as u16;
+    let Some(header) = (unsafe { SERVICES6.get(&ServiceKey6::new(addr, port, proto, 0)) }) else {
+        return SOCK_ALLOW;
+    };
+    let count = header.count;
+    if count == 0 {
+        bump(Stat::SocketRefused);
+        return SOCK_REJECT;
+    }
+    let slot = random_below(count as u32) as u16 + 1;
+    let mut entry = unsafe { SERVICES6.get(&ServiceKey6::new(addr, port, proto, slot)) };
+    if entry.is_none() {
+        entry = unsafe { SERVICES6.get(&ServiceKey6::new(addr, port, proto, 1)) };
+    }
+    let Some(entry) = entry else {
+        return SOCK_ALLOW;
+    };
+    let id = entry.backend_id;
+    let Some(b) = backend(id) else {
+        return SOCK_ALLOW;
+    };
+    let backend_port = b.port;
+    let Some(backend_addr) = BACKEND_ADDRS6.get(id & BACKEND_INDEX_MASK) else {
+        return SOCK_ALLOW;
+    };
+    let backend_addr = backend_addr.addr;
+    let key = SockRevNatKey6 {
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr: backend_addr,
+        port: backend_port,
+        _pad0: [0; 6],
+    };
+    let value = SockRevNatValue6 {
+        addr,
+        port,
+        _pad0: [0; 2],
+    };
+    let _ = SOCK_REVNAT6.insert(&key, &value, BPF_ANY as u64);
+    sa.user_ip6 = addr_to_words(&backend_addr);
+    sa.user_port = backend_port as u32;
+    bump(Stat::SocketTranslated);
+    SOCK_ALLOW
+}
+
+/// recvfrom / getpeername on a socket translated above: it sees the frontend it asked for.
+#[inline(always)]
+pub fn backend_to_service(ctx: &SockAddrContext) -> i32 {
+    // SAFETY: as above.
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let key = SockRevNatKey6 {
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr: words_to_addr(&sa.user_ip6),
+        port: sa.user_port as u16,
+        _pad0: [0; 6],
+    };
+    if let Some(service) = unsafe { SOCK_REVNAT6.get(&key) } {
+        sa.user_ip6 = addr_to_words(&service.addr);
+        sa.user_port = service.port as u32;
+    }
+    SOCK_ALLOW
+}
+
+/// `bpf_sock_addr.user_ip6` holds the address as four 32-bit words in network byte order.
+#[inline(always)]
+fn words_to_addr(words: &[u32; 4]) -> [u8; 16] {
+    let mut addr = [0u8; 16];
+    for i in 0..4 {
+        let b = words[i].to_ne_bytes();
+        addr[i * 4] = b[0];
+        addr[i * 4 + 1] = b[1];
+        addr[i * 4 + 2] = b[2];
+        addr[i * 4 + 3] = b[3];
+    }
+    addr
+}
+
+#[inline(always)]
+fn addr_to_words(addr: &[u8; 16]) -> [u32; 4] {
+    let mut words = [0u32; 4];
+    for i in 0..4 {
+        words[i] = u32::from_ne_bytes([
+            addr[i * 4],
+            addr[i * 4 + 1],
+            addr[i * 4 + 2],
+            addr[i * 4 + 3],
+        ]);
+    }
+    words
 }
 
 /// Rewrites one address (at `addr_off`) and its port (`(offset, old, new)`), fixing the

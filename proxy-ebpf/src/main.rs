@@ -162,6 +162,26 @@ pub fn proxy_egress6(ctx: TcContext) -> i32 {
     ipv6::run(&ctx, Hook::Egress)
 }
 
+#[cgroup_sock_addr(connect6)]
+pub fn proxy_connect6(ctx: SockAddrContext) -> i32 {
+    ipv6::socket_to_backend(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn proxy_sendmsg6(ctx: SockAddrContext) -> i32 {
+    ipv6::socket_to_backend(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn proxy_recvmsg6(ctx: SockAddrContext) -> i32 {
+    ipv6::backend_to_service(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn proxy_getpeername6(ctx: SockAddrContext) -> i32 {
+    ipv6::backend_to_service(&ctx)
+}
+
 #[cgroup_sock_addr(connect4)]
 pub fn proxy_connect4(ctx: SockAddrContext) -> i32 {
     socket_to_backend(&ctx)

@@ -110,6 +110,11 @@ conformance!(
     dual_stack_service_serves_each_family_from_its_own_slices,
     ipv6_service_without_endpoints_is_refused,
     ipv6_node_port_reaches_backends_from_outside,
+    ipv6_node_port_source_nats_to_endpoints_on_the_other_node,
+    ipv6_load_balancer_ips_and_source_ranges,
+    ipv6_session_affinity_keeps_a_client_on_one_backend_until_the_timeout,
+    the_node_itself_reaches_ipv6_cluster_ips,
+    ipv6_schedulers_chosen_by_annotation_keep_their_defining_property,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -970,7 +975,10 @@ fn the_node_itself_reaches_cluster_ips(mode: Mode) {
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("cgroup-"))
         .count();
-    assert_eq!(hooks, 4, "connect4, sendmsg4, recvmsg4, getpeername4");
+    assert_eq!(
+        hooks, 8,
+        "connect, sendmsg, recvmsg, getpeername for each of IPv4 and IPv6"
+    );
     let (ok, out) = c.on_node(1, &format!("{probe} tcp 10.96.0.40:80")).unwrap();
     assert!(ok && out.starts_with("peer=10.96.0.40:80 web-"), "{out}");
     // No endpoints: the connect fails at once.
@@ -1197,5 +1205,197 @@ fn ipv6_node_port_reaches_backends_from_outside(mode: Mode) {
         );
         let udp = udp_from_outside(&c, via, SocketAddr::new(node, 30053), 20);
         assert_eq!(pods(&udp), local, "UDP via node-{via}: {:?}", counts(&udp));
+    }
+}
+
+/// An IPv6-only NodePort Service `name` (TCP 80 -> 8080 on 30080, UDP 53 -> 5353 on 30053)
+/// over every backend, with extra `spec` lines.
+fn ipv6_node_port_service(c: &Cluster, name: &str, ip: &str, spec: &str) -> String {
+    let ports = "  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}\n  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: 30053}\n";
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  type: NodePort\n  ipFamilies: [IPv6]\n  clusterIPs: [\"{ip}\"]\n  clusterIP: \"{ip}\"\n{spec}  ports:\n{ports}---\n"
+    ) + &slice6(
+        c,
+        name,
+        "v6",
+        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+        &ready(&ALL),
+    )
+}
+
+fn ipv6_node_port_source_nats_to_endpoints_on_the_other_node(mode: Mode) {
+    let c = cluster(mode, |c| {
+        ipv6_node_port_service(c, "np6c", "fd00:10:96::22", "")
+    });
+    for via in [1u8, 2] {
+        let node = c.node(via);
+        let to = SocketAddr::new(v6(node.external_ip).into(), 30080);
+        let hellos = tcp_from_outside(&c, via, to, 60);
+        assert_eq!(
+            pods(&hellos),
+            set(&ALL),
+            "via node-{via}: {:?}",
+            counts(&hellos)
+        );
+        for h in &hellos {
+            // A backend on the other node sees the node that forwarded (its IPv6
+            // InternalIP), so its reply goes back the same way; a local one sees the client.
+            let want: IpAddr = if c.pod(&h.pod).node == via {
+                v6(external_client_ip(via)).into()
+            } else {
+                v6(node.internal_ip).into()
+            };
+            assert_eq!(h.from.ip(), want, "via node-{via}: {h:?}");
+        }
+        let to = SocketAddr::new(v6(node.external_ip).into(), 30053);
+        let udp = udp_from_outside(&c, via, to, 60);
+        assert_eq!(
+            pods(&udp),
+            set(&ALL),
+            "UDP via node-{via}: {:?}",
+            counts(&udp)
+        );
+    }
+}
+
+fn ipv6_load_balancer_ips_and_source_ranges(mode: Mode) {
+    let allowed = v6(external_client_ip(1));
+    let c = cluster(mode, move |c| {
+        let svc = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb6, namespace: lab}}\nspec:\n  type: LoadBalancer\n  ipFamilies: [IPv6]\n  clusterIPs: [\"fd00:10:96::24\"]\n  clusterIP: \"fd00:10:96::24\"\n  externalIPs: [\"fd00:10:252::12\"]\n  loadBalancerSourceRanges: [\"{allowed}/128\", \"2001:db8::/32\"]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30082}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: \"fd00:10:252::11\"}}]\n---\n");
+        svc + &slice6(c, "lb6", "v6", &[("http", "TCP", 8080)], &ready(&ALL))
+    });
+    let lb = addr6("fd00:10:252::11", 80);
+    assert_eq!(pods(&tcp_from_outside(&c, 1, lb, 30)), set(&ALL));
+    let denied = v6(other_external_client_ip(1));
+    let outcome = c
+        .external
+        .run(move || {
+            client::tcp_hello(lb, Some(denied.into()), Duration::from_secs(1)).map_err(|e| e.kind())
+        })
+        .unwrap();
+    assert!(
+        outcome.is_err(),
+        "{denied} is outside the source ranges: {outcome:?}"
+    );
+    // An external IP is not a load-balancer IP: the ranges do not apply to it.
+    let external = addr6("fd00:10:252::12", 80);
+    let from_denied = c
+        .external
+        .run(move || client::tcp_hello(external, Some(denied.into()), T).map(|h| h.pod))
+        .unwrap();
+    assert!(
+        from_denied.is_ok(),
+        "external IP from {denied}: {from_denied:?}"
+    );
+}
+
+fn ipv6_session_affinity_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
+    let c = cluster(mode, |c| {
+        ipv6_service(
+            c,
+            "sticky6",
+            "fd00:10:96::25",
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n",
+            &ready(&ALL),
+        )
+    });
+    let tcp = addr6("fd00:10:96::25", 80);
+    let mut chosen = BTreeSet::new();
+    for round in 0..8 {
+        let hellos = tcp_from_pod(&c, CLIENT, tcp, 10);
+        let round_pods = pods(&hellos);
+        assert_eq!(round_pods.len(), 1, "round {round}: {:?}", counts(&hellos));
+        chosen.extend(round_pods);
+        std::thread::sleep(Duration::from_millis(1300));
+    }
+    // 8 independent choices among 3 all alike: probability 3^-7.
+    assert!(
+        chosen.len() > 1,
+        "the timeout never let the client move: {chosen:?}"
+    );
+    let datagrams = udp_from_pod(&c, CLIENT, addr6("fd00:10:96::25", 53), 10);
+    assert_eq!(
+        pods(&datagrams).len(),
+        1,
+        "UDP too: {:?}",
+        counts(&datagrams)
+    );
+}
+
+fn the_node_itself_reaches_ipv6_cluster_ips(mode: Mode) {
+    let c = cluster(mode, |c| {
+        ipv6_service(c, "web6", "fd00:10:96::40", "", &ready(&ALL))
+            + &service(
+                "empty6",
+                "fd00:10:96::41",
+                "  ipFamilies: [IPv6]\n  clusterIPs: [\"fd00:10:96::41\"]\n",
+                &[("", "TCP", 80, "8080")],
+            )
+    });
+    let probe = env!("CARGO_BIN_EXE_sockprobe");
+    let mut seen = BTreeSet::new();
+    for _ in 0..20 {
+        let (ok, out) = c
+            .on_node(
+                1,
+                &format!("{probe} udp [fd00:10:96::40]:53 && {probe} tcp [fd00:10:96::40]:80"),
+            )
+            .unwrap();
+        assert!(ok, "{out}\n{}", c.logs());
+        // The process sees the service, not the backend.
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(
+            lines[0].starts_with("from=[fd00:10:96::40]:53 web-"),
+            "{out}"
+        );
+        assert!(
+            lines[1].starts_with("peer=[fd00:10:96::40]:80 web-"),
+            "{out}"
+        );
+        seen.extend(
+            lines
+                .iter()
+                .filter_map(|l| l.split_whitespace().nth(1))
+                .map(String::from),
+        );
+    }
+    assert_eq!(seen, set(&ALL), "every backend serves the node");
+    let (ok, out) = c
+        .on_node(1, &format!("{probe} tcp [fd00:10:96::41]:80"))
+        .unwrap();
+    assert!(
+        !ok,
+        "a service without endpoints must refuse the node's connects: {out}"
+    );
+}
+
+fn ipv6_schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
+    let annotated = |c: &Cluster, name: &str, ip: &str, annotations: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: lab\n  annotations: {{{annotations}}}\nspec:\n  ipFamilies: [IPv6]\n  clusterIPs: [\"{ip}\"]\n  clusterIP: \"{ip}\"\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}\n---\n"
+        ) + &slice6(c, name, "v6", &[("http", "TCP", 8080)], &ready(&ALL))
+    };
+    let c = cluster(mode, move |c| {
+        let w1 = v6(c.pod("web-1a").ip);
+        annotated(c, "rr6", "fd00:10:96::50", "proxy-agent.io/scheduler: rr")
+            + &annotated(
+                c,
+                "wrr6",
+                "fd00:10:96::51",
+                &format!("proxy-agent.io/scheduler: wrr, proxy-agent.io/weights: \"{w1}=2\""),
+            )
+            + &annotated(c, "sh6", "fd00:10:96::52", "proxy-agent.io/scheduler: sh")
+            + &annotated(c, "mh6", "fd00:10:96::53", "proxy-agent.io/scheduler: mh")
+    });
+    let rr = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::50", 80), 9);
+    for turn in rr.chunks(3) {
+        assert_eq!(pods(turn), set(&ALL), "{rr:?}");
+    }
+    let wrr = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::51", 80), 8);
+    let n = counts(&wrr);
+    assert_eq!((n["web-1a"], n["web-2a"], n["web-2b"]), (4, 2, 2), "{n:?}");
+    for vip in ["fd00:10:96::52", "fd00:10:96::53"] {
+        let hellos = tcp_from_pod(&c, CLIENT, addr6(vip, 80), 12);
+        assert_eq!(pods(&hellos).len(), 1, "{vip}: {:?}", counts(&hellos));
     }
 }

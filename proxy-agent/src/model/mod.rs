@@ -128,6 +128,8 @@ pub struct NodeContext {
     pub node_port_addresses: Vec<IpAddr>,
     /// The source address of masqueraded flows: the node's first IPv4 InternalIP.
     pub masquerade_addr: Option<Ipv4Addr>,
+    /// The same for IPv6 flows: the node's first IPv6 InternalIP.
+    pub masquerade_addr6: Option<std::net::Ipv6Addr>,
     /// `masqueradeAll`: every service flow is source-NATed to the node.
     pub masquerade_all: bool,
     /// The scheduler of Services without the scheduler annotation.
@@ -188,6 +190,10 @@ impl NodeContext {
             masquerade_addr: node_addresses(true).into_iter().find_map(|a| match a {
                 IpAddr::V4(v4) => Some(v4),
                 IpAddr::V6(_) => None,
+            }),
+            masquerade_addr6: node_addresses(true).into_iter().find_map(|a| match a {
+                IpAddr::V6(v6) => Some(v6),
+                IpAddr::V4(_) => None,
             }),
             masquerade_all: false,
             default_scheduler: Scheduler::default(),

@@ -562,6 +562,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
         zone: Some("z1".into()),
         node_port_addresses: vec!["192.168.0.1".parse().unwrap()],
         masquerade_addr: None,
+        masquerade_addr6: None,
         masquerade_all: false,
         default_scheduler: Scheduler::Random,
     };
@@ -629,6 +630,7 @@ fn external_frontends_come_from_node_ports_external_ips_and_load_balancer_status
         zone: None,
         node_port_addresses: vec!["192.168.0.1".parse().unwrap(), "10.1.0.1".parse().unwrap()],
         masquerade_addr: None,
+        masquerade_addr6: None,
         masquerade_all: false,
         default_scheduler: Scheduler::Random,
     };
@@ -709,6 +711,7 @@ fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
     );
     assert_eq!(ctx.zone.as_deref(), Some("z1"));
     assert_eq!(ctx.masquerade_addr, Some("10.0.0.5".parse().unwrap()));
+    assert_eq!(ctx.masquerade_addr6, Some("fd00::5".parse().unwrap()));
     // No Node object: every local address but loopback and link-local ones.
     let ctx = NodeContext::new("n1", None, &[], &local);
     assert_eq!(

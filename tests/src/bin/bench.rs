@@ -119,11 +119,8 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
     } else {
         HeaderSettings::default()
     };
-    let ranges: &[(Ipv4Addr, u8)] = if args.all_features {
-        &[(Ipv4Addr::new(10, 244, 0, 0), 16)]
-    } else {
-        &[]
-    };
+    let all_ranges = [(std::net::IpAddr::from(Ipv4Addr::new(10, 244, 0, 0)), 16)];
+    let ranges: &[(std::net::IpAddr, u8)] = if args.all_features { &all_ranges } else { &[] };
     let started = std::time::Instant::now();
     for s in 0..n_services {
         let backends: Vec<SocketAddr> = (0..args.backends)

@@ -20,7 +20,8 @@ fn main() -> std::io::Result<()> {
     };
     match kind {
         "udp" => {
-            let s = UdpSocket::bind("0.0.0.0:0")?;
+            let any = if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+            let s = UdpSocket::bind(any)?;
             s.set_read_timeout(Some(Duration::from_secs(2)))?;
             s.send_to(b"probe", to)?;
             let mut buf = [0u8; 512];

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, net::IpAddr};
 
 use aya::maps::{
     lpm_trie::{Key as LpmKey, LpmTrie},
@@ -12,7 +12,7 @@ use aya::maps::{
 };
 use proxy_common::{
     Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue, SourceRangeKey,
-    BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
+    SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
 };
 
 /// A key of `SERVICES` (IPv4 frontends) or `SERVICES6` (IPv6 frontends): the two maps share
@@ -32,9 +32,9 @@ impl ServiceMapKey {
     }
 }
 
-/// One `loadBalancerSourceRanges` entry of a frontend: (service id, IPv4 address in network
-/// byte order, prefix length).
-pub type SourceRange = (u32, u32, u8);
+/// One `loadBalancerSourceRanges` entry of a frontend: (service id, network address, prefix
+/// length). IPv4 ranges go to `SOURCE_RANGES`, IPv6 ones to `SOURCE_RANGES6`.
+pub type SourceRange = (u32, IpAddr, u8);
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MapError {
@@ -220,8 +220,14 @@ impl ServiceMaps for InMemoryMaps {
 }
 
 /// The LPM key of a source range: the whole service id, then the range's prefix.
-fn lpm_key((service_id, addr, prefix): SourceRange) -> LpmKey<SourceRangeKey> {
+fn lpm_key(service_id: u32, addr: std::net::Ipv4Addr, prefix: u8) -> LpmKey<SourceRangeKey> {
+    let addr = u32::from(addr).to_be();
     LpmKey::new(32 + prefix as u32, SourceRangeKey { service_id, addr })
+}
+
+fn lpm_key6(service_id: u32, addr: std::net::Ipv6Addr, prefix: u8) -> LpmKey<SourceRangeKey6> {
+    let addr = addr.octets();
+    LpmKey::new(32 + prefix as u32, SourceRangeKey6 { service_id, addr })
 }
 
 /// The kernel's maps, through aya.
@@ -231,6 +237,7 @@ pub struct KernelMaps {
     pub backends: Array<MapData, Backend>,
     pub backend_addrs6: Array<MapData, BackendAddr6>,
     pub source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    pub source_ranges6: LpmTrie<MapData, SourceRangeKey6, u8>,
     pub maglev: BpfHashMap<MapData, MaglevKey, u32>,
     pub maglev_capacity: u32,
     /// Active-connection counters per backend slot, zeroed when a slot takes a new backend.
@@ -320,16 +327,30 @@ impl ServiceMaps for KernelMaps {
             .map_err(|e| classify("BACKENDS", capacity, e))
     }
 
-    fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
-        self.source_ranges
-            .insert(&lpm_key(range), 1, 0)
-            .map_err(|e| classify("SOURCE_RANGES", self.services_capacity, e))
+    fn add_source_range(&mut self, (id, addr, prefix): SourceRange) -> Result<(), MapError> {
+        match addr {
+            IpAddr::V4(a) => self
+                .source_ranges
+                .insert(&lpm_key(id, a, prefix), 1, 0)
+                .map_err(|e| classify("SOURCE_RANGES", self.services_capacity, e)),
+            IpAddr::V6(a) => self
+                .source_ranges6
+                .insert(&lpm_key6(id, a, prefix), 1, 0)
+                .map_err(|e| classify("SOURCE_RANGES6", self.services_capacity, e)),
+        }
     }
 
-    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
-        self.source_ranges
-            .remove(&lpm_key(range))
-            .or_else(|e| ignore_missing("SOURCE_RANGES", self.services_capacity, e))
+    fn remove_source_range(&mut self, (id, addr, prefix): SourceRange) -> Result<(), MapError> {
+        match addr {
+            IpAddr::V4(a) => self
+                .source_ranges
+                .remove(&lpm_key(id, a, prefix))
+                .or_else(|e| ignore_missing("SOURCE_RANGES", self.services_capacity, e)),
+            IpAddr::V6(a) => self
+                .source_ranges6
+                .remove(&lpm_key6(id, a, prefix))
+                .or_else(|e| ignore_missing("SOURCE_RANGES6", self.services_capacity, e)),
+        }
     }
 
     fn set_maglev(&mut self, key: MaglevKey, slot: u32) -> Result<(), MapError> {
@@ -387,7 +408,16 @@ impl ServiceMaps for KernelMaps {
             let data = key.data();
             contents.source_ranges.push((
                 data.service_id,
-                data.addr,
+                std::net::Ipv4Addr::from(u32::from_be(data.addr)).into(),
+                key.prefix_len().saturating_sub(32) as u8,
+            ));
+        }
+        for key in self.source_ranges6.keys() {
+            let key = key.map_err(other("SOURCE_RANGES6"))?;
+            let data = key.data();
+            contents.source_ranges.push((
+                data.service_id,
+                std::net::Ipv6Addr::from(data.addr).into(),
                 key.prefix_len().saturating_sub(32) as u8,
             ));
         }

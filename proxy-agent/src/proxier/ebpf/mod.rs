@@ -90,17 +90,7 @@ impl<M: ServiceMaps> EbpfProxier<M> {
         if !gaps.is_empty() {
             warn!(service = %state.name, "the eBPF datapath serves this IPv6 service port without {}", gaps.join(", "));
         }
-        for mut f in state.frontends() {
-            if state.name.family == IpFamily::V6 && !f.source_ranges.is_empty() {
-                // Fail closed: a load balancer restricted to some sources must not be open
-                // to all.
-                continue;
-            }
-            if state.name.family == IpFamily::V6 && f.masquerade {
-                // Without source NAT, a reply from another node's endpoint would not come
-                // back through this node: only this node's endpoints can serve.
-                f.backends.retain(|b| !state.remote.contains(b));
-            }
+        for f in state.frontends() {
             let mut flags = 0;
             if f.when_empty == WhenEmpty::Drop {
                 flags |= SERVICE_FLAG_DROP_WHEN_EMPTY;
@@ -119,14 +109,8 @@ impl<M: ServiceMaps> EbpfProxier<M> {
                 flags,
                 affinity_timeout: state.affinity_timeout.unwrap_or(0),
             };
-            let ranges: Vec<(std::net::Ipv4Addr, u8)> = f
-                .source_ranges
-                .iter()
-                .filter_map(|c| match c.addr {
-                    std::net::IpAddr::V4(a) => Some((a, c.prefix)),
-                    std::net::IpAddr::V6(_) => None,
-                })
-                .collect();
+            let ranges: Vec<(std::net::IpAddr, u8)> =
+                f.source_ranges.iter().map(|c| (c.addr, c.prefix)).collect();
             let spec = FrontendSpec {
                 backends: &f.backends,
                 draining: &f.draining,
@@ -260,27 +244,19 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
 /// IPv4 and for IPv6 ports that ask for none of it).
 fn ipv6_gaps(state: &ServicePortState) -> Vec<&'static str> {
     let mut gaps = Vec::new();
-    if state.name.family != IpFamily::V6 {
-        return gaps;
-    }
-    if state.scheduler != Scheduler::Random {
-        gaps.push("its scheduler (IPv6 picks endpoints at random)");
-    }
-    if state.affinity_timeout.is_some() {
-        gaps.push("sessionAffinity: ClientIP");
-    }
-    if state.masquerade_all {
-        gaps.push("masqueradeAll");
-    }
-    if state
-        .external
-        .iter()
-        .any(|f| f.masquerade && !f.backends.iter().all(|b| !state.remote.contains(b)))
-    {
-        gaps.push("source NAT for external traffic (externalTrafficPolicy: Cluster is served by this node's endpoints only)");
-    }
-    if state.external.iter().any(|f| !f.source_ranges.is_empty()) {
-        gaps.push("loadBalancerSourceRanges (its load-balancer IPs are not served)");
+    let least_connection_or_locality = matches!(
+        state.scheduler,
+        Scheduler::Lc
+            | Scheduler::Wlc
+            | Scheduler::Sed
+            | Scheduler::Nq
+            | Scheduler::Lblc
+            | Scheduler::Lblcr
+    );
+    if state.name.family == IpFamily::V6 && least_connection_or_locality {
+        gaps.push(
+            "its scheduler (for IPv6 the least-connection and locality schedulers pick at random)",
+        );
     }
     gaps
 }

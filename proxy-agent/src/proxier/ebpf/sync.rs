@@ -28,8 +28,8 @@ use crate::model::{Frontend, Protocol};
 struct Written {
     service_id: u32,
     header: HeaderSettings,
-    /// `loadBalancerSourceRanges` in `SOURCE_RANGES`: (address, network byte order; prefix).
-    source_ranges: BTreeSet<(u32, u8)>,
+    /// `loadBalancerSourceRanges` written: (network address, prefix).
+    source_ranges: RangeSet,
     /// Slot `i + 1` holds `slots[i]`.
     slots: Vec<(u32, SocketAddr)>,
     /// Backends in `BACKENDS` that no slot names: their established flows go on.
@@ -50,8 +50,8 @@ pub struct FrontendSpec<'a> {
     pub header: HeaderSettings,
     /// Endpoints on other nodes.
     pub remote: &'a BTreeSet<SocketAddr>,
-    /// `loadBalancerSourceRanges` (IPv4 address, prefix).
-    pub source_ranges: &'a [(Ipv4Addr, u8)],
+    /// `loadBalancerSourceRanges` (network address, prefix) of the frontend's family.
+    pub source_ranges: &'a [(IpAddr, u8)],
     /// Backend weights (absent: 1).
     pub weights: &'a BTreeMap<IpAddr, u16>,
 }
@@ -132,8 +132,8 @@ pub fn backend_value(
 
 /// Backends with their ids, as written in slots or as draining.
 type IdList = [(u32, SocketAddr)];
-/// Source ranges of a frontend: (address, network byte order; prefix).
-type RangeSet = BTreeSet<(u32, u8)>;
+/// Source ranges of a frontend: (network address, prefix).
+type RangeSet = BTreeSet<(IpAddr, u8)>;
 /// (old, new).
 type Change<'a, T> = (&'a T, &'a T);
 
@@ -335,7 +335,7 @@ impl<M: ServiceMaps> MapSync<M> {
                 None => stray.push(key),
             }
         }
-        let mut ranges: HashMap<u32, BTreeSet<(u32, u8)>> = HashMap::new();
+        let mut ranges: HashMap<u32, RangeSet> = HashMap::new();
         for (id, addr, prefix) in &contents.source_ranges {
             ranges.entry(*id).or_default().insert((*addr, *prefix));
         }
@@ -430,11 +430,7 @@ impl<M: ServiceMaps> MapSync<M> {
     ) -> Result<usize, MapError> {
         let backends = spec.backends;
         let mut header = spec.header;
-        let ranges: BTreeSet<(u32, u8)> = spec
-            .source_ranges
-            .iter()
-            .map(|(a, p)| (u32::from(*a).to_be(), *p))
-            .collect();
+        let ranges: RangeSet = spec.source_ranges.iter().copied().collect();
         if ranges.is_empty() {
             header.flags &= !SERVICE_FLAG_SOURCE_RANGES;
         } else {

@@ -371,8 +371,8 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
         allowed: pods(1..10),
         checks: 0,
     });
-    let a = (Ipv4Addr::new(198, 51, 100, 0), 24);
-    let b = (Ipv4Addr::new(203, 0, 113, 7), 32);
+    let a = (Ipv4Addr::new(198, 51, 100, 0).into(), 24);
+    let b = (Ipv4Addr::new(203, 0, 113, 7).into(), 32);
     sync.set_with(
         &f,
         &FrontendSpec {
@@ -404,7 +404,7 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
         .iter()
         .map(|r| (r.1, r.2))
         .collect();
-    assert_eq!(ranges, vec![(u32::from(b.0).to_be(), 32)]);
+    assert_eq!(ranges, vec![(b.0, 32)]);
     sync.set_with(
         &f,
         &FrontendSpec {
