@@ -8,8 +8,9 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    map_names, program_names, tail_calls, ConntrackKey, ConntrackValue, DatapathConfig,
-    DatapathConfig6, ServiceStats, Stat, CT_REFRESH_NS, MAX_BACKENDS,
+    map_names, program_names, tail_calls, ConntrackKey, ConntrackKey6, ConntrackValue,
+    ConntrackValue6, DatapathConfig, DatapathConfig6, ServiceStats, Stat, CT_REFRESH_NS,
+    MAX_BACKENDS,
 };
 
 use crate::{pins::BpffsRoot, proxier::ebpf::maps::KernelMaps};
@@ -81,8 +82,9 @@ pub struct Datapath {
 /// What a conntrack garbage collection found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConntrackSweep {
+    /// Expired entries removed, IPv4 and IPv6.
     pub deleted: usize,
-    /// Entries left (the map's fill).
+    /// Entries left in `CONNTRACK` (the IPv4 map's fill).
     pub remaining: usize,
     /// Entries the kernel's LRU evicted to make room since the maps were created: what the
     /// datapath created, less what it removed, what garbage collection removed, and what is
@@ -490,6 +492,36 @@ impl Datapath {
                 }
             }
         }
+        // IPv6 flows: the same sweep. (Their entries are not in the created/removed counts
+        // the eviction estimate uses, so they are not added to the collected count either.)
+        let deleted6 = {
+            let map = self
+                .ebpf
+                .map_mut(map_names::CONNTRACK6)
+                .context("eBPF object has no CONNTRACK6 map")?;
+            let mut conntrack6: BpfHashMap<&mut MapData, ConntrackKey6, ConntrackValue6> =
+                BpfHashMap::try_from(map)?;
+            let expired6: Vec<(ConntrackKey6, ConntrackValue6)> = conntrack6
+                .iter()
+                .filter_map(|entry| entry.ok())
+                .filter(|(key, value)| {
+                    now.saturating_sub(value.last_seen_ns)
+                        > config.timeout_ns(key.proto, value.flags) + CT_REFRESH_NS
+                })
+                .collect();
+            let mut deleted6 = 0;
+            for (key, value) in &expired6 {
+                if conntrack6.remove(key).is_ok() {
+                    deleted6 += 1;
+                    if value.flags & proxy_common::CT_FLAG_COUNTED != 0 {
+                        *released
+                            .entry(value.backend_id & proxy_common::BACKEND_INDEX_MASK)
+                            .or_default() += 1;
+                    }
+                }
+            }
+            deleted6
+        };
         if !released.is_empty() {
             let map = self
                 .ebpf
@@ -508,7 +540,7 @@ impl Datapath {
             .saturating_sub(collected)
             .saturating_sub(remaining as u64);
         Ok(ConntrackSweep {
-            deleted,
+            deleted: deleted + deleted6,
             remaining,
             evicted,
         })

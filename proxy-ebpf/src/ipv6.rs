@@ -7,9 +7,8 @@
 //! backends that left their service re-balanced, refusals (see `refuse`) for services
 //! without endpoints, `sessionAffinity: ClientIP`, `loadBalancerSourceRanges`, and source NAT
 //! to the node's IPv6 address (external traffic to another node's endpoint, `masqueradeAll`,
-//! `clusterCIDR`), the schedulers random, rr, wrr, sh, dh and mh. Not yet: the
-//! least-connection and locality schedulers (random instead), hairpin, fragments (extension
-//! headers pass untranslated).
+//! `clusterCIDR`), every scheduler (the IPv4 code, over `SERVICES6`, with addresses folded to
+//! 32 bits for hashing). Not yet: hairpin, fragments (extension headers pass untranslated).
 //!
 //! Each step is a subprogram called from the entry, one level deep: their stack frames are
 //! then never stacked on each other, only on the entry's.
@@ -24,8 +23,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     scheduler, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
-    DatapathConfig6, MaglevKey, ServiceKey6, ServiceValue, SockRevNatKey6, SockRevNatValue6,
-    SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING,
+    DatapathConfig6, ServiceKey6, ServiceValue, SockRevNatKey6, SockRevNatValue6, SourceRangeKey6,
+    Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED,
     CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY,
     CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
     SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
@@ -33,9 +32,9 @@ use proxy_common::{
 };
 
 use crate::{
-    account, backend, bump, config, next_turn, random_below, read, Hook, ETH_HLEN, MAGLEV,
-    REFRESH_NS, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, TCP_ACK,
-    TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN, UDP_CSUM_OFF,
+    account, backend, bump, config, count_connection, random_below, read, Hook, SlotTable,
+    ETH_HLEN, REFRESH_NS, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT,
+    TCP_ACK, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN, UDP_CSUM_OFF,
 };
 
 #[map]
@@ -133,7 +132,11 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
         bump(Stat::SourceRangeDenied);
         return Ok(TC_ACT_SHOT as i32);
     }
-    let backend_id = choose_backend(&pkt, &header);
+    let mut backend_id = sticky_backend(&pkt, &header);
+    if backend_id == 0 {
+        let slot = schedule_slot(&pkt, &header);
+        backend_id = slot_backend_remembered(&pkt, &header, slot);
+    }
     if backend_id == 0 {
         return Err(Stat::RewriteFailed);
     }
@@ -181,6 +184,11 @@ fn touch(ct: &mut ConntrackValue6, pkt: &Packet6, now: u64, extra_flags: u8) {
     let mut flags = ct.flags | extra_flags;
     if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
         flags |= CT_FLAG_CLOSING;
+        // A closing connection is no longer active for the least-connection schedulers.
+        if flags & CT_FLAG_COUNTED != 0 {
+            count_connection(ct.backend_id, u64::MAX);
+            flags &= !CT_FLAG_COUNTED;
+        }
     }
     if flags != ct.flags {
         ct.flags = flags;
@@ -258,6 +266,9 @@ fn translate_tracked(
             pkt.key.sport,
             pkt.key.proto,
         );
+        if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
+            count_connection(ct.backend_id, u64::MAX);
+        }
         let _ = CONNTRACK6.remove(&reply);
         let _ = CONNTRACK6.remove(&pkt.key);
         return Ok(None);
@@ -278,64 +289,88 @@ fn translate_tracked(
     Ok(Some(TC_ACT_UNSPEC))
 }
 
-/// The backend id for a new flow: the client's affinity backend while within the timeout,
-/// else a uniformly random slot. 0: none (a slot vanished under a shrinking service).
-// A subprogram of its own: its stack frame is not added to its callers'.
+/// The backend a client with ClientIP affinity used last, while within the timeout and still
+/// serving (its use refreshed); 0: none.
+// Subprograms of their own, each called from the entry: their stack frames are never
+// stacked on each other (the scheduler's, with its scans, is the largest).
 #[inline(never)]
-fn choose_backend(pkt: &Packet6, header: &ServiceValue) -> u32 {
+fn sticky_backend(pkt: &Packet6, header: &ServiceValue) -> u32 {
     // The header slot's backend_id is the ClientIP affinity timeout in seconds.
     let affinity_ns = header.backend_id as u64 * 1_000_000_000;
+    if affinity_ns == 0 {
+        return 0;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let key = AffinityKey6 {
         client: pkt.key.saddr,
         service_id: header.service_id,
     };
-    if affinity_ns != 0 {
-        if let Some(last) = unsafe { AFFINITY6.get(&key) } {
-            let id = last.backend_id;
-            if now.wrapping_sub(last.last_seen_ns) <= affinity_ns && backend(id).is_some() {
-                remember_affinity(&key, id, now);
-                return id;
-            }
+    if let Some(last) = unsafe { AFFINITY6.get(&key) } {
+        let id = last.backend_id;
+        if now.wrapping_sub(last.last_seen_ns) <= affinity_ns && backend(id).is_some() {
+            remember_affinity(&key, id, now);
+            return id;
         }
     }
-    let slot = schedule(pkt, header);
+    0
+}
+
+/// The slot (1..=count) the frontend's scheduler gives a new flow.
+#[inline(never)]
+fn schedule_slot(pkt: &Packet6, header: &ServiceValue) -> u16 {
+    if header.count == 0 {
+        return 1;
+    }
+    let frontend = Frontend6 {
+        addr: pkt.key.daddr,
+        port: pkt.key.dport,
+        proto: pkt.key.proto,
+        _pad0: 0,
+    };
+    let (client, destination) = (fold_address(&pkt.key.saddr), fold_address(&pkt.key.daddr));
+    crate::schedule(frontend, client, destination, header)
+}
+
+/// The backend in `slot` (or in slot 1, when a shrinking service just lost `slot`),
+/// remembered for the client under affinity; 0: none.
+#[inline(never)]
+fn slot_backend_remembered(pkt: &Packet6, header: &ServiceValue, slot: u16) -> u32 {
     let mut id = slot_backend(pkt, slot);
     if id == 0 {
         // The agent lowers the count before it deletes slots; slot 1 exists while count > 0.
         id = slot_backend(pkt, 1);
     }
-    if affinity_ns != 0 && id != 0 {
-        remember_affinity(&key, id, now);
+    if header.backend_id != 0 && id != 0 {
+        let key = AffinityKey6 {
+            client: pkt.key.saddr,
+            service_id: header.service_id,
+        };
+        remember_affinity(&key, id, unsafe { bpf_ktime_get_ns() });
     }
     id
 }
 
-/// The slot (1..=count) a new flow goes to, by the frontend's scheduler: as for IPv4, with
-/// an address hashed as the exclusive or of its four words. The least-connection and
-/// locality schedulers are not here yet: their frontends pick at random (the agent says so).
-#[inline(always)]
-fn schedule(pkt: &Packet6, header: &ServiceValue) -> u16 {
-    let count = header.count as u32;
-    // Never 0 here (the caller refuses empty services), but this function is compiled
-    // apart from that check: without it a division by zero would be a panic path the
-    // verifier rejects.
-    if count == 0 {
-        return 1;
-    }
-    let slot = match (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK {
-        scheduler::RR => next_turn(header.service_id) % count,
-        scheduler::WRR => return weighted_turn(pkt, header),
-        scheduler::SH => mix6(&pkt.key.saddr) % count,
-        scheduler::DH => mix6(&pkt.key.daddr) % count,
-        scheduler::MH => return maglev(pkt, header),
-        _ => random_below(count),
-    };
-    slot as u16 + 1
+/// An IPv6 frontend, as the schedulers see it (see `SlotTable`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Frontend6 {
+    addr: [u8; 16],
+    port: u16,
+    proto: u8,
+    _pad0: u8,
 }
 
+impl SlotTable for Frontend6 {
+    #[inline(always)]
+    fn slot(self, slot: u16) -> Option<&'static ServiceValue> {
+        unsafe { SERVICES6.get(&ServiceKey6::new(self.addr, self.port, self.proto, slot)) }
+    }
+}
+
+/// An IPv6 address folded to 32 bits (the exclusive or of its words), for the hashing
+/// schedulers.
 #[inline(always)]
-fn mix6(addr: &[u8; 16]) -> u32 {
+fn fold_address(addr: &[u8; 16]) -> u32 {
     let mut x = 0u32;
     for i in 0..4 {
         x ^= u32::from_ne_bytes([
@@ -345,60 +380,7 @@ fn mix6(addr: &[u8; 16]) -> u32 {
             addr[i * 4 + 3],
         ]);
     }
-    proxy_common::mix32(x)
-}
-
-/// A slot's cumulative weight (written by the agent, as for IPv4); 0 for the header.
-#[inline(always)]
-fn cumulative_weight(pkt: &Packet6, slot: u16) -> u32 {
-    if slot == 0 {
-        return 0;
-    }
-    let key = ServiceKey6::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
-    match unsafe { SERVICES6.get(&key) } {
-        Some(v) => (v.flags as u32) << 16 | v.count as u32,
-        None => 0,
-    }
-}
-
-/// Weighted round robin (see the IPv4 `weighted_turn`).
-#[inline(always)]
-fn weighted_turn(pkt: &Packet6, header: &ServiceValue) -> u16 {
-    let count = header.count;
-    let total = cumulative_weight(pkt, count);
-    if total == 0 {
-        return 1;
-    }
-    let t = next_turn(header.service_id) % total;
-    let (mut lo, mut hi) = (1u16, count);
-    let mut steps = 0;
-    while lo < hi && steps < 17 {
-        let mid = lo + (hi - lo) / 2;
-        if cumulative_weight(pkt, mid) > t {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-        steps += 1;
-    }
-    lo
-}
-
-/// Maglev (see the IPv4 `maglev`): the tables are the same, only the client hash differs.
-#[inline(always)]
-fn maglev(pkt: &Packet6, header: &ServiceValue) -> u16 {
-    let size = config().maglev_table_size;
-    if size == 0 {
-        return random_below(header.count as u32) as u16 + 1;
-    }
-    let key = MaglevKey {
-        service_id: header.service_id,
-        index: mix6(&pkt.key.saddr) % size,
-    };
-    match unsafe { MAGLEV.get(key) } {
-        Some(slot) if *slot >= 1 && *slot <= header.count as u32 => *slot as u16,
-        _ => random_below(header.count as u32) as u16 + 1,
-    }
+    x
 }
 
 #[inline(always)]
@@ -452,11 +434,18 @@ fn new_flow(
     let backend_addr = addr.addr;
     let service_id = header.service_id;
     let now = unsafe { bpf_ktime_get_ns() };
+    let scheduler_id = (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK;
+    let counted = if scheduler::counts_connections(scheduler_id) {
+        count_connection(backend_id, 1);
+        CT_FLAG_COUNTED
+    } else {
+        0
+    };
     let original = ConntrackValue6 {
         last_seen_ns: now,
         nat_addr: backend_addr,
         nat_port: backend_port,
-        flags: 0,
+        flags: counted,
         _pad0: 0,
         backend_id,
         service_id,

@@ -740,7 +740,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
     let (backend_id, backend) = match sticky_backend(&affinity_key, affinity_ns, now) {
         Some(found) => found,
         None => {
-            let slot = schedule(pkt, header);
+            let slot = schedule(pkt.frontend(), pkt.key.saddr, pkt.key.daddr, header);
             match pick(pkt, slot) {
                 Some(found) => found,
                 // The agent shrinks a service by lowering the header's count before it
@@ -836,23 +836,70 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
 }
 
 /// The slot (1..=count) a new flow goes to, by the frontend's scheduler.
+/// `client` and `destination` are the addresses the hashing schedulers hash (an IPv6
+/// address folded to 32 bits); `frontend` is where the slots are.
 #[inline(always)]
-fn schedule(pkt: &Packet, header: &ServiceValue) -> u16 {
+fn schedule<F: SlotTable>(
+    frontend: F,
+    client: u32,
+    destination: u32,
+    header: &ServiceValue,
+) -> u16 {
+    // Never 0: empty services are refused first, and callers compiled apart from that
+    // check must check again (a division by zero would be a panic the verifier rejects).
     let count = header.count as u32;
     let slot = match scheduler_of(header) {
         id @ (scheduler::LC | scheduler::WLC | scheduler::SED | scheduler::NQ) => {
-            return least_loaded(pkt, header, id)
+            return least_loaded(frontend, header, id)
         }
         scheduler::RR => next_turn(header.service_id) % count,
-        scheduler::WRR => return weighted_turn(pkt, header),
-        scheduler::SH => mix(pkt.key.saddr) % count,
-        scheduler::DH => mix(pkt.key.daddr) % count,
-        scheduler::MH => return maglev(pkt, header),
-        scheduler::LBLC => return locality(pkt, header),
-        scheduler::LBLCR => return replicated_locality(pkt, header, unsafe { bpf_ktime_get_ns() }),
+        scheduler::WRR => return weighted_turn(frontend, header),
+        scheduler::SH => mix(client) % count,
+        scheduler::DH => mix(destination) % count,
+        scheduler::MH => return maglev(client, header),
+        scheduler::LBLC => return locality(frontend, header),
+        scheduler::LBLCR => {
+            return replicated_locality(frontend, header, unsafe { bpf_ktime_get_ns() })
+        }
         _ => random_below(count),
     };
     slot as u16 + 1
+}
+
+/// A frontend as the schedulers see it: where its slots are. IPv4 and IPv6 frontends keep
+/// theirs in different maps; everything else about scheduling is the same.
+pub trait SlotTable: Copy {
+    fn slot(self, slot: u16) -> Option<&'static ServiceValue>;
+}
+
+/// An IPv4 frontend (`SERVICES`). Small scalars: they stay in registers, and the packet
+/// program's stack plus a scan step's must fit BPF's 512 bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Frontend4 {
+    addr: u32,
+    port: u16,
+    proto: u8,
+    _pad0: u8,
+}
+
+impl SlotTable for Frontend4 {
+    #[inline(always)]
+    fn slot(self, slot: u16) -> Option<&'static ServiceValue> {
+        unsafe { SERVICES.get(ServiceKey::new(self.addr, self.port, self.proto, slot)) }
+    }
+}
+
+impl Packet {
+    #[inline(always)]
+    fn frontend(&self) -> Frontend4 {
+        Frontend4 {
+            addr: self.key.daddr,
+            port: self.key.dport,
+            proto: self.key.proto,
+            _pad0: 0,
+        }
+    }
 }
 
 #[inline(always)]
@@ -896,13 +943,10 @@ fn active_connections(backend_id: u32) -> u64 {
 /// lc: fewest active; wlc: fewest active per weight; sed: fewest (active + 1) per weight;
 /// nq: an idle backend if any, else as sed. Weights come from the slots' cumulative weights.
 #[inline(always)]
-fn least_loaded(pkt: &Packet, header: &ServiceValue, id: u16) -> u16 {
+fn least_loaded<F: SlotTable>(frontend: F, header: &ServiceValue, id: u16) -> u16 {
     let count = header.count as u32;
     let mut scan = LcScan {
-        addr: pkt.key.daddr,
-        port: pkt.key.dport,
-        proto: pkt.key.proto,
-        _pad0: 0,
+        frontend,
         start: random_below(count),
         count,
         id: id as u32,
@@ -914,8 +958,8 @@ fn least_loaded(pkt: &Packet, header: &ServiceValue, id: u16) -> u16 {
     unsafe {
         bpf_loop(
             steps,
-            lc_step as *mut core::ffi::c_void,
-            &mut scan as *mut LcScan as *mut core::ffi::c_void,
+            lc_step::<F> as *mut core::ffi::c_void,
+            &mut scan as *mut LcScan<F> as *mut core::ffi::c_void,
             0,
         );
     }
@@ -933,11 +977,8 @@ fn least_loaded(pkt: &Packet, header: &ServiceValue, id: u16) -> u16 {
 
 /// The state of a least-connection scan, passed to each step.
 #[repr(C)]
-struct LcScan {
-    addr: u32,
-    port: u16,
-    proto: u8,
-    _pad0: u8,
+struct LcScan<F> {
+    frontend: F,
     start: u32,
     count: u32,
     id: u32,
@@ -949,23 +990,20 @@ struct LcScan {
 /// One step of the least-connection scan (a bpf_loop callback): records slot
 /// `start + index` in the scan's best if it is better; ends the scan at an idle backend
 /// under nq.
-extern "C" fn lc_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+extern "C" fn lc_step<F: SlotTable>(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
     // SAFETY: bpf_loop passes back the pointer least_loaded gave it, to its stack.
-    let scan = unsafe { &mut *(ctx as *mut LcScan) };
+    let scan = unsafe { &mut *(ctx as *mut LcScan<F>) };
     if scan.count == 0 {
         return 1;
     }
     let slot = ((scan.start as u64 + index) % scan.count as u64 + 1) as u16;
-    let key = ServiceKey::new(scan.addr, scan.port, scan.proto, slot);
-    let Some(v) = (unsafe { SERVICES.get(key) }) else {
+    let Some((backend_id, weight)) = slot_backend(scan.frontend, slot) else {
         return 0;
     };
-    let cumulative = |s: u16| cumulative_weight_at(scan.addr, scan.port, scan.proto, s) as u64;
-    let weight = cumulative(slot).saturating_sub(cumulative(slot - 1));
     if weight == 0 {
         return 0;
     }
-    let active = active_connections(v.backend_id);
+    let active = active_connections(backend_id);
     let id = scan.id as u16;
     if id == scheduler::NQ && active == 0 {
         scan.idle = slot as u32;
@@ -990,11 +1028,10 @@ extern "C" fn lc_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
 
 /// A slot's backend id and weight, if the slot exists.
 #[inline(always)]
-fn slot_backend(pkt: &Packet, slot: u16) -> Option<(u32, u64)> {
-    let key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
-    let v = unsafe { SERVICES.get(key) }?;
+fn slot_backend<F: SlotTable>(frontend: F, slot: u16) -> Option<(u32, u64)> {
+    let v = frontend.slot(slot)?;
     let cumulative = (v.flags as u32) << 16 | v.count as u32;
-    let weight = cumulative.saturating_sub(cumulative_weight(pkt, slot - 1));
+    let weight = cumulative.saturating_sub(cumulative_weight_at(frontend, slot - 1));
     Some((v.backend_id, weight as u64))
 }
 
@@ -1004,7 +1041,7 @@ fn slot_backend(pkt: &Packet, slot: u16) -> Option<(u32, u64)> {
 /// destination's. A frontend has a single destination address, so the assignment (slot and
 /// backend id, in the frontend's `RR_STATE` entry) is per frontend.
 #[inline(always)]
-fn locality(pkt: &Packet, header: &ServiceValue) -> u16 {
+fn locality<F: SlotTable>(frontend: F, header: &ServiceValue) -> u16 {
     let count = header.count;
     let Some(state) = RR_STATE.get_ptr_mut(header.service_id) else {
         return random_below(count as u32) as u16 + 1;
@@ -1013,7 +1050,7 @@ fn locality(pkt: &Packet, header: &ServiceValue) -> u16 {
     let assigned = unsafe { core::ptr::read_volatile(state) };
     let (slot, id) = ((assigned >> 32) as u16, assigned as u32);
     let current = if slot >= 1 && slot <= count {
-        slot_backend(pkt, slot).filter(|(found, _)| *found == id)
+        slot_backend(frontend, slot).filter(|(found, _)| *found == id)
     } else {
         None
     };
@@ -1022,13 +1059,13 @@ fn locality(pkt: &Packet, header: &ServiceValue) -> u16 {
             return slot;
         }
     }
-    let candidate = least_loaded(pkt, header, scheduler::WLC);
+    let candidate = least_loaded(frontend, header, scheduler::WLC);
     if let Some((id, weight)) = current {
-        if !overloaded(pkt, active_connections(id), weight, candidate) {
+        if !overloaded(frontend, active_connections(id), weight, candidate) {
             return slot;
         }
     }
-    if let Some((cid, _)) = slot_backend(pkt, candidate) {
+    if let Some((cid, _)) = slot_backend(frontend, candidate) {
         let value = (candidate as u64) << 32 | cid as u64;
         unsafe { core::ptr::write_volatile(state, value) };
     }
@@ -1038,19 +1075,16 @@ fn locality(pkt: &Packet, header: &ServiceValue) -> u16 {
 /// IPVS's lblc overload test for a member: more active connections than its weight, while
 /// the weighted-least-connection `candidate` is under half of its own.
 #[inline(always)]
-fn overloaded(pkt: &Packet, active: u64, weight: u64, candidate: u16) -> bool {
+fn overloaded<F: SlotTable>(frontend: F, active: u64, weight: u64, candidate: u16) -> bool {
     active > weight
-        && matches!(slot_backend(pkt, candidate), Some((cid, cweight)) if active_connections(cid) * 2 < cweight)
+        && matches!(slot_backend(frontend, candidate), Some((cid, cweight)) if active_connections(cid) * 2 < cweight)
 }
 
 /// The scan of an lblcr set, passed to each step (a bpf_loop callback, so the scan is
 /// verified once).
 #[repr(C)]
-struct SetScan {
-    addr: u32,
-    port: u16,
-    proto: u8,
-    _pad0: u8,
+struct SetScan<F> {
+    frontend: F,
     count: u32,
     set: LblcrSet,
     /// Least loaded live member: index + 1 (0: none), slot, active, weight.
@@ -1069,9 +1103,9 @@ struct SetScan {
 
 /// One member of an lblcr set: dropped if its slot no longer holds its backend, else
 /// compared (active per weight) with the least and most loaded so far.
-extern "C" fn set_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+extern "C" fn set_step<F: SlotTable>(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
     // SAFETY: bpf_loop passes back the pointer replicated_locality gave it, to its stack.
-    let scan = unsafe { &mut *(ctx as *mut SetScan) };
+    let scan = unsafe { &mut *(ctx as *mut SetScan<F>) };
     let i = index as usize;
     if i >= LBLCR_SET_SIZE {
         return 1;
@@ -1082,10 +1116,8 @@ extern "C" fn set_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
         scan.set.members[i] = 0;
         return 0;
     }
-    let cumulative = |s: u16| cumulative_weight_at(scan.addr, scan.port, scan.proto, s) as u64;
-    let Some(v) =
-        (unsafe { SERVICES.get(ServiceKey::new(scan.addr, scan.port, scan.proto, slot)) })
-    else {
+    let cumulative = |s: u16| cumulative_weight_at(scan.frontend, s) as u64;
+    let Some(v) = scan.frontend.slot(slot) else {
         scan.set.members[i] = 0;
         return 0;
     };
@@ -1116,16 +1148,16 @@ extern "C" fn set_step(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
 /// a set of several drops its most loaded member. Sets hold [`LBLCR_SET_SIZE`] members; a
 /// full set gives up its most loaded one.
 #[inline(always)]
-fn replicated_locality(pkt: &Packet, header: &ServiceValue, now: u64) -> u16 {
+fn replicated_locality<F: SlotTable>(frontend: F, header: &ServiceValue, now: u64) -> u16 {
     let count = header.count;
     let Some(set) = LBLCR_SETS.get_ptr_mut(header.service_id) else {
         return random_below(count as u32) as u16 + 1;
     };
+    // The weighted-least-connection choice first: its scan's stack is then free again
+    // before the set's scan needs its own (BPF's 512 bytes are tight).
+    let candidate = least_loaded(frontend, header, scheduler::WLC);
     let mut scan = SetScan {
-        addr: pkt.key.daddr,
-        port: pkt.key.dport,
-        proto: pkt.key.proto,
-        _pad0: 0,
+        frontend,
         count: count as u32,
         // SAFETY: a map value pointer, valid for this run.
         set: unsafe { core::ptr::read_volatile(set) },
@@ -1143,8 +1175,8 @@ fn replicated_locality(pkt: &Packet, header: &ServiceValue, now: u64) -> u16 {
     unsafe {
         bpf_loop(
             LBLCR_SET_SIZE as u32,
-            set_step as *mut core::ffi::c_void,
-            &mut scan as *mut SetScan as *mut core::ffi::c_void,
+            set_step::<F> as *mut core::ffi::c_void,
+            &mut scan as *mut SetScan<F> as *mut core::ffi::c_void,
             0,
         );
     }
@@ -1159,13 +1191,12 @@ fn replicated_locality(pkt: &Packet, header: &ServiceValue, now: u64) -> u16 {
             }
         }
     }
-    let candidate = least_loaded(pkt, header, scheduler::WLC);
-    let keep = scan.min != 0 && !overloaded(pkt, scan.min_active, scan.min_weight, candidate);
+    let keep = scan.min != 0 && !overloaded(frontend, scan.min_active, scan.min_weight, candidate);
     let chosen = if keep {
         scan.min_slot as u16
     } else {
         // The candidate joins the set: in an empty place, else instead of the most loaded.
-        if let Some((cid, _)) = slot_backend(pkt, candidate) {
+        if let Some((cid, _)) = slot_backend(frontend, candidate) {
             let mut place = if scan.max != 0 {
                 scan.max as usize - 1
             } else {
@@ -1212,20 +1243,12 @@ fn next_turn(service_id: u32) -> u32 {
 
 /// A slot's cumulative weight (weights of slots 1..=slot), written by the agent.
 #[inline(always)]
-fn cumulative_weight(pkt: &Packet, slot: u16) -> u32 {
-    cumulative_weight_at(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot)
-}
-
-/// [`cumulative_weight`] by the frontend's address, port and protocol (as the bpf_loop
-/// scans have them). Scalars rather than a struct: they stay in registers, and the packet
-/// program's stack plus a scan step's must fit BPF's 512 bytes.
-#[inline(always)]
-fn cumulative_weight_at(addr: u32, port: u16, proto: u8, slot: u16) -> u32 {
+fn cumulative_weight_at<F: SlotTable>(frontend: F, slot: u16) -> u32 {
     // Slot 0 is the header, whose fields mean something else.
     if slot == 0 {
         return 0;
     }
-    match unsafe { SERVICES.get(ServiceKey::new(addr, port, proto, slot)) } {
+    match frontend.slot(slot) {
         Some(v) => (v.flags as u32) << 16 | v.count as u32,
         None => 0,
     }
@@ -1234,9 +1257,9 @@ fn cumulative_weight_at(addr: u32, port: u16, proto: u8, slot: u16) -> u32 {
 /// Weighted round robin: turn t of a cycle of W = total weight goes to the slot whose
 /// cumulative range holds t mod W, so over each cycle every backend gets exactly its weight.
 #[inline(always)]
-fn weighted_turn(pkt: &Packet, header: &ServiceValue) -> u16 {
+fn weighted_turn<F: SlotTable>(frontend: F, header: &ServiceValue) -> u16 {
     let count = header.count;
-    let total = cumulative_weight(pkt, count);
+    let total = cumulative_weight_at(frontend, count);
     if total == 0 {
         return 1;
     }
@@ -1246,7 +1269,7 @@ fn weighted_turn(pkt: &Packet, header: &ServiceValue) -> u16 {
     let mut steps = 0;
     while lo < hi && steps < 17 {
         let mid = lo + (hi - lo) / 2;
-        if cumulative_weight(pkt, mid) > t {
+        if cumulative_weight_at(frontend, mid) > t {
             hi = mid;
         } else {
             lo = mid + 1;
@@ -1259,14 +1282,14 @@ fn weighted_turn(pkt: &Packet, header: &ServiceValue) -> u16 {
 /// Maglev: the client's entry in the frontend's lookup table, which the agent fills so each
 /// backend owns an equal share and a change of backends moves few entries.
 #[inline(always)]
-fn maglev(pkt: &Packet, header: &ServiceValue) -> u16 {
+fn maglev(client: u32, header: &ServiceValue) -> u16 {
     let size = config().maglev_table_size;
     if size == 0 {
         return random_below(header.count as u32) as u16 + 1;
     }
     let key = MaglevKey {
         service_id: header.service_id,
-        index: mix(pkt.key.saddr) % size,
+        index: mix(client) % size,
     };
     match unsafe { MAGLEV.get(key) } {
         Some(slot) if *slot >= 1 && *slot <= header.count as u32 => *slot as u16,

@@ -729,11 +729,12 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn open(ns: &Netns, to: SocketAddrV4) -> Result<Self> {
+    pub fn open(ns: &Netns, to: impl Into<std::net::SocketAddr>) -> Result<Self> {
+        let to: std::net::SocketAddr = to.into();
         let (req_tx, req_rx) = std::sync::mpsc::channel::<String>();
         let (rep_tx, rep_rx) = std::sync::mpsc::channel::<std::io::Result<String>>();
         let thread = ns.spawn(move || {
-            let mut stream = match TcpStream::connect_timeout(&to.into(), Duration::from_secs(2)) {
+            let mut stream = match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = rep_tx.send(Err(e));

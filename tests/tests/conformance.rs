@@ -107,14 +107,14 @@ conformance!(
     the_node_itself_reaches_cluster_ips,
     schedulers_chosen_by_annotation_keep_their_defining_property,
     ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes,
-    dual_stack_service_serves_each_family_from_its_own_slices,
     ipv6_service_without_endpoints_is_refused,
-    ipv6_node_port_reaches_backends_from_outside,
-    ipv6_node_port_source_nats_to_endpoints_on_the_other_node,
-    ipv6_load_balancer_ips_and_source_ranges,
-    ipv6_session_affinity_keeps_a_client_on_one_backend_until_the_timeout,
-    the_node_itself_reaches_ipv6_cluster_ips,
+    ipv6_node_port_reaches_every_backend_from_outside_with_replies_through_the_node,
+    ipv6_external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address,
+    ipv6_load_balancer_source_ranges_admit_only_listed_clients,
+    ipv6_session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
     ipv6_schedulers_chosen_by_annotation_keep_their_defining_property,
+    dual_stack_service_serves_each_family_from_its_own_slices,
+    the_node_itself_reaches_ipv6_cluster_ips,
 );
 
 const T: Duration = Duration::from_secs(2);
@@ -308,27 +308,115 @@ fn counts(hellos: &[Hello]) -> BTreeMap<String, usize> {
     m
 }
 
-// --- rows ---------------------------------------------------------------------------------
+// --- address families -----------------------------------------------------------------------
 
-fn cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
-    let c = cluster(mode, |c| web_with(c, "10.96.0.10", &ready(&ALL)));
-    let tcp = tcp_from_pod(&c, CLIENT, addr("10.96.0.10", 80), 60);
-    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
-    for h in &tcp {
-        assert_eq!(
-            h.from.ip(),
-            CLIENT_IP,
-            "a pod's source address is kept: {h:?}"
-        );
-        assert_eq!(h.port, 8080);
-    }
-    let udp = udp_from_pod(&c, CLIENT, addr("10.96.0.10", 53), 60);
-    assert_eq!(pods(&udp), set(&ALL), "{:?}", counts(&udp));
-    assert!(udp.iter().all(|h| h.from.ip() == CLIENT_IP));
-    // From a pod on the other node too.
-    let tcp = tcp_from_pod(&c, CLIENT_2, addr("10.96.0.10", 80), 30);
-    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
+/// The address family a row runs in. The lab is dual-stack (every address has an IPv6 twin,
+/// [`v6`]); rows that mean the same in both families are written once and run in both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
 }
+use Family::{V4, V6};
+
+impl Family {
+    /// A lab address in this family.
+    fn lab(self, v4: std::net::Ipv4Addr) -> IpAddr {
+        match self {
+            V4 => v4.into(),
+            V6 => v6(v4).into(),
+        }
+    }
+
+    /// Service address `n` of the rows: 10.96.0.n, or fd00:10:96::n.
+    fn vip(self, n: u8) -> String {
+        match self {
+            V4 => format!("10.96.0.{n}"),
+            V6 => format!("fd00:10:96::{n}"),
+        }
+    }
+
+    /// Address `n` of the range routed to node-1 for external and load-balancer IPs.
+    fn external(self, n: u8) -> String {
+        match self {
+            V4 => format!("10.252.0.{n}"),
+            V6 => format!("fd00:10:252::{n}"),
+        }
+    }
+
+    /// The spec lines that make a Service with cluster IP `ip` single-stack in this family.
+    fn spec(self, ip: &str) -> String {
+        match self {
+            V4 => String::new(),
+            V6 => format!("  ipFamilies: [IPv6]\n  clusterIPs: [\"{ip}\"]\n"),
+        }
+    }
+
+    /// A CIDR of one address.
+    fn host_cidr(self, ip: IpAddr) -> String {
+        match self {
+            V4 => format!("{ip}/32"),
+            V6 => format!("{ip}/128"),
+        }
+    }
+
+    /// An EndpointSlice of this family (see [`slice`]).
+    fn slice(
+        self,
+        c: &Cluster,
+        svc: &str,
+        suffix: &str,
+        ports: &[(&str, &str, u16)],
+        endpoints: &[(&str, &str)],
+    ) -> String {
+        slice_of_family(c, self == V6, svc, suffix, ports, endpoints)
+    }
+}
+
+fn to(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
+}
+
+/// [`tcp_and_udp_service`] in `family`.
+fn tcp_and_udp_service_in(
+    family: Family,
+    c: &Cluster,
+    name: &str,
+    ip: &str,
+    spec: &str,
+    endpoints: &[(&str, &str)],
+) -> String {
+    service(
+        name,
+        ip,
+        &format!("{}{spec}", family.spec(ip)),
+        &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
+    ) + &family.slice(
+        c,
+        name,
+        "1",
+        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+        endpoints,
+    )
+}
+
+/// A NodePort Service `name` in `family` (TCP 80 -> 8080 on 30080, UDP 53 -> 5353 on 30053)
+/// over every backend, with extra `spec` lines.
+fn node_port_service(family: Family, c: &Cluster, name: &str, ip: &str, spec: &str) -> String {
+    let ports = "  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}\n  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: 30053}\n";
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  type: NodePort\n  clusterIP: \"{ip}\"\n{}{spec}  ports:\n{ports}---\n",
+        family.spec(ip)
+    ) + &family.slice(
+        c,
+        name,
+        "1",
+        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
+        &ready(&ALL),
+    )
+}
+
+// --- rows ---------------------------------------------------------------------------------
 
 fn multi_port_service_maps_each_port_to_its_target(mode: Mode) {
     let c = cluster(mode, |c| {
@@ -374,42 +462,6 @@ fn named_target_port_is_resolved_per_endpoint(mode: Mode) {
         let want = if h.pod == "web-1a" { 8080 } else { 8081 };
         assert_eq!(h.port, want, "{h:?}");
     }
-}
-
-fn service_without_endpoints_is_refused(mode: Mode) {
-    let c = cluster(mode, |c| {
-        tcp_and_udp_service(
-            c,
-            "empty",
-            "10.96.0.13",
-            "",
-            &[("web-1a", "conditions: {ready: false}")],
-        )
-    });
-    let (tcp, udp) = c
-        .pod(CLIENT)
-        .ns
-        .run(|| {
-            let started = std::time::Instant::now();
-            let tcp = client::tcp_hello(addr("10.96.0.13", 80), None, T)
-                .map(|_| ())
-                .map_err(|e| (e.kind(), started.elapsed()));
-            let udp = client::udp_hello(addr("10.96.0.13", 53), None, 10, T)
-                .map(|_| ())
-                .map_err(|e| e.kind());
-            (tcp, udp)
-        })
-        .unwrap();
-    let (kind, elapsed) = tcp.expect_err("TCP to a service without endpoints");
-    assert_eq!(kind, std::io::ErrorKind::ConnectionRefused);
-    assert!(
-        elapsed < Duration::from_secs(1),
-        "refused at once, not timed out: {elapsed:?}"
-    );
-    assert_eq!(
-        udp.expect_err("UDP to a service without endpoints"),
-        std::io::ErrorKind::ConnectionRefused
-    );
 }
 
 fn terminating_endpoints_serve_only_when_none_is_ready(mode: Mode) {
@@ -493,82 +545,10 @@ fn prefer_close_keeps_traffic_in_the_zone(mode: Mode) {
 }
 
 /// A NodePort service on TCP 30080 -> 8080 and UDP 30053 -> 5353 with every backend.
-fn node_port_service(c: &Cluster, name: &str, ip: &str, spec: &str) -> String {
-    let ports = "  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}\n  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: 30053}\n";
-    format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  type: NodePort\n  clusterIP: {ip}\n{spec}  ports:\n{ports}---\n"
-    ) + &slice(
-        c,
-        name,
-        "1",
-        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
-        &ready(&ALL),
-    )
-}
-
-fn node_port_reaches_every_backend_from_outside_with_replies_through_the_node(mode: Mode) {
-    let c = cluster(mode, |c| node_port_service(c, "web", "10.96.0.20", ""));
-    for via in [1u8, 2] {
-        let node = c.node(via);
-        let to = SocketAddrV4::new(node.external_ip, 30080);
-        let hellos = tcp_from_outside(&c, via, to, 60);
-        assert_eq!(
-            pods(&hellos),
-            set(&ALL),
-            "via node-{via}: {:?}",
-            counts(&hellos)
-        );
-        for h in &hellos {
-            let local = c.pod(&h.pod).node == via;
-            // externalTrafficPolicy Cluster: a backend on the other node sees the node that
-            // forwarded (so its reply goes back the same way); a local one sees the client.
-            let want = if local {
-                external_client_ip(via)
-            } else {
-                node.internal_ip
-            };
-            assert_eq!(h.from.ip(), want, "via node-{via}: {h:?}");
-        }
-        let udp = udp_from_outside(&c, via, SocketAddrV4::new(node.external_ip, 30053), 60);
-        assert_eq!(
-            pods(&udp),
-            set(&ALL),
-            "UDP via node-{via}: {:?}",
-            counts(&udp)
-        );
-    }
-    // A pod reaches the NodePort on the other node's address as well.
-    let to = SocketAddrV4::new(c.node(2).internal_ip, 30080);
-    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, to, 40)), set(&ALL));
-}
-
-fn external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address(mode: Mode) {
-    let c = cluster(mode, |c| {
-        node_port_service(c, "web", "10.96.0.21", "  externalTrafficPolicy: Local\n")
-    });
-    for (via, local) in [(1u8, set(&["web-1a"])), (2, set(&["web-2a", "web-2b"]))] {
-        let to = SocketAddrV4::new(c.node(via).external_ip, 30080);
-        let hellos = tcp_from_outside(&c, via, to, 30);
-        assert_eq!(pods(&hellos), local, "via node-{via}");
-        for h in &hellos {
-            assert_eq!(
-                h.from.ip(),
-                external_client_ip(via),
-                "client address kept: {h:?}"
-            );
-        }
-    }
-    // Cluster-IP traffic is not affected by the external policy.
-    assert_eq!(
-        pods(&tcp_from_pod(&c, CLIENT, addr("10.96.0.21", 80), 40)),
-        set(&ALL)
-    );
-}
-
 fn node_port_addresses_restrict_where_node_ports_listen(mode: Mode) {
     let mut c = Cluster::new().expect("cluster lab");
     let path = c
-        .write_manifests(&node_port_service(&c, "web", "10.96.0.22", ""))
+        .write_manifests(&node_port_service(V4, &c, "web", "10.96.0.22", ""))
         .unwrap();
     c.start_agents(
         &path,
@@ -619,63 +599,6 @@ fn external_ips_and_load_balancer_ips_are_served(mode: Mode) {
         })
         .unwrap();
     assert!(proxied, "an ipMode: Proxy address must not be programmed");
-}
-
-fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
-    let allowed = external_client_ip(1);
-    let c = cluster(mode, move |c| {
-        let svc = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: lab}}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.24\n  loadBalancerSourceRanges: [\"{allowed}/32\", 192.0.2.0/24]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30082}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: 10.252.0.11}}]\n---\n");
-        svc + &slice(c, "lb", "1", &[("http", "TCP", 8080)], &ready(&ALL))
-    });
-    let lb = addr("10.252.0.11", 80);
-    assert_eq!(pods(&tcp_from_outside(&c, 1, lb, 20)), set(&ALL));
-    let denied = other_external_client_ip(1);
-    let outcome = c
-        .external
-        .run(move || {
-            client::tcp_hello(lb, Some(denied.into()), Duration::from_secs(1)).map_err(|e| e.kind())
-        })
-        .unwrap();
-    assert!(
-        outcome.is_err(),
-        "{denied} is outside the source ranges: {outcome:?}"
-    );
-}
-
-fn session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
-    let c = cluster(mode, |c| {
-        tcp_and_udp_service(
-            c,
-            "sticky",
-            "10.96.0.25",
-            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n",
-            &ready(&ALL),
-        )
-    });
-    let tcp = addr("10.96.0.25", 80);
-    let udp = addr("10.96.0.25", 53);
-    // Each round: many new flows within the timeout all go to one backend. Between rounds
-    // the timeout passes, so the next round may choose again.
-    let mut chosen = BTreeSet::new();
-    for round in 0..8 {
-        let hellos = tcp_from_pod(&c, CLIENT, tcp, 10);
-        let round_pods = pods(&hellos);
-        assert_eq!(round_pods.len(), 1, "round {round}: {:?}", counts(&hellos));
-        chosen.extend(round_pods);
-        std::thread::sleep(Duration::from_millis(1300));
-    }
-    // 8 independent choices among 3 all alike: probability 3^-7.
-    assert!(
-        chosen.len() > 1,
-        "the timeout never let the client move: {chosen:?}"
-    );
-    let datagrams = udp_from_pod(&c, CLIENT, udp, 10);
-    assert_eq!(
-        pods(&datagrams).len(),
-        1,
-        "UDP too: {:?}",
-        counts(&datagrams)
-    );
 }
 
 /// A plain HTTP/1.0 GET of `/`; (status, body).
@@ -756,7 +679,7 @@ fn a_pod_reaches_itself_through_its_service(mode: Mode) {
 }
 
 fn fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
-    let c = cluster(mode, |c| node_port_service(c, "web", "10.96.0.29", ""));
+    let c = cluster(mode, |c| node_port_service(V4, c, "web", "10.96.0.29", ""));
     let size = 4000; // well over the 1500-byte MTU: three fragments each way
     let from_pod = c
         .pod(CLIENT)
@@ -1005,111 +928,7 @@ fn the_node_itself_reaches_cluster_ips(mode: Mode) {
     assert!(!outside.status.success(), "translated outside the cgroup");
 }
 
-fn schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
-    let annotated = |c: &Cluster, name: &str, ip: &str, annotations: &str| {
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: lab\n  annotations: {{{annotations}}}\nspec:\n  clusterIP: {ip}\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}\n---\n"
-        ) + &slice(c, name, "1", &[("http", "TCP", 8080)], &ready(&ALL))
-    };
-    let c = cluster(mode, move |c| {
-        let w1 = c.pod("web-1a").ip;
-        annotated(c, "rr", "10.96.0.50", "proxy-agent.io/scheduler: rr")
-            + &annotated(
-                c,
-                "wrr",
-                "10.96.0.51",
-                &format!("proxy-agent.io/scheduler: wrr, proxy-agent.io/weights: \"{w1}=2\""),
-            )
-            + &annotated(c, "sh", "10.96.0.52", "proxy-agent.io/scheduler: sh")
-            + &annotated(c, "mh", "10.96.0.53", "proxy-agent.io/scheduler: mh")
-            + &annotated(c, "lc", "10.96.0.54", "proxy-agent.io/scheduler: lc")
-    });
-    // rr: backends in turn, so every three consecutive connections reach all three.
-    let rr = tcp_from_pod(&c, CLIENT, addr("10.96.0.50", 80), 9);
-    for turn in rr.chunks(3) {
-        assert_eq!(pods(turn), set(&ALL), "{rr:?}");
-    }
-    // wrr: web-1a weighs 2, the others 1: per cycle of 4, twice web-1a.
-    let wrr = tcp_from_pod(&c, CLIENT, addr("10.96.0.51", 80), 8);
-    let n = counts(&wrr);
-    assert_eq!((n["web-1a"], n["web-2a"], n["web-2b"]), (4, 2, 2), "{n:?}");
-    // lc: held connections count; a new one goes to the backend with fewest, and a closed
-    // one frees its backend.
-    let lc_vip = addr("10.96.0.54", 80);
-    let mut held: Vec<proxy_tests::lab::Session> = (0..3)
-        .map(|_| proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap())
-        .collect();
-    let owner =
-        |s: &proxy_tests::lab::Session| s.backend.split_whitespace().next().unwrap().to_string();
-    let owners: BTreeSet<String> = held.iter().map(owner).collect();
-    assert_eq!(owners, set(&ALL), "three held connections, one per backend");
-    let closed = held.remove(1);
-    let freed = owner(&closed);
-    drop(closed);
-    std::thread::sleep(Duration::from_millis(200));
-    let next = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap();
-    assert_eq!(
-        owner(&next),
-        freed,
-        "the closed connection's backend is the least loaded"
-    );
-    drop(held);
-    // sh and mh: one client, one backend, every time.
-    for vip in ["10.96.0.52", "10.96.0.53"] {
-        let hellos = tcp_from_pod(&c, CLIENT, addr(vip, 80), 12);
-        assert_eq!(pods(&hellos).len(), 1, "{vip}: {:?}", counts(&hellos));
-    }
-}
-
 // --- IPv6 and dual-stack -------------------------------------------------------------------
-
-fn addr6(ip: &str, port: u16) -> SocketAddr {
-    SocketAddr::new(ip.parse().unwrap(), port)
-}
-
-/// An IPv6-only Service `name` (TCP 80 -> 8080, UDP 53 -> 5353) with one IPv6 slice.
-fn ipv6_service(
-    c: &Cluster,
-    name: &str,
-    ip: &str,
-    spec: &str,
-    endpoints: &[(&str, &str)],
-) -> String {
-    service(
-        name,
-        ip,
-        &format!("  ipFamilies: [IPv6]\n  clusterIPs: [\"{ip}\"]\n{spec}"),
-        &[("http", "TCP", 80, "8080"), ("dns", "UDP", 53, "5353")],
-    ) + &slice6(
-        c,
-        name,
-        "v6",
-        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
-        endpoints,
-    )
-}
-
-fn ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
-    let c = cluster(mode, |c| {
-        ipv6_service(c, "web6", "fd00:10:96::10", "", &ready(&ALL))
-    });
-    let client6 = IpAddr::from(v6(CLIENT_IP));
-    let tcp = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::10", 80), 60);
-    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
-    for h in &tcp {
-        assert_eq!(
-            h.from.ip(),
-            client6,
-            "a pod's source address is kept: {h:?}"
-        );
-        assert_eq!(h.port, 8080);
-    }
-    let udp = udp_from_pod(&c, CLIENT, addr6("fd00:10:96::10", 53), 60);
-    assert_eq!(pods(&udp), set(&ALL), "{:?}", counts(&udp));
-    assert!(udp.iter().all(|h| h.from.ip() == client6), "{udp:?}");
-    let tcp = tcp_from_pod(&c, CLIENT_2, addr6("fd00:10:96::10", 80), 30);
-    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
-}
 
 fn dual_stack_service_serves_each_family_from_its_own_slices(mode: Mode) {
     // The IPv4 slice lists two pods, the IPv6 slice a third: each family's cluster IP must
@@ -1136,195 +955,18 @@ fn dual_stack_service_serves_each_family_from_its_own_slices(mode: Mode) {
     });
     let v4 = tcp_from_pod(&c, CLIENT, addr("10.96.0.60", 80), 30);
     assert_eq!(pods(&v4), set(&["web-1a", "web-2a"]), "{:?}", counts(&v4));
-    let v6_tcp = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::60", 80), 20);
+    let v6_tcp = tcp_from_pod(&c, CLIENT, to("fd00:10:96::60", 80), 20);
     assert_eq!(pods(&v6_tcp), set(&["web-2b"]));
-    let v6_udp = udp_from_pod(&c, CLIENT_2, addr6("fd00:10:96::60", 53), 20);
+    let v6_udp = udp_from_pod(&c, CLIENT_2, to("fd00:10:96::60", 53), 20);
     assert_eq!(pods(&v6_udp), set(&["web-2b"]));
     assert!(v6_udp
         .iter()
         .all(|h| h.from.ip() == IpAddr::from(v6(CLIENT_2_IP))));
 }
 
-fn ipv6_service_without_endpoints_is_refused(mode: Mode) {
-    let c = cluster(mode, |c| {
-        ipv6_service(
-            c,
-            "empty6",
-            "fd00:10:96::13",
-            "",
-            &[("web-1a", "conditions: {ready: false}")],
-        )
-    });
-    let (tcp, udp) = c
-        .pod(CLIENT)
-        .ns
-        .run(|| {
-            let started = std::time::Instant::now();
-            let tcp = client::tcp_hello(addr6("fd00:10:96::13", 80), None, T)
-                .map(|_| ())
-                .map_err(|e| (e.kind(), started.elapsed()));
-            let udp = client::udp_hello(addr6("fd00:10:96::13", 53), None, 10, T)
-                .map(|_| ())
-                .map_err(|e| e.kind());
-            (tcp, udp)
-        })
-        .unwrap();
-    let (kind, elapsed) = tcp.expect_err("TCP to an IPv6 service without endpoints");
-    assert_eq!(kind, std::io::ErrorKind::ConnectionRefused, "{}", c.logs());
-    assert!(
-        elapsed < Duration::from_secs(1),
-        "refused at once: {elapsed:?}"
-    );
-    assert_eq!(
-        udp.expect_err("UDP to an IPv6 service without endpoints"),
-        std::io::ErrorKind::ConnectionRefused
-    );
-}
-
-fn ipv6_node_port_reaches_backends_from_outside(mode: Mode) {
-    let c = cluster(mode, |c| {
-        let ports = "  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}\n  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: 30053}\n";
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: np6, namespace: lab}}\nspec:\n  type: NodePort\n  externalTrafficPolicy: Local\n  ipFamilies: [IPv6]\n  clusterIPs: [\"fd00:10:96::21\"]\n  clusterIP: \"fd00:10:96::21\"\n  ports:\n{ports}---\n"
-        ) + &slice6(
-            c,
-            "np6",
-            "v6",
-            &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
-            &ready(&ALL),
-        )
-    });
-    for (via, local) in [(1u8, set(&["web-1a"])), (2, set(&["web-2a", "web-2b"]))] {
-        let node = IpAddr::from(v6(c.node(via).external_ip));
-        let client = IpAddr::from(v6(external_client_ip(via)));
-        let tcp = tcp_from_outside(&c, via, SocketAddr::new(node, 30080), 30);
-        assert_eq!(pods(&tcp), local, "TCP via node-{via}: {:?}", counts(&tcp));
-        assert!(
-            tcp.iter().all(|h| h.from.ip() == client),
-            "client address kept: {tcp:?}"
-        );
-        let udp = udp_from_outside(&c, via, SocketAddr::new(node, 30053), 20);
-        assert_eq!(pods(&udp), local, "UDP via node-{via}: {:?}", counts(&udp));
-    }
-}
-
-/// An IPv6-only NodePort Service `name` (TCP 80 -> 8080 on 30080, UDP 53 -> 5353 on 30053)
-/// over every backend, with extra `spec` lines.
-fn ipv6_node_port_service(c: &Cluster, name: &str, ip: &str, spec: &str) -> String {
-    let ports = "  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}\n  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: 30053}\n";
-    format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  type: NodePort\n  ipFamilies: [IPv6]\n  clusterIPs: [\"{ip}\"]\n  clusterIP: \"{ip}\"\n{spec}  ports:\n{ports}---\n"
-    ) + &slice6(
-        c,
-        name,
-        "v6",
-        &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
-        &ready(&ALL),
-    )
-}
-
-fn ipv6_node_port_source_nats_to_endpoints_on_the_other_node(mode: Mode) {
-    let c = cluster(mode, |c| {
-        ipv6_node_port_service(c, "np6c", "fd00:10:96::22", "")
-    });
-    for via in [1u8, 2] {
-        let node = c.node(via);
-        let to = SocketAddr::new(v6(node.external_ip).into(), 30080);
-        let hellos = tcp_from_outside(&c, via, to, 60);
-        assert_eq!(
-            pods(&hellos),
-            set(&ALL),
-            "via node-{via}: {:?}",
-            counts(&hellos)
-        );
-        for h in &hellos {
-            // A backend on the other node sees the node that forwarded (its IPv6
-            // InternalIP), so its reply goes back the same way; a local one sees the client.
-            let want: IpAddr = if c.pod(&h.pod).node == via {
-                v6(external_client_ip(via)).into()
-            } else {
-                v6(node.internal_ip).into()
-            };
-            assert_eq!(h.from.ip(), want, "via node-{via}: {h:?}");
-        }
-        let to = SocketAddr::new(v6(node.external_ip).into(), 30053);
-        let udp = udp_from_outside(&c, via, to, 60);
-        assert_eq!(
-            pods(&udp),
-            set(&ALL),
-            "UDP via node-{via}: {:?}",
-            counts(&udp)
-        );
-    }
-}
-
-fn ipv6_load_balancer_ips_and_source_ranges(mode: Mode) {
-    let allowed = v6(external_client_ip(1));
-    let c = cluster(mode, move |c| {
-        let svc = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb6, namespace: lab}}\nspec:\n  type: LoadBalancer\n  ipFamilies: [IPv6]\n  clusterIPs: [\"fd00:10:96::24\"]\n  clusterIP: \"fd00:10:96::24\"\n  externalIPs: [\"fd00:10:252::12\"]\n  loadBalancerSourceRanges: [\"{allowed}/128\", \"2001:db8::/32\"]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30082}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: \"fd00:10:252::11\"}}]\n---\n");
-        svc + &slice6(c, "lb6", "v6", &[("http", "TCP", 8080)], &ready(&ALL))
-    });
-    let lb = addr6("fd00:10:252::11", 80);
-    assert_eq!(pods(&tcp_from_outside(&c, 1, lb, 30)), set(&ALL));
-    let denied = v6(other_external_client_ip(1));
-    let outcome = c
-        .external
-        .run(move || {
-            client::tcp_hello(lb, Some(denied.into()), Duration::from_secs(1)).map_err(|e| e.kind())
-        })
-        .unwrap();
-    assert!(
-        outcome.is_err(),
-        "{denied} is outside the source ranges: {outcome:?}"
-    );
-    // An external IP is not a load-balancer IP: the ranges do not apply to it.
-    let external = addr6("fd00:10:252::12", 80);
-    let from_denied = c
-        .external
-        .run(move || client::tcp_hello(external, Some(denied.into()), T).map(|h| h.pod))
-        .unwrap();
-    assert!(
-        from_denied.is_ok(),
-        "external IP from {denied}: {from_denied:?}"
-    );
-}
-
-fn ipv6_session_affinity_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
-    let c = cluster(mode, |c| {
-        ipv6_service(
-            c,
-            "sticky6",
-            "fd00:10:96::25",
-            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n",
-            &ready(&ALL),
-        )
-    });
-    let tcp = addr6("fd00:10:96::25", 80);
-    let mut chosen = BTreeSet::new();
-    for round in 0..8 {
-        let hellos = tcp_from_pod(&c, CLIENT, tcp, 10);
-        let round_pods = pods(&hellos);
-        assert_eq!(round_pods.len(), 1, "round {round}: {:?}", counts(&hellos));
-        chosen.extend(round_pods);
-        std::thread::sleep(Duration::from_millis(1300));
-    }
-    // 8 independent choices among 3 all alike: probability 3^-7.
-    assert!(
-        chosen.len() > 1,
-        "the timeout never let the client move: {chosen:?}"
-    );
-    let datagrams = udp_from_pod(&c, CLIENT, addr6("fd00:10:96::25", 53), 10);
-    assert_eq!(
-        pods(&datagrams).len(),
-        1,
-        "UDP too: {:?}",
-        counts(&datagrams)
-    );
-}
-
 fn the_node_itself_reaches_ipv6_cluster_ips(mode: Mode) {
     let c = cluster(mode, |c| {
-        ipv6_service(c, "web6", "fd00:10:96::40", "", &ready(&ALL))
+        tcp_and_udp_service_in(V6, c, "web6", "fd00:10:96::40", "", &ready(&ALL))
             + &service(
                 "empty6",
                 "fd00:10:96::41",
@@ -1369,33 +1011,307 @@ fn the_node_itself_reaches_ipv6_cluster_ips(mode: Mode) {
     );
 }
 
+// --- rows run in both families ----------------------------------------------------------
+
+fn cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
+    cluster_ip_tcp_and_udp_in(mode, V4)
+}
+
+fn ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
+    cluster_ip_tcp_and_udp_in(mode, V6)
+}
+
+fn cluster_ip_tcp_and_udp_in(mode: Mode, family: Family) {
+    let vip = family.vip(10);
+    let c = cluster(mode, |c| {
+        tcp_and_udp_service_in(family, c, "web", &vip, "", &ready(&ALL))
+    });
+    let client = family.lab(CLIENT_IP);
+    let tcp = tcp_from_pod(&c, CLIENT, to(&vip, 80), 60);
+    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
+    for h in &tcp {
+        assert_eq!(h.from.ip(), client, "a pod's source address is kept: {h:?}");
+        assert_eq!(h.port, 8080);
+    }
+    let udp = udp_from_pod(&c, CLIENT, to(&vip, 53), 60);
+    assert_eq!(pods(&udp), set(&ALL), "{:?}", counts(&udp));
+    assert!(udp.iter().all(|h| h.from.ip() == client), "{udp:?}");
+    // From a pod on the other node too.
+    let tcp = tcp_from_pod(&c, CLIENT_2, to(&vip, 80), 30);
+    assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
+}
+
+fn service_without_endpoints_is_refused(mode: Mode) {
+    refused_in(mode, V4)
+}
+
+fn ipv6_service_without_endpoints_is_refused(mode: Mode) {
+    refused_in(mode, V6)
+}
+
+fn refused_in(mode: Mode, family: Family) {
+    let vip = family.vip(13);
+    let c = cluster(mode, |c| {
+        tcp_and_udp_service_in(
+            family,
+            c,
+            "empty",
+            &vip,
+            "",
+            &[("web-1a", "conditions: {ready: false}")],
+        )
+    });
+    let (tcp_to, udp_to) = (to(&vip, 80), to(&vip, 53));
+    let (tcp, udp) = c
+        .pod(CLIENT)
+        .ns
+        .run(move || {
+            let started = std::time::Instant::now();
+            let tcp = client::tcp_hello(tcp_to, None, T)
+                .map(|_| ())
+                .map_err(|e| (e.kind(), started.elapsed()));
+            let udp = client::udp_hello(udp_to, None, 10, T)
+                .map(|_| ())
+                .map_err(|e| e.kind());
+            (tcp, udp)
+        })
+        .unwrap();
+    let (kind, elapsed) = tcp.expect_err("TCP to a service without endpoints");
+    assert_eq!(kind, std::io::ErrorKind::ConnectionRefused, "{}", c.logs());
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "refused at once, not timed out: {elapsed:?}"
+    );
+    assert_eq!(
+        udp.expect_err("UDP to a service without endpoints"),
+        std::io::ErrorKind::ConnectionRefused
+    );
+}
+
+fn node_port_reaches_every_backend_from_outside_with_replies_through_the_node(mode: Mode) {
+    node_port_cluster_policy_in(mode, V4)
+}
+
+fn ipv6_node_port_reaches_every_backend_from_outside_with_replies_through_the_node(mode: Mode) {
+    node_port_cluster_policy_in(mode, V6)
+}
+
+fn node_port_cluster_policy_in(mode: Mode, family: Family) {
+    let vip = family.vip(20);
+    let c = cluster(mode, |c| node_port_service(family, c, "web", &vip, ""));
+    for via in [1u8, 2] {
+        let node = c.node(via);
+        let node_ip = family.lab(node.external_ip);
+        let hellos = tcp_from_outside(&c, via, SocketAddr::new(node_ip, 30080), 60);
+        assert_eq!(
+            pods(&hellos),
+            set(&ALL),
+            "via node-{via}: {:?}",
+            counts(&hellos)
+        );
+        for h in &hellos {
+            // externalTrafficPolicy Cluster: a backend on the other node sees the node that
+            // forwarded (so its reply goes back the same way); a local one sees the client.
+            let want = if c.pod(&h.pod).node == via {
+                family.lab(external_client_ip(via))
+            } else {
+                family.lab(node.internal_ip)
+            };
+            assert_eq!(h.from.ip(), want, "via node-{via}: {h:?}");
+        }
+        let udp = udp_from_outside(&c, via, SocketAddr::new(node_ip, 30053), 60);
+        assert_eq!(
+            pods(&udp),
+            set(&ALL),
+            "UDP via node-{via}: {:?}",
+            counts(&udp)
+        );
+    }
+    // A pod reaches the NodePort on the other node's address as well.
+    let other = SocketAddr::new(family.lab(c.node(2).internal_ip), 30080);
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, other, 40)), set(&ALL));
+}
+
+fn external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address(mode: Mode) {
+    external_policy_local_in(mode, V4)
+}
+
+fn ipv6_external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address(
+    mode: Mode,
+) {
+    external_policy_local_in(mode, V6)
+}
+
+fn external_policy_local_in(mode: Mode, family: Family) {
+    let vip = family.vip(21);
+    let c = cluster(mode, |c| {
+        node_port_service(family, c, "web", &vip, "  externalTrafficPolicy: Local\n")
+    });
+    for (via, local) in [(1u8, set(&["web-1a"])), (2, set(&["web-2a", "web-2b"]))] {
+        let node_ip = family.lab(c.node(via).external_ip);
+        let client = family.lab(external_client_ip(via));
+        let hellos = tcp_from_outside(&c, via, SocketAddr::new(node_ip, 30080), 30);
+        assert_eq!(pods(&hellos), local, "via node-{via}");
+        for h in &hellos {
+            assert_eq!(h.from.ip(), client, "client address kept: {h:?}");
+        }
+        let udp = udp_from_outside(&c, via, SocketAddr::new(node_ip, 30053), 20);
+        assert_eq!(pods(&udp), local, "UDP via node-{via}: {:?}", counts(&udp));
+    }
+    // Cluster-IP traffic is not affected by the external policy.
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, to(&vip, 80), 40)), set(&ALL));
+}
+
+fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
+    source_ranges_in(mode, V4)
+}
+
+fn ipv6_load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
+    source_ranges_in(mode, V6)
+}
+
+fn source_ranges_in(mode: Mode, family: Family) {
+    let allowed = family.lab(external_client_ip(1));
+    let (vip, lb_ip, external_ip) = (family.vip(24), family.external(11), family.external(12));
+    let c = cluster(mode, |c| {
+        let other_range = match family {
+            V4 => "192.0.2.0/24",
+            V6 => "2001:db8::/32",
+        };
+        let svc = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: lab}}\nspec:\n  type: LoadBalancer\n  clusterIP: \"{vip}\"\n{}  externalIPs: [\"{external_ip}\"]\n  loadBalancerSourceRanges: [\"{}\", \"{other_range}\"]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30082}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: \"{lb_ip}\"}}]\n---\n", family.spec(&vip), family.host_cidr(allowed));
+        svc + &family.slice(c, "lb", "1", &[("http", "TCP", 8080)], &ready(&ALL))
+    });
+    let lb = to(&lb_ip, 80);
+    assert_eq!(pods(&tcp_from_outside(&c, 1, lb, 20)), set(&ALL));
+    let denied = family.lab(other_external_client_ip(1));
+    let outcome = c
+        .external
+        .run(move || {
+            client::tcp_hello(lb, Some(denied), Duration::from_secs(1)).map_err(|e| e.kind())
+        })
+        .unwrap();
+    assert!(
+        outcome.is_err(),
+        "{denied} is outside the source ranges: {outcome:?}"
+    );
+    // An external IP is not a load-balancer IP: the ranges do not apply to it.
+    let external = to(&external_ip, 80);
+    let from_denied = c
+        .external
+        .run(move || client::tcp_hello(external, Some(denied), T).map(|h| h.pod))
+        .unwrap();
+    assert!(
+        from_denied.is_ok(),
+        "external IP from {denied}: {from_denied:?}"
+    );
+}
+
+fn session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
+    affinity_in(mode, V4)
+}
+
+fn ipv6_session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
+    affinity_in(mode, V6)
+}
+
+fn affinity_in(mode: Mode, family: Family) {
+    let vip = family.vip(25);
+    let c = cluster(mode, |c| {
+        tcp_and_udp_service_in(
+            family,
+            c,
+            "sticky",
+            &vip,
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 1}}\n",
+            &ready(&ALL),
+        )
+    });
+    // Each round: many new flows within the timeout all go to one backend. Between rounds
+    // the timeout passes, so the next round may choose again.
+    let mut chosen = BTreeSet::new();
+    for round in 0..8 {
+        let hellos = tcp_from_pod(&c, CLIENT, to(&vip, 80), 10);
+        let round_pods = pods(&hellos);
+        assert_eq!(round_pods.len(), 1, "round {round}: {:?}", counts(&hellos));
+        chosen.extend(round_pods);
+        std::thread::sleep(Duration::from_millis(1300));
+    }
+    // 8 independent choices among 3 all alike: probability 3^-7.
+    assert!(
+        chosen.len() > 1,
+        "the timeout never let the client move: {chosen:?}"
+    );
+    let datagrams = udp_from_pod(&c, CLIENT, to(&vip, 53), 10);
+    assert_eq!(
+        pods(&datagrams).len(),
+        1,
+        "UDP too: {:?}",
+        counts(&datagrams)
+    );
+}
+
+fn schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
+    schedulers_in(mode, V4)
+}
+
 fn ipv6_schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
-    let annotated = |c: &Cluster, name: &str, ip: &str, annotations: &str| {
+    schedulers_in(mode, V6)
+}
+
+fn schedulers_in(mode: Mode, family: Family) {
+    let annotated = move |c: &Cluster, name: &str, ip: &str, annotations: &str| {
         format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: lab\n  annotations: {{{annotations}}}\nspec:\n  ipFamilies: [IPv6]\n  clusterIPs: [\"{ip}\"]\n  clusterIP: \"{ip}\"\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}\n---\n"
-        ) + &slice6(c, name, "v6", &[("http", "TCP", 8080)], &ready(&ALL))
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: lab\n  annotations: {{{annotations}}}\nspec:\n  clusterIP: \"{ip}\"\n{}  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}\n---\n",
+            family.spec(ip)
+        ) + &family.slice(c, name, "1", &[("http", "TCP", 8080)], &ready(&ALL))
     };
-    let c = cluster(mode, move |c| {
-        let w1 = v6(c.pod("web-1a").ip);
-        annotated(c, "rr6", "fd00:10:96::50", "proxy-agent.io/scheduler: rr")
+    let vips: Vec<String> = (50..55).map(|n| family.vip(n)).collect();
+    let c = cluster(mode, |c| {
+        let w1 = family.lab(c.pod("web-1a").ip);
+        annotated(c, "rr", &vips[0], "proxy-agent.io/scheduler: rr")
             + &annotated(
                 c,
-                "wrr6",
-                "fd00:10:96::51",
+                "wrr",
+                &vips[1],
                 &format!("proxy-agent.io/scheduler: wrr, proxy-agent.io/weights: \"{w1}=2\""),
             )
-            + &annotated(c, "sh6", "fd00:10:96::52", "proxy-agent.io/scheduler: sh")
-            + &annotated(c, "mh6", "fd00:10:96::53", "proxy-agent.io/scheduler: mh")
+            + &annotated(c, "sh", &vips[2], "proxy-agent.io/scheduler: sh")
+            + &annotated(c, "mh", &vips[3], "proxy-agent.io/scheduler: mh")
+            + &annotated(c, "lc", &vips[4], "proxy-agent.io/scheduler: lc")
     });
-    let rr = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::50", 80), 9);
+    // rr: backends in turn, so every three consecutive connections reach all three.
+    let rr = tcp_from_pod(&c, CLIENT, to(&vips[0], 80), 9);
     for turn in rr.chunks(3) {
         assert_eq!(pods(turn), set(&ALL), "{rr:?}");
     }
-    let wrr = tcp_from_pod(&c, CLIENT, addr6("fd00:10:96::51", 80), 8);
+    // wrr: web-1a weighs 2, the others 1: per cycle of 4, twice web-1a.
+    let wrr = tcp_from_pod(&c, CLIENT, to(&vips[1], 80), 8);
     let n = counts(&wrr);
     assert_eq!((n["web-1a"], n["web-2a"], n["web-2b"]), (4, 2, 2), "{n:?}");
-    for vip in ["fd00:10:96::52", "fd00:10:96::53"] {
-        let hellos = tcp_from_pod(&c, CLIENT, addr6(vip, 80), 12);
+    // lc: held connections count; a new one goes to the backend with fewest, and a closed
+    // one frees its backend.
+    let lc_vip = to(&vips[4], 80);
+    let mut held: Vec<proxy_tests::lab::Session> = (0..3)
+        .map(|_| proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap())
+        .collect();
+    let owner =
+        |s: &proxy_tests::lab::Session| s.backend.split_whitespace().next().unwrap().to_string();
+    let owners: BTreeSet<String> = held.iter().map(owner).collect();
+    assert_eq!(owners, set(&ALL), "three held connections, one per backend");
+    let closed = held.remove(1);
+    let freed = owner(&closed);
+    drop(closed);
+    std::thread::sleep(Duration::from_millis(200));
+    let next = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap();
+    assert_eq!(
+        owner(&next),
+        freed,
+        "the closed connection's backend is the least loaded"
+    );
+    drop(held);
+    // sh and mh: one client, one backend, every time.
+    for vip in &vips[2..4] {
+        let hellos = tcp_from_pod(&c, CLIENT, to(vip, 80), 12);
         assert_eq!(pods(&hellos).len(), 1, "{vip}: {:?}", counts(&hellos));
     }
 }

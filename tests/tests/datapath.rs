@@ -539,6 +539,66 @@ fn a_direct_flow_reusing_a_service_flows_reply_tuple_is_not_rewritten() {
 }
 
 #[test]
+fn garbage_collection_sweeps_ipv6_flows_and_releases_their_counted_connections() {
+    require_kernel!();
+    let mut dp = datapath();
+    let second = 1_000_000_000u64;
+    dp.datapath
+        .configure(&proxy_common::DatapathConfig {
+            udp_timeout_ns: 2 * second,
+            ..proxy_common::DatapathConfig::DEFAULT
+        })
+        .unwrap();
+    let now = proxy_agent::datapath::monotonic_ns();
+    let idle = now.saturating_sub(5 * second);
+    let backend_slot = 7u32;
+    let entry = |last_seen_ns, flags| proxy_common::ConntrackValue6 {
+        last_seen_ns,
+        nat_addr: [0xfd; 16],
+        nat_port: 2,
+        flags,
+        _pad0: 0,
+        backend_id: backend_slot,
+        service_id: 0,
+        _pad1: [0; 4],
+    };
+    let key = |sport| {
+        proxy_common::ConntrackKey6::new([1; 16], [2; 16], sport, 80, proxy_common::IPPROTO_UDP)
+    };
+    {
+        let map = dp.datapath.ebpf.map_mut("CONNTRACK6").unwrap();
+        let mut ct: aya::maps::HashMap<
+            &mut aya::maps::MapData,
+            proxy_common::ConntrackKey6,
+            proxy_common::ConntrackValue6,
+        > = aya::maps::HashMap::try_from(map).unwrap();
+        // Idle 5 s with a 2 s timeout, counted by a least-connection scheduler: expired.
+        ct.insert(key(1), entry(idle, proxy_common::CT_FLAG_COUNTED), 0)
+            .unwrap();
+        // Fresh: kept.
+        ct.insert(key(2), entry(now, proxy_common::CT_FLAG_COUNTED), 0)
+            .unwrap();
+    }
+    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+    assert_eq!(sweep.deleted, 1);
+    let map = dp.datapath.ebpf.map("CONNTRACK6").unwrap();
+    let ct: aya::maps::HashMap<
+        &aya::maps::MapData,
+        proxy_common::ConntrackKey6,
+        proxy_common::ConntrackValue6,
+    > = aya::maps::HashMap::try_from(map).unwrap();
+    let left: Vec<u16> = ct.keys().map(|k| k.unwrap().sport).collect();
+    assert_eq!(left, vec![2]);
+    let released: aya::maps::Array<&aya::maps::MapData, u64> =
+        aya::maps::Array::try_from(dp.datapath.ebpf.map("BACKEND_RELEASED").unwrap()).unwrap();
+    assert_eq!(
+        released.get(&backend_slot, 0).unwrap(),
+        1,
+        "the expired flow no longer counts toward its backend"
+    );
+}
+
+#[test]
 fn garbage_collection_deletes_only_expired_conntrack_entries() {
     require_kernel!();
     let mut dp = datapath();

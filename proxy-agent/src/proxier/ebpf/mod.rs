@@ -7,7 +7,7 @@ pub mod sync;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::Result;
-use tracing::{debug, error, warn};
+use tracing::{debug, error};
 
 use proxy_common::{
     SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
@@ -20,8 +20,7 @@ use self::{
 };
 use super::{Proxier, ProxyMode, SyncReport};
 use crate::model::{
-    DesiredState, Frontend, IpFamily, Scheduler, ServiceChange, ServicePortName, ServicePortState,
-    WhenEmpty,
+    DesiredState, Frontend, ServiceChange, ServicePortName, ServicePortState, WhenEmpty,
 };
 
 pub struct EbpfProxier<M: ServiceMaps> {
@@ -86,10 +85,6 @@ impl<M: ServiceMaps> EbpfProxier<M> {
     /// Writes every frontend of one service port; stops at the first that fails.
     fn write_service_port(&mut self, state: &ServicePortState) -> Result<usize, MapError> {
         let mut ops = 0;
-        let gaps = ipv6_gaps(state);
-        if !gaps.is_empty() {
-            warn!(service = %state.name, "the eBPF datapath serves this IPv6 service port without {}", gaps.join(", "));
-        }
         for f in state.frontends() {
             let mut flags = 0;
             if f.when_empty == WhenEmpty::Drop {
@@ -238,27 +233,6 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
     fn programmed(&self) -> (usize, usize) {
         self.sync.counts()
     }
-}
-
-/// What an IPv6 service port asks for that the IPv6 datapath does not do yet (empty for
-/// IPv4 and for IPv6 ports that ask for none of it).
-fn ipv6_gaps(state: &ServicePortState) -> Vec<&'static str> {
-    let mut gaps = Vec::new();
-    let least_connection_or_locality = matches!(
-        state.scheduler,
-        Scheduler::Lc
-            | Scheduler::Wlc
-            | Scheduler::Sed
-            | Scheduler::Nq
-            | Scheduler::Lblc
-            | Scheduler::Lblcr
-    );
-    if state.name.family == IpFamily::V6 && least_connection_or_locality {
-        gaps.push(
-            "its scheduler (for IPv6 the least-connection and locality schedulers pick at random)",
-        );
-    }
-    gaps
 }
 
 #[cfg(test)]

@@ -196,24 +196,3 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
     assert_eq!(header_count(&proxier, &plain.frontend), Some(2));
     assert_eq!(proxier.programmed(), (1, 2));
 }
-
-#[test]
-fn ipv6_service_ports_say_which_scheduler_they_cannot_have() {
-    use crate::model::{IpFamily, Scheduler};
-    let mut port = (*state("web", [10, 96, 0, 1], &["10.0.0.1:80"])).clone();
-    port.scheduler = Scheduler::Lc;
-    assert!(ipv6_gaps(&port).is_empty(), "IPv4 has every scheduler");
-    port.name.family = IpFamily::V6;
-    assert_eq!(ipv6_gaps(&port).len(), 1);
-    for fine in [
-        Scheduler::Random,
-        Scheduler::Rr,
-        Scheduler::Wrr,
-        Scheduler::Sh,
-        Scheduler::Dh,
-        Scheduler::Mh,
-    ] {
-        port.scheduler = fine;
-        assert!(ipv6_gaps(&port).is_empty(), "{fine:?}");
-    }
-}
