@@ -87,8 +87,9 @@ pub struct Cli {
     #[arg(long = "masquerade-all")]
     pub masquerade_all: bool,
 
-    /// The pods' address range (comma-separated; the first IPv4 one is used): flows from
-    /// outside it to a cluster IP are source-NATed to the node.
+    /// The pods' address ranges (comma-separated, the first of each family is used, as
+    /// kube-proxy's dual-stack list): flows from outside them to a cluster IP are
+    /// source-NATed to the node.
     #[arg(long = "cluster-cidr")]
     pub cluster_cidr: Option<String>,
 

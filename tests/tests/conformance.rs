@@ -113,6 +113,8 @@ conformance!(
     ipv6_load_balancer_source_ranges_admit_only_listed_clients,
     ipv6_session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
     ipv6_schedulers_chosen_by_annotation_keep_their_defining_property,
+    ipv6_masquerade_all_source_nats_every_service_flow,
+    ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
     dual_stack_service_serves_each_family_from_its_own_slices,
     the_node_itself_reaches_ipv6_cluster_ips,
 );
@@ -729,37 +731,63 @@ fn cluster_with_flags(mode: Mode, flags: &[&str], yaml: impl Fn(&Cluster) -> Str
 }
 
 fn masquerade_all_source_nats_every_service_flow(mode: Mode) {
+    masquerade_all_in(mode, V4)
+}
+
+fn ipv6_masquerade_all_source_nats_every_service_flow(mode: Mode) {
+    masquerade_all_in(mode, V6)
+}
+
+fn masquerade_all_in(mode: Mode, family: Family) {
+    let vip = family.vip(30);
     let c = cluster_with_flags(mode, &["--masquerade-all"], |c| {
-        service("web", "10.96.0.30", "", &[("", "TCP", 80, "8080")])
-            + &slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
+        service("web", &vip, &family.spec(&vip), &[("", "TCP", 80, "8080")])
+            + &family.slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
     });
-    let hellos = tcp_from_pod(&c, CLIENT, addr("10.96.0.30", 80), 40);
+    let hellos = tcp_from_pod(&c, CLIENT, to(&vip, 80), 40);
     assert_eq!(pods(&hellos), set(&ALL));
     for h in &hellos {
         // Local backend or remote: every one sees the node.
-        assert_eq!(h.from.ip(), c.node(1).internal_ip, "{h:?}");
+        assert_eq!(h.from.ip(), family.lab(c.node(1).internal_ip), "{h:?}");
     }
 }
 
 fn cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mode) {
-    let c = cluster_with_flags(mode, &["--cluster-cidr", "10.244.0.0/16"], |c| {
-        service("web", "10.96.0.31", "", &[("", "TCP", 80, "8080")])
-            + &slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
+    cluster_cidr_in(mode, V4)
+}
+
+fn ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mode) {
+    cluster_cidr_in(mode, V6)
+}
+
+fn cluster_cidr_in(mode: Mode, family: Family) {
+    let vip = family.vip(31);
+    // A dual-stack list, as kube-proxy takes it: each family uses its own range.
+    let flags = ["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/48"];
+    let c = cluster_with_flags(mode, &flags, |c| {
+        service("web", &vip, &family.spec(&vip), &[("", "TCP", 80, "8080")])
+            + &family.slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
     });
-    let vip = addr("10.96.0.31", 80);
     // From a pod (inside the cluster CIDR): the pod's own address.
-    for h in tcp_from_pod(&c, CLIENT, vip, 30) {
-        assert_eq!(h.from.ip(), CLIENT_IP, "{h:?}");
+    for h in tcp_from_pod(&c, CLIENT, to(&vip, 80), 30) {
+        assert_eq!(h.from.ip(), family.lab(CLIENT_IP), "{h:?}");
     }
     // From outside, routed to node-1: masqueraded whatever the backend, so replies return
     // through the node that translated.
+    let (range, via) = match family {
+        V4 => ("10.96.0.0/16", "10.250.1.1".to_string()),
+        V6 => (
+            "fd00:10:96::/64",
+            family.lab("10.250.1.1".parse().unwrap()).to_string(),
+        ),
+    };
     c.external
-        .ip(&["route", "add", "10.96.0.0/16", "via", "10.250.1.1"])
+        .ip(&["route", "add", range, "via", &via])
         .unwrap();
-    let hellos = tcp_from_outside(&c, 1, vip, 40);
+    let hellos = tcp_from_outside(&c, 1, to(&vip, 80), 40);
     assert_eq!(pods(&hellos), set(&ALL));
     for h in &hellos {
-        assert_eq!(h.from.ip(), c.node(1).internal_ip, "{h:?}");
+        assert_eq!(h.from.ip(), family.lab(c.node(1).internal_ip), "{h:?}");
     }
 }
 

@@ -1154,3 +1154,101 @@ fn lblcr_grows_a_server_set_under_load_and_prefers_its_least_loaded_member() {
 fn v4_only(backends: &[SocketAddrV4]) -> Vec<SocketAddr> {
     backends.iter().map(|b| SocketAddr::V4(*b)).collect()
 }
+
+/// An IPv6 packet goes from the IPv4 program to the IPv6 one (a tail call) and is translated
+/// both ways with checksums an independent implementation verifies.
+#[test]
+fn ipv6_flows_are_translated_both_ways_with_valid_checksums() {
+    use proxy_tests::packet::ipv6::{parse as parse6, PacketSpec6};
+    use std::net::Ipv6Addr;
+    require_kernel!();
+    let mut dp = datapath();
+    let vip: Ipv6Addr = "fd00:10:96::10".parse().unwrap();
+    let client: Ipv6Addr = "fd00:10:244::5".parse().unwrap();
+    let backends: Vec<SocketAddr> = ["[fd00:10:244:1::11]:8080", "[fd00:10:244:2::11]:8080"]
+        .iter()
+        .map(|b| b.parse().unwrap())
+        .collect();
+    for protocol in [Protocol::Tcp, Protocol::Udp] {
+        let f = Frontend {
+            addr: vip.into(),
+            port: 80,
+            protocol,
+        };
+        dp.sync.set(&f, &backends).unwrap();
+    }
+    for (i, udp) in [(0u16, false), (1, true), (2, false), (3, true)] {
+        let sport = 40000 + i;
+        let spec = if udp {
+            PacketSpec6::udp(client, sport, vip, 80, b"hello")
+        } else {
+            PacketSpec6::tcp(client, sport, vip, 80, TCP_SYN)
+        };
+        let (verdict, out) = dp.run(Hook::Ingress, &spec.build()).unwrap();
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        let p = parse6(&out);
+        let backend = SocketAddr::new(p.dst.into(), p.dport);
+        assert!(backends.contains(&backend), "to a backend: {backend}");
+        assert_eq!((p.src, p.sport), (client, sport), "source kept");
+        assert!(p.l4_checksum_ok(), "checksum after destination NAT");
+        // The backend's reply leaves with the service address as its source.
+        let SocketAddr::V6(b) = backend else {
+            unreachable!()
+        };
+        let reply = if udp {
+            PacketSpec6::udp(*b.ip(), 8080, client, sport, b"world")
+        } else {
+            PacketSpec6::tcp(*b.ip(), 8080, client, sport, TCP_SYN | TCP_ACK)
+        };
+        let (verdict, out) = dp.run(Hook::Ingress, &reply.build()).unwrap();
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        let p = parse6(&out);
+        assert_eq!((p.src, p.sport), (vip, 80), "reply from the service");
+        assert_eq!((p.dst, p.dport), (client, sport));
+        assert!(p.l4_checksum_ok(), "checksum after the reply's translation");
+    }
+    assert_eq!(stat(&dp, Stat::NewFlow), 4);
+    assert_eq!(stat(&dp, Stat::ReplyTranslated), 4);
+    // Not for a service: untouched.
+    let other = PacketSpec6::tcp(
+        client,
+        41000,
+        "fd00:10:96::77".parse().unwrap(),
+        80,
+        TCP_SYN,
+    );
+    let frame = other.build();
+    assert_eq!(
+        dp.run(Hook::Ingress, &frame).unwrap(),
+        (TC_ACT_UNSPEC, frame)
+    );
+}
+
+/// A TCP SYN to an IPv6 service without endpoints gets a reset from the service address.
+#[test]
+fn ipv6_tcp_to_a_service_without_endpoints_is_reset() {
+    use proxy_tests::packet::ipv6::{parse as parse6, PacketSpec6};
+    use std::net::Ipv6Addr;
+    require_kernel!();
+    let mut dp = datapath();
+    let vip: Ipv6Addr = "fd00:10:96::99".parse().unwrap();
+    let client: Ipv6Addr = "fd00:10:244::5".parse().unwrap();
+    let f = Frontend {
+        addr: vip.into(),
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    dp.sync.set(&f, &[]).unwrap();
+    let frame = PacketSpec6::tcp(client, 43000, vip, 80, TCP_SYN).build();
+    let (verdict, out) = dp.run(Hook::Ingress, &frame).unwrap();
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let p = parse6(&out);
+    assert_eq!((p.src, p.dst, p.sport, p.dport), (vip, client, 80, 43000));
+    assert_eq!(p.l4[13], TCP_RST | TCP_ACK);
+    assert!(p.l4_checksum_ok(), "TCP checksum of the reset");
+    assert_eq!(
+        proxy_tests::packet::checksum(&p.l4),
+        u16::from_be_bytes([p.l4[16], p.l4[17]]),
+        "a completed checksum equals the one written"
+    );
+}

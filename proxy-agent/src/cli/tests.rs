@@ -145,3 +145,27 @@ fn a_mode_that_is_not_built_is_refused_by_name() {
         "{err:#}"
     );
 }
+
+#[test]
+fn a_dual_stack_cluster_cidr_sets_one_range_per_family() {
+    let s = with_config(
+        FILE,
+        &[
+            "--cluster-cidr",
+            "10.244.0.0/16, fd00:10:244::/48, 10.99.0.0/16",
+        ],
+    );
+    assert_eq!(
+        s.datapath.cluster_cidr_addr,
+        u32::from(std::net::Ipv4Addr::new(10, 244, 0, 0)).to_be()
+    );
+    assert_eq!(s.datapath.cluster_cidr_mask, 0xffff_0000u32.to_be());
+    let addr: std::net::Ipv6Addr = "fd00:10:244::".parse().unwrap();
+    assert_eq!(s.datapath6.cluster_cidr_addr, addr.octets());
+    let mut mask = [0u8; 16];
+    mask[..6].fill(0xff);
+    assert_eq!(s.datapath6.cluster_cidr_mask, mask);
+    // IPv4 only: the IPv6 range stays unset (no IPv6 flow is masqueraded for it).
+    let s = with_config(FILE, &["--cluster-cidr", "10.244.0.0/16"]);
+    assert_eq!(s.datapath6.cluster_cidr_mask, [0; 16]);
+}

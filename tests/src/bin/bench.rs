@@ -8,7 +8,7 @@
 //! twice, in opposite orders, and averaged, because a datapath measured right after a
 //! larger one was torn down runs measurably slower while the kernel frees the old maps.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use anyhow::{bail, Result};
 use proxy_agent::{
@@ -18,7 +18,7 @@ use proxy_agent::{
 };
 use proxy_tests::{
     kernel::{kernel_tests_unavailable, Hook, TestDatapath, TC_ACT_UNSPEC},
-    packet::{PacketSpec, TCP_ACK, TCP_SYN},
+    packet::{ipv6::PacketSpec6, PacketSpec, TCP_ACK, TCP_SYN},
 };
 
 struct Args {
@@ -30,6 +30,9 @@ struct Args {
     /// masquerading (four conntrack entries per flow), so every lookup a packet can meet
     /// is on its path.
     all_features: bool,
+    /// IPv6 services, clients and backends (the IPv4 program's tail call into the IPv6 one
+    /// is then on every packet's path).
+    ipv6: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -39,11 +42,16 @@ fn parse_args() -> Result<Args> {
         rounds: 5,
         backends: 2,
         all_features: false,
+        ipv6: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--all-features" {
             args.all_features = true;
+            continue;
+        }
+        if flag == "--ipv6" {
+            args.ipv6 = true;
             continue;
         }
         let value = it.next().unwrap_or_default();
@@ -58,7 +66,7 @@ fn parse_args() -> Result<Args> {
             "--rounds" => args.rounds = value.parse()?,
             "--backends" => args.backends = value.parse()?,
             other => {
-                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N --all-features)")
+                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N --all-features --ipv6)")
             }
         }
     }
@@ -73,6 +81,24 @@ fn vip(i: u32) -> Ipv4Addr {
 fn client(flow: u32, round: u32) -> (Ipv4Addr, u16) {
     let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 244, 0, 0)) + (flow >> 8) + (round << 12));
     (ip, 20_000 + (flow & 0xff) as u16)
+}
+
+/// A benchmark address in the run's family: IPv4 as it is, IPv6 as fd00::a.b.c.d.
+fn in_family(v4: Ipv4Addr, ipv6: bool) -> IpAddr {
+    if ipv6 {
+        Ipv6Addr::from(0xfd00u128 << 112 | u32::from(v4) as u128).into()
+    } else {
+        v4.into()
+    }
+}
+
+/// A TCP frame in the address's family.
+fn tcp_frame(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, flags: u8) -> Vec<u8> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => PacketSpec::tcp(s, sport, d, dport, flags).build(),
+        (IpAddr::V6(s), IpAddr::V6(d)) => PacketSpec6::tcp(s, sport, d, dport, flags).build(),
+        _ => unreachable!("one family per run"),
+    }
 }
 
 struct Stats {
@@ -105,11 +131,18 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
         maglev: 1024,
     };
     let mut dp = TestDatapath::load(sizes)?;
+    let ip = |v4: Ipv4Addr| in_family(v4, args.ipv6);
     if args.all_features {
         dp.datapath.configure(&proxy_common::DatapathConfig {
             masquerade_addr: u32::from(Ipv4Addr::new(10, 251, 0, 1)).to_be(),
             ..proxy_common::DatapathConfig::DEFAULT
         })?;
+        if let IpAddr::V6(masq) = ip(Ipv4Addr::new(10, 251, 0, 1)) {
+            dp.datapath.configure6(&proxy_common::DatapathConfig6 {
+                masquerade_addr: masq.octets(),
+                ..Default::default()
+            })?;
+        }
     }
     let header = if args.all_features {
         HeaderSettings {
@@ -119,7 +152,8 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
     } else {
         HeaderSettings::default()
     };
-    let all_ranges = [(std::net::IpAddr::from(Ipv4Addr::new(10, 244, 0, 0)), 16)];
+    let prefix = if args.ipv6 { 96 + 16 } else { 16 };
+    let all_ranges = [(ip(Ipv4Addr::new(10, 244, 0, 0)), prefix)];
     let ranges: &[(std::net::IpAddr, u8)] = if args.all_features { &all_ranges } else { &[] };
     let started = std::time::Instant::now();
     for s in 0..n_services {
@@ -127,11 +161,11 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
             .map(|b| {
                 let ip =
                     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + s * args.backends + b);
-                SocketAddr::new(ip.into(), 8080)
+                SocketAddr::new(in_family(ip, args.ipv6), 8080)
             })
             .collect();
         let frontend = Frontend {
-            addr: vip(s).into(),
+            addr: ip(vip(s)),
             port: 80,
             protocol: Protocol::Tcp,
         };
@@ -147,8 +181,8 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
     let frames = |round: u32, flags: u8| -> Vec<Vec<u8>> {
         (0..args.flows)
             .map(|f| {
-                let (ip, port) = client(f, round);
-                PacketSpec::tcp(ip, port, vip(f % n_services), 80, flags).build()
+                let (client_ip, port) = client(f, round);
+                tcp_frame(ip(client_ip), port, ip(vip(f % n_services)), 80, flags)
             })
             .collect()
     };
@@ -159,9 +193,14 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
     for round in 0..args.rounds {
         // Not for a service: parse, conntrack miss, service miss.
         for f in 0..args.flows {
-            let (ip, port) = client(f, round);
-            let frame =
-                PacketSpec::tcp(ip, port, Ipv4Addr::new(10, 112, 0, 1), 80, TCP_SYN).build();
+            let (client_ip, port) = client(f, round);
+            let frame = tcp_frame(
+                ip(client_ip),
+                port,
+                ip(Ipv4Addr::new(10, 112, 0, 1)),
+                80,
+                TCP_SYN,
+            );
             other_ns.push(dp.time(Hook::Ingress, &frame, 1)?);
         }
         // New flows: tuples never seen before.
@@ -265,7 +304,8 @@ fn main() -> Result<()> {
     }
     let args = parse_args()?;
     println!(
-        "BPF_PROG_TEST_RUN, tc ingress, IPv4 TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}",
+        "BPF_PROG_TEST_RUN, tc ingress, {} TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}",
+        if args.ipv6 { "IPv6" } else { "IPv4" },
         args.backends,
         args.flows,
         args.rounds,
