@@ -466,6 +466,11 @@ pub const CT_FLAG_COUNTED: u8 = 1 << 7;
 /// interface; pods reach it through their default route, i.e. through the node.
 pub const HAIRPIN_SOURCE: [u8; 4] = [169, 254, 42, 1];
 
+/// The IPv6 equivalent: 100::1, from the discard-only prefix 100::/64 (RFC 6666), which no
+/// network assigns. IPv6 link-local addresses are on-link (a pod would look for the sender on
+/// its own link instead of replying through the node), so the IPv4 choice has no twin.
+pub const HAIRPIN_SOURCE6: [u8; 16] = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+
 /// Value of the `CONNTRACK` map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -8,7 +8,8 @@
 //! without endpoints, `sessionAffinity: ClientIP`, `loadBalancerSourceRanges`, and source NAT
 //! to the node's IPv6 address (external traffic to another node's endpoint, `masqueradeAll`,
 //! `clusterCIDR`), every scheduler (the IPv4 code, over `SERVICES6`, with addresses folded to
-//! 32 bits for hashing). Not yet: hairpin, fragments (extension headers pass untranslated).
+//! 32 bits for hashing), hairpin (from `HAIRPIN_SOURCE6`). Not yet: fragments (extension
+//! headers pass untranslated).
 //!
 //! Each step is a subprogram called from the entry, one level deep: their stack frames are
 //! then never stacked on each other, only on the entry's.
@@ -25,10 +26,11 @@ use proxy_common::{
     scheduler, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
     DatapathConfig6, ServiceKey6, ServiceValue, SockRevNatKey6, SockRevNatValue6, SourceRangeKey6,
     Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED,
-    CT_FLAG_EGRESS_ONLY, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY,
-    CT_REFRESH_NS, IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
-    SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
-    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
+    CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT,
+    CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP,
+    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
+    SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
+    SERVICE_SCHEDULER_SHIFT,
 };
 
 use crate::{
@@ -208,18 +210,29 @@ fn translate_reply(
 ) -> Result<i32, Stat> {
     let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
     let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
+    let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt, now, CT_FLAG_SEEN_REPLY);
+    // A hairpin reply goes back to the pod that is also the backend.
+    let client = if hairpin {
+        pkt.key.saddr
+    } else {
+        pkt.key.daddr
+    };
+    if hairpin {
+        rewrite(
+            ctx,
+            pkt,
+            IP6_DADDR_OFF,
+            &pkt.key.daddr,
+            &client,
+            (pkt.l4_off + 2, pkt.key.dport, pkt.key.dport),
+        )?;
+    }
     if first_reply || closing {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
-        let original = ConntrackKey6::new(
-            pkt.key.daddr,
-            nat_addr,
-            pkt.key.dport,
-            nat_port,
-            pkt.key.proto,
-        );
+        let original = ConntrackKey6::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
         if let Some(orig) = CONNTRACK6.get_ptr_mut(&original) {
             // SAFETY: map value pointer, valid for this run.
             touch(unsafe { &mut *orig }, pkt, now, CT_FLAG_SEEN_REPLY);
@@ -259,9 +272,14 @@ fn translate_tracked(
         } else {
             Stat::BackendGone
         });
+        let client = if ct.flags & CT_FLAG_HAIRPIN != 0 {
+            HAIRPIN_SOURCE6
+        } else {
+            pkt.key.saddr
+        };
         let reply = ConntrackKey6::new(
             ct.nat_addr,
-            pkt.key.saddr,
+            client,
             ct.nat_port,
             pkt.key.sport,
             pkt.key.proto,
@@ -275,6 +293,7 @@ fn translate_tracked(
     }
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
+    let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
     touch(ct, pkt, now, 0);
     rewrite(
         ctx,
@@ -284,6 +303,9 @@ fn translate_tracked(
         &nat_addr,
         (pkt.l4_off + 2, pkt.key.dport, nat_port),
     )?;
+    if hairpin {
+        hairpin_source(ctx, pkt)?;
+    }
     bump(Stat::EstablishedFlow);
     account(ctx, service_id, backend_id, false);
     Ok(Some(TC_ACT_UNSPEC))
@@ -441,11 +463,18 @@ fn new_flow(
     } else {
         0
     };
+    // A pod reaching itself through its service: it must not see its own address as the
+    // source (see `HAIRPIN_SOURCE6`).
+    let hairpin = if backend_addr == pkt.key.saddr {
+        CT_FLAG_HAIRPIN
+    } else {
+        0
+    };
     let original = ConntrackValue6 {
         last_seen_ns: now,
         nat_addr: backend_addr,
         nat_port: backend_port,
-        flags: counted,
+        flags: counted | hairpin,
         _pad0: 0,
         backend_id,
         service_id,
@@ -457,9 +486,9 @@ fn new_flow(
         nat_addr: pkt.key.daddr,
         nat_port: pkt.key.dport,
         flags: if external {
-            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY
+            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY | hairpin
         } else {
-            CT_FLAG_REPLY
+            CT_FLAG_REPLY | hairpin
         },
         _pad0: 0,
         backend_id,
@@ -468,7 +497,11 @@ fn new_flow(
     };
     let reply_key = ConntrackKey6::new(
         backend_addr,
-        pkt.key.saddr,
+        if hairpin != 0 {
+            HAIRPIN_SOURCE6
+        } else {
+            pkt.key.saddr
+        },
         backend_port,
         pkt.key.sport,
         pkt.key.proto,
@@ -490,6 +523,12 @@ fn new_flow(
         &backend_addr,
         (pkt.l4_off + 2, pkt.key.dport, backend_port),
     )?;
+    if hairpin != 0 {
+        hairpin_source(ctx, pkt)?;
+        bump(Stat::NewFlow);
+        account(ctx, service_id, backend_id, true);
+        return Ok(false);
+    }
     bump(Stat::NewFlow);
     account(ctx, service_id, backend_id, true);
     // As for IPv4: always under masqueradeAll; to a cluster IP from outside clusterCIDR;
@@ -760,6 +799,19 @@ fn addr_to_words(addr: &[u8; 16]) -> [u32; 4] {
         ]);
     }
     words
+}
+
+/// A hairpin flow's source becomes [`HAIRPIN_SOURCE6`] (its port stays).
+#[inline(always)]
+fn hairpin_source(ctx: &TcContext, pkt: &Packet6) -> Result<(), Stat> {
+    rewrite(
+        ctx,
+        pkt,
+        IP6_SADDR_OFF,
+        &pkt.key.saddr,
+        &HAIRPIN_SOURCE6,
+        (pkt.l4_off, pkt.key.sport, pkt.key.sport),
+    )
 }
 
 /// Rewrites one address (at `addr_off`) and its port (`(offset, old, new)`), fixing the

@@ -114,6 +114,7 @@ conformance!(
     ipv6_session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
     ipv6_schedulers_chosen_by_annotation_keep_their_defining_property,
     ipv6_masquerade_all_source_nats_every_service_flow,
+    ipv6_a_pod_reaches_itself_through_its_service,
     ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
     dual_stack_service_serves_each_family_from_its_own_slices,
     the_node_itself_reaches_ipv6_cluster_ips,
@@ -663,20 +664,32 @@ fn health_check_node_port_reports_local_endpoints(mode: Mode) {
 }
 
 fn a_pod_reaches_itself_through_its_service(mode: Mode) {
+    hairpin_in(mode, V4)
+}
+
+fn ipv6_a_pod_reaches_itself_through_its_service(mode: Mode) {
+    hairpin_in(mode, V6)
+}
+
+fn hairpin_in(mode: Mode, family: Family) {
+    let (own, all) = (family.vip(27), family.vip(28));
     let c = cluster(mode, |c| {
-        service("self", "10.96.0.27", "", &[("", "TCP", 80, "8080")])
-            + &slice(c, "self", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
-            + &service("all", "10.96.0.28", "", &[("", "TCP", 80, "8080")])
-            + &slice(c, "all", "1", &[("", "TCP", 8080)], &ready(&ALL))
+        service("self", &own, &family.spec(&own), &[("", "TCP", 80, "8080")])
+            + &family.slice(c, "self", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
+            + &service("all", &all, &family.spec(&all), &[("", "TCP", 80, "8080")])
+            + &family.slice(c, "all", "1", &[("", "TCP", 8080)], &ready(&ALL))
     });
-    let hairpin = std::net::Ipv4Addr::from(proxy_common::HAIRPIN_SOURCE);
-    for h in tcp_from_pod(&c, "web-1a", addr("10.96.0.27", 80), 10) {
+    let hairpin: IpAddr = match family {
+        V4 => std::net::Ipv4Addr::from(proxy_common::HAIRPIN_SOURCE).into(),
+        V6 => std::net::Ipv6Addr::from(proxy_common::HAIRPIN_SOURCE6).into(),
+    };
+    for h in tcp_from_pod(&c, "web-1a", to(&own, 80), 10) {
         assert_eq!(h.pod, "web-1a");
         // Its own address as the source would be dropped as a martian: it sees the
         // hairpin address instead.
         assert_eq!(h.from.ip(), hairpin, "{h:?}");
     }
-    let hellos = tcp_from_pod(&c, "web-2a", addr("10.96.0.28", 80), 40);
+    let hellos = tcp_from_pod(&c, "web-2a", to(&all, 80), 40);
     assert_eq!(pods(&hellos), set(&ALL), "{:?}", counts(&hellos));
 }
 
