@@ -201,7 +201,8 @@ impl Datapath {
             .map_max_entries(map_names::CONNTRACK6, sizes.conntrack)
             .map_max_entries(map_names::AFFINITY6, sizes.conntrack)
             .map_max_entries(map_names::SOURCE_RANGES6, sizes.services)
-            .map_max_entries(map_names::SOCK_REVNAT6, sizes.conntrack);
+            .map_max_entries(map_names::SOCK_REVNAT6, sizes.conntrack)
+            .map_max_entries(map_names::FRAGMENTS6, fragments_size(sizes.conntrack));
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
@@ -227,6 +228,7 @@ impl Datapath {
                 map_names::SOURCE_RANGES6,
                 map_names::CONFIG6,
                 map_names::SOCK_REVNAT6,
+                map_names::FRAGMENTS6,
                 // Pinned so its slots outlive the agent: the kernel empties a program array
                 // when the last user-space reference goes, which would stop IPv6 service
                 // traffic (and refusals) while the agent restarts.

@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 24] {
+fn expected() -> [Expected; 25] {
     use std::mem::size_of;
     [
         Expected {
@@ -297,6 +297,14 @@ fn expected() -> [Expected; 24] {
             key_size: 4 + size_of::<proxy_common::SourceRangeKey6>(),
             value_size: 1,
             // Sized like SERVICES.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::FRAGMENTS6,
+            map_type: MapType::LruHash,
+            key_size: size_of::<proxy_common::FragmentKey6>(),
+            value_size: size_of::<proxy_common::FragmentValue6>(),
+            // Sized from CONNTRACK.
             configurable: false,
         },
         Expected {

@@ -48,6 +48,8 @@ pub mod map_names {
     pub const SOURCE_RANGES6: &str = "SOURCE_RANGES6";
     /// The IPv6 settings ([`super::DatapathConfig6`]).
     pub const CONFIG6: &str = "CONFIG6";
+    /// Fragmented IPv6 datagrams, as `FRAGMENTS`.
+    pub const FRAGMENTS6: &str = "FRAGMENTS6";
     /// The node's own IPv6 sockets given a backend, as `SOCK_REVNAT`.
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6";
     /// The programs the tc programs tail-call into (see [`super::tail_calls`]).
@@ -193,6 +195,29 @@ pub struct DatapathConfig6 {
     /// The IPv6 `clusterCIDR`, address and mask; mask all zero: not set.
     pub cluster_cidr_addr: [u8; 16],
     pub cluster_cidr_mask: [u8; 16],
+}
+
+/// Key of `FRAGMENTS6`: one fragmented IPv6 datagram as it arrived (its later fragments
+/// carry no ports; the Fragment header's identification matches them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragmentKey6 {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Fragment header identification, network byte order.
+    pub id: u32,
+    pub proto: u8,
+    pub _pad0: [u8; 3],
+}
+
+/// Value of `FRAGMENTS6`: the addresses the first fragment left with, and the hook.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragmentValue6 {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub hook: u8,
+    pub _pad0: [u8; 3],
 }
 
 /// Key of `SOCK_REVNAT6`: [`SockRevNatKey`] with an IPv6 backend.
@@ -820,6 +845,8 @@ mod pod {
     unsafe impl aya::Pod for super::DatapathConfig6 {}
     unsafe impl aya::Pod for super::SockRevNatKey6 {}
     unsafe impl aya::Pod for super::SockRevNatValue6 {}
+    unsafe impl aya::Pod for super::FragmentKey6 {}
+    unsafe impl aya::Pod for super::FragmentValue6 {}
 }
 
 #[cfg(test)]
@@ -867,6 +894,11 @@ mod tests {
         assert_eq!(offset_of!(SockRevNatKey6, addr), 8);
         assert_eq!(offset_of!(SockRevNatKey6, port), 24);
         assert_eq!(size_of::<SockRevNatValue6>(), 20);
+        assert_eq!(size_of::<FragmentKey6>(), 40);
+        assert_eq!(offset_of!(FragmentKey6, id), 32);
+        assert_eq!(offset_of!(FragmentKey6, proto), 36);
+        assert_eq!(size_of::<FragmentValue6>(), 36);
+        assert_eq!(offset_of!(FragmentValue6, hook), 32);
     }
 
     #[test]

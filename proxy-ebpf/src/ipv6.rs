@@ -8,8 +8,8 @@
 //! without endpoints, `sessionAffinity: ClientIP`, `loadBalancerSourceRanges`, and source NAT
 //! to the node's IPv6 address (external traffic to another node's endpoint, `masqueradeAll`,
 //! `clusterCIDR`), every scheduler (the IPv4 code, over `SERVICES6`, with addresses folded to
-//! 32 bits for hashing), hairpin (from `HAIRPIN_SOURCE6`). Not yet: fragments (extension
-//! headers pass untranslated).
+//! 32 bits for hashing), hairpin (from `HAIRPIN_SOURCE6`), fragments (a Fragment header
+//! right after the fixed header). Other extension headers pass untranslated.
 //!
 //! Each step is a subprogram called from the entry, one level deep: their stack frames are
 //! then never stacked on each other, only on the entry's.
@@ -24,13 +24,13 @@ use aya_ebpf::{
 };
 use proxy_common::{
     scheduler, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
-    DatapathConfig6, ServiceKey6, ServiceValue, SockRevNatKey6, SockRevNatValue6, SourceRangeKey6,
-    Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED,
-    CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT,
-    CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP,
-    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
-    SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
-    SERVICE_SCHEDULER_SHIFT,
+    DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey6, ServiceValue, SockRevNatKey6,
+    SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK,
+    CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY,
+    CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE6,
+    IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
+    SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
+    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 use crate::{
@@ -51,6 +51,9 @@ static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::with_max
 #[map]
 static SOURCE_RANGES6: LpmTrie<SourceRangeKey6, u8> = LpmTrie::with_max_entries(65536, 0);
 #[map]
+static FRAGMENTS6: LruHashMap<FragmentKey6, FragmentValue6> =
+    LruHashMap::with_max_entries(16384, 0);
+#[map]
 static CONFIG6: Array<DatapathConfig6> = Array::with_max_entries(1, 0);
 #[map]
 static SOCK_REVNAT6: LruHashMap<SockRevNatKey6, SockRevNatValue6> =
@@ -60,11 +63,20 @@ pub const ETH_P_IPV6: u16 = 0x86dd;
 const IPV6_HLEN: usize = 40;
 const IP6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IP6_DADDR_OFF: usize = ETH_HLEN + 24;
+const IPPROTO_FRAGMENT: u8 = 44;
+const FRAGMENT_HLEN: usize = 8;
 
 struct Packet6 {
     l4_off: usize,
     key: ConntrackKey6,
     tcp_flags: u8,
+    /// First fragment of a fragmented datagram (the rest follow without ports).
+    more_fragments: bool,
+    /// A fragment after the first: no transport header (ports are 0 in `key`), matched by
+    /// its identification. (A flag rather than an enum: the entry's stack is tight.)
+    later_fragment: bool,
+    /// The Fragment header's identification (network byte order).
+    frag_id: u32,
 }
 
 #[inline(always)]
@@ -83,6 +95,18 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     let Some(pkt) = parse(ctx) else {
         return Ok(TC_ACT_UNSPEC);
     };
+    if pkt.later_fragment {
+        return translate_fragment(ctx, &pkt, hook);
+    }
+    let verdict = translate(ctx, hook, &pkt)?;
+    if pkt.more_fragments && verdict == TC_ACT_UNSPEC {
+        remember_fragment(ctx, &pkt, hook);
+    }
+    Ok(verdict)
+}
+
+#[inline(always)]
+fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
     if let Some(ct) = CONNTRACK6.get_ptr_mut(&pkt.key) {
         // SAFETY: the pointer is to a map value and valid for this program run.
         let ct = unsafe { &mut *ct };
@@ -148,8 +172,8 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     Ok(TC_ACT_UNSPEC)
 }
 
-/// IPv6 with TCP or UDP directly after the fixed header; anything else (extension headers,
-/// fragments, ICMPv6) passes untouched.
+/// IPv6 with TCP or UDP directly after the fixed header, or after a Fragment header;
+/// anything else (other extension headers, ICMPv6) passes untouched.
 #[inline(always)]
 fn parse(ctx: &TcContext) -> Option<Packet6> {
     let eth_proto: u16 = u16::from_be(read(ctx, 12)?);
@@ -160,13 +184,36 @@ fn parse(ctx: &TcContext) -> Option<Packet6> {
     if version >> 4 != 6 {
         return None;
     }
-    let proto: u8 = read(ctx, ETH_HLEN + 6)?;
+    let mut proto: u8 = read(ctx, ETH_HLEN + 6)?;
+    let saddr: [u8; 16] = read(ctx, IP6_SADDR_OFF)?;
+    let daddr: [u8; 16] = read(ctx, IP6_DADDR_OFF)?;
+    let mut l4_off = ETH_HLEN + IPV6_HLEN;
+    let (mut more_fragments, mut frag_id) = (false, 0u32);
+    if proto == IPPROTO_FRAGMENT {
+        // next header, reserved, offset (13 bits) | 2 reserved | M, identification
+        let next: u8 = read(ctx, l4_off)?;
+        let offset_flags = u16::from_be(read(ctx, l4_off + 2)?);
+        frag_id = read(ctx, l4_off + 4)?;
+        if next != IPPROTO_TCP && next != IPPROTO_UDP {
+            return None;
+        }
+        if offset_flags & !0x7 != 0 {
+            return Some(Packet6 {
+                l4_off,
+                key: ConntrackKey6::new(saddr, daddr, 0, 0, next),
+                tcp_flags: 0,
+                more_fragments: false,
+                later_fragment: true,
+                frag_id,
+            });
+        }
+        more_fragments = offset_flags & 1 != 0;
+        proto = next;
+        l4_off += FRAGMENT_HLEN;
+    }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
-    let saddr: [u8; 16] = read(ctx, IP6_SADDR_OFF)?;
-    let daddr: [u8; 16] = read(ctx, IP6_DADDR_OFF)?;
-    let l4_off = ETH_HLEN + IPV6_HLEN;
     let sport: u16 = read(ctx, l4_off)?;
     let dport: u16 = read(ctx, l4_off + 2)?;
     let tcp_flags: u8 = if proto == IPPROTO_TCP {
@@ -178,7 +225,70 @@ fn parse(ctx: &TcContext) -> Option<Packet6> {
         l4_off,
         key: ConntrackKey6::new(saddr, daddr, sport, dport, proto),
         tcp_flags,
+        more_fragments,
+        later_fragment: false,
+        frag_id,
     })
+}
+
+/// After the first fragment of a datagram was translated, records the addresses it left
+/// with, so the datagram's later fragments get the same at this hook.
+// A subprogram of its own: its stack frame is not added to its callers'.
+#[inline(never)]
+fn remember_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) {
+    // bpf_skb_load_bytes rather than direct packet access: in a subprogram LLVM may
+    // narrow the packet pointer to 32 bits, which the verifier rejects.
+    let (Ok(saddr), Ok(daddr)) = (
+        ctx.load::<[u8; 16]>(IP6_SADDR_OFF),
+        ctx.load::<[u8; 16]>(IP6_DADDR_OFF),
+    ) else {
+        return;
+    };
+    if saddr == pkt.key.saddr && daddr == pkt.key.daddr {
+        return;
+    }
+    let key = FragmentKey6 {
+        saddr: pkt.key.saddr,
+        daddr: pkt.key.daddr,
+        id: pkt.frag_id,
+        proto: pkt.key.proto,
+        _pad0: [0; 3],
+    };
+    let value = FragmentValue6 {
+        saddr,
+        daddr,
+        hook: hook.number(),
+        _pad0: [0; 3],
+    };
+    let _ = FRAGMENTS6.insert(&key, &value, BPF_ANY as u64);
+}
+
+/// A fragment after the first: the addresses its first fragment got (no checksum covers
+/// them here: IPv6 has no header checksum, and the transport checksum was fixed in the
+/// first fragment). Fragments that arrive before their first one pass unchanged.
+// A subprogram of its own: its stack frame is not added to its callers'.
+#[inline(never)]
+fn translate_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) -> Result<i32, Stat> {
+    let key = FragmentKey6 {
+        saddr: pkt.key.saddr,
+        daddr: pkt.key.daddr,
+        id: pkt.frag_id,
+        proto: pkt.key.proto,
+        _pad0: [0; 3],
+    };
+    let Some(to) = (unsafe { FRAGMENTS6.get(&key) }) else {
+        return Ok(TC_ACT_UNSPEC);
+    };
+    if to.hook != hook.number() {
+        return Ok(TC_ACT_UNSPEC);
+    }
+    let (saddr, daddr) = (to.saddr, to.daddr);
+    ctx.store(IP6_SADDR_OFF, &saddr, 0)
+        .map_err(|_| Stat::RewriteFailed)?;
+    ctx.store(IP6_DADDR_OFF, &daddr, 0)
+        .map_err(|_| Stat::RewriteFailed)?;
+    bump(Stat::FragmentTranslated);
+    Ok(TC_ACT_UNSPEC)
 }
 
 #[inline(always)]
@@ -565,39 +675,58 @@ fn outside_cluster_cidr(addr: &[u8; 16]) -> bool {
 /// Records the source NAT of a new flow (see the IPv4 `plan_masquerade`): at egress the
 /// source becomes the node's IPv6 address and a port free for that backend (the client's
 /// own when possible); the backend's reply is mapped back at ingress.
-// A subprogram of its own: its stack frame is not added to its callers'.
-#[inline(never)]
+#[inline(always)]
 fn plan_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32) {
-    let Some(c) = config6() else {
-        return;
-    };
-    let masq = c.masquerade_addr;
-    if masq == [0u8; 16] {
+    // Two sibling steps, so their frames never stack on each other.
+    let port = free_snat_port(pkt, backend_id);
+    if port == 0 {
+        bump(Stat::SnatPortsExhausted);
         return;
     }
-    let (Some(b), Some(addr)) = (
-        backend(backend_id),
-        BACKEND_ADDRS6.get(backend_id & BACKEND_INDEX_MASK),
-    ) else {
-        return;
+    record_source_nat(pkt, backend_id, service_id, port as u16);
+}
+
+/// The node's IPv6 address and the backend, when source NAT can happen: (node, backend
+/// address, backend port).
+#[inline(always)]
+fn snat_ends(backend_id: u32) -> Option<([u8; 16], [u8; 16], u16)> {
+    let masq = config6()?.masquerade_addr;
+    if masq == [0u8; 16] {
+        return None;
+    }
+    let port = backend(backend_id)?.port;
+    let addr = BACKEND_ADDRS6.get(backend_id & BACKEND_INDEX_MASK)?.addr;
+    Some((masq, addr, port))
+}
+
+/// A source port (network byte order) whose reply tuple from the backend to the node is
+/// free: the client's own when possible, else a few random ones; 0: none found (or no
+/// source NAT possible).
+#[inline(never)]
+fn free_snat_port(pkt: &Packet6, backend_id: u32) -> u32 {
+    let Some((masq, backend_addr, backend_port)) = snat_ends(backend_id) else {
+        return 0;
     };
-    let (backend_port, backend_addr) = (b.port, addr.addr);
     let mut port = pkt.key.sport;
     let mut tries = 0;
-    let mut found = false;
     while tries < SNAT_PORT_TRIES {
         let reply = ConntrackKey6::new(backend_addr, masq, backend_port, port, pkt.key.proto);
         if unsafe { CONNTRACK6.get(&reply) }.is_none() {
-            found = true;
-            break;
+            // A port of 0 is never a client's, nor one of those tried.
+            return port as u32;
         }
         port = ((unsafe { bpf_get_prandom_u32() } % SNAT_PORT_SPAN) as u16 + SNAT_PORT_MIN).to_be();
         tries += 1;
     }
-    if !found {
-        bump(Stat::SnatPortsExhausted);
+    0
+}
+
+/// Writes both source-NAT entries of a flow (see the IPv4 `plan_masquerade`).
+#[inline(never)]
+fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16) {
+    let Some((masq, backend_addr, backend_port)) = snat_ends(backend_id) else {
         return;
-    }
+    };
     let now = unsafe { bpf_ktime_get_ns() };
     // Created as established so they live as long as the flow's own entries.
     let snat_key = ConntrackKey6::new(
@@ -617,6 +746,10 @@ fn plan_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32) {
         service_id,
         _pad1: [0; 4],
     };
+    if CONNTRACK6.insert(&snat_key, &snat, BPF_ANY as u64).is_err() {
+        bump(Stat::ConntrackInsertFailed);
+        return;
+    }
     let unsnat_key = ConntrackKey6::new(backend_addr, masq, backend_port, port, pkt.key.proto);
     let unsnat = ConntrackValue6 {
         nat_addr: pkt.key.saddr,
@@ -627,7 +760,6 @@ fn plan_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32) {
     if CONNTRACK6
         .insert(&unsnat_key, &unsnat, BPF_ANY as u64)
         .is_err()
-        || CONNTRACK6.insert(&snat_key, &snat, BPF_ANY as u64).is_err()
     {
         bump(Stat::ConntrackInsertFailed);
     }

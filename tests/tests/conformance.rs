@@ -115,6 +115,7 @@ conformance!(
     ipv6_schedulers_chosen_by_annotation_keep_their_defining_property,
     ipv6_masquerade_all_source_nats_every_service_flow,
     ipv6_a_pod_reaches_itself_through_its_service,
+    ipv6_fragmented_udp_reaches_one_backend_and_returns_translated,
     ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
     dual_stack_service_serves_each_family_from_its_own_slices,
     the_node_itself_reaches_ipv6_cluster_ips,
@@ -694,14 +695,24 @@ fn hairpin_in(mode: Mode, family: Family) {
 }
 
 fn fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
-    let c = cluster(mode, |c| node_port_service(V4, c, "web", "10.96.0.29", ""));
+    fragments_in(mode, V4)
+}
+
+fn ipv6_fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
+    fragments_in(mode, V6)
+}
+
+fn fragments_in(mode: Mode, family: Family) {
+    let vip = family.vip(29);
+    let c = cluster(mode, |c| node_port_service(family, c, "web", &vip, ""));
     let size = 4000; // well over the 1500-byte MTU: three fragments each way
+    let to_vip = to(&vip, 53);
     let from_pod = c
         .pod(CLIENT)
         .ns
         .run(move || {
             (0..30)
-                .map(|_| client::udp_hello(addr("10.96.0.29", 53), None, size, T))
+                .map(|_| client::udp_hello(to_vip, None, size, T))
                 .collect::<Vec<_>>()
         })
         .unwrap();
@@ -713,13 +724,13 @@ fn fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
     }
     assert_eq!(seen, set(&ALL));
     // From outside through a NodePort: remote backends are masqueraded, fragments too.
-    let to = SocketAddrV4::new(c.node(1).external_ip, 30053);
-    let source = external_client_ip(1);
+    let node_port = SocketAddr::new(family.lab(c.node(1).external_ip), 30053);
+    let source = family.lab(external_client_ip(1));
     let from_outside = c
         .external
         .run(move || {
             (0..30)
-                .map(|_| client::udp_hello(to, Some(source.into()), size, T))
+                .map(|_| client::udp_hello(node_port, Some(source), size, T))
                 .collect::<Vec<_>>()
         })
         .unwrap();
