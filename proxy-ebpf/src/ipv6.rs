@@ -15,7 +15,10 @@
 //! then never stacked on each other, only on the entry's.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    bindings::{
+        BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM, TC_ACT_SHOT,
+        TC_ACT_UNSPEC,
+    },
     helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
     macros::map,
     maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap},
@@ -24,19 +27,20 @@ use aya_ebpf::{
 };
 use proxy_common::{
     scheduler, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
-    DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey6, ServiceValue, SockRevNatKey6,
-    SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK,
-    CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY,
-    CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE6,
-    IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
+    DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey, ServiceKey6, ServiceValue,
+    SockRevNatKey, SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
+    BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
+    CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS,
+    HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
     SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
     SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 use crate::{
-    account, backend, bump, config, count_connection, random_below, read, Hook, SlotTable,
-    ETH_HLEN, REFRESH_NS, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT,
-    TCP_ACK, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN, UDP_CSUM_OFF,
+    account, backend, bump, config, count_connection, pick_slot, random_below, read, Hook,
+    SlotTable, ETH_HLEN, REFRESH_NS, SERVICES, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES,
+    SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN,
+    UDP_CSUM_OFF,
 };
 
 #[map]
@@ -283,9 +287,12 @@ fn translate_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) -> Result<i32,
         return Ok(TC_ACT_UNSPEC);
     }
     let (saddr, daddr) = (to.saddr, to.daddr);
-    ctx.store(IP6_SADDR_OFF, &saddr, 0)
+    // Nothing else changes with the addresses here, so a receive checksum the NIC computed
+    // over the packet (CHECKSUM_COMPLETE) must follow them.
+    let recompute = BPF_F_RECOMPUTE_CSUM as u64;
+    ctx.store(IP6_SADDR_OFF, &saddr, recompute)
         .map_err(|_| Stat::RewriteFailed)?;
-    ctx.store(IP6_DADDR_OFF, &daddr, 0)
+    ctx.store(IP6_DADDR_OFF, &daddr, recompute)
         .map_err(|_| Stat::RewriteFailed)?;
     bump(Stat::FragmentTranslated);
     Ok(TC_ACT_UNSPEC)
@@ -844,31 +851,21 @@ pub fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
     let addr = words_to_addr(&sa.user_ip6);
     // user_port holds the port in network byte order in its low 16 bits.
     let port = sa.user_port as u16;
-    let Some(header) = (unsafe { SERVICES6.get(&ServiceKey6::new(addr, port, proto, 0)) }) else {
-        return SOCK_ALLOW;
+    let chosen = if is_v4_mapped(&addr) {
+        // A dual-stack socket naming an IPv4 service as ::ffff:a.b.c.d: the kernel runs
+        // only this hook for it, so the IPv4 service is looked up here.
+        mapped_backend(&addr, port, proto)
+    } else {
+        ipv6_backend(&addr, port, proto)
     };
-    let count = header.count;
-    if count == 0 {
-        bump(Stat::SocketRefused);
-        return SOCK_REJECT;
-    }
-    let slot = random_below(count as u32) as u16 + 1;
-    let mut entry = unsafe { SERVICES6.get(&ServiceKey6::new(addr, port, proto, slot)) };
-    if entry.is_none() {
-        entry = unsafe { SERVICES6.get(&ServiceKey6::new(addr, port, proto, 1)) };
-    }
-    let Some(entry) = entry else {
-        return SOCK_ALLOW;
+    let (backend_addr, backend_port) = match chosen {
+        SocketBackend::NotAService => return SOCK_ALLOW,
+        SocketBackend::Refused => {
+            bump(Stat::SocketRefused);
+            return SOCK_REJECT;
+        }
+        SocketBackend::Backend(a, p) => (a, p),
     };
-    let id = entry.backend_id;
-    let Some(b) = backend(id) else {
-        return SOCK_ALLOW;
-    };
-    let backend_port = b.port;
-    let Some(backend_addr) = BACKEND_ADDRS6.get(id & BACKEND_INDEX_MASK) else {
-        return SOCK_ALLOW;
-    };
-    let backend_addr = backend_addr.addr;
     let key = SockRevNatKey6 {
         cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
         addr: backend_addr,
@@ -887,6 +884,66 @@ pub fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
     SOCK_ALLOW
 }
 
+enum SocketBackend {
+    NotAService,
+    /// A service without endpoints.
+    Refused,
+    /// The backend's address (IPv4-mapped for an IPv4 service) and port.
+    Backend([u8; 16], u16),
+}
+
+#[inline(always)]
+fn is_v4_mapped(addr: &[u8; 16]) -> bool {
+    addr[..10] == [0u8; 10] && addr[10] == 0xff && addr[11] == 0xff
+}
+
+/// A uniformly random backend of an IPv6 frontend.
+#[inline(always)]
+fn ipv6_backend(addr: &[u8; 16], port: u16, proto: u8) -> SocketBackend {
+    let Some(header) = (unsafe { SERVICES6.get(&ServiceKey6::new(*addr, port, proto, 0)) }) else {
+        return SocketBackend::NotAService;
+    };
+    let count = header.count;
+    if count == 0 {
+        return SocketBackend::Refused;
+    }
+    let slot = random_below(count as u32) as u16 + 1;
+    let mut entry = unsafe { SERVICES6.get(&ServiceKey6::new(*addr, port, proto, slot)) };
+    if entry.is_none() {
+        entry = unsafe { SERVICES6.get(&ServiceKey6::new(*addr, port, proto, 1)) };
+    }
+    let Some(entry) = entry else {
+        return SocketBackend::NotAService;
+    };
+    let id = entry.backend_id;
+    let (Some(b), Some(a)) = (backend(id), BACKEND_ADDRS6.get(id & BACKEND_INDEX_MASK)) else {
+        return SocketBackend::NotAService;
+    };
+    SocketBackend::Backend(a.addr, b.port)
+}
+
+/// A uniformly random backend of the IPv4 frontend an IPv4-mapped address names, mapped back.
+#[inline(always)]
+fn mapped_backend(addr: &[u8; 16], port: u16, proto: u8) -> SocketBackend {
+    let v4 = u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]);
+    let Some(header) = (unsafe { SERVICES.get(ServiceKey::new(v4, port, proto, 0)) }) else {
+        return SocketBackend::NotAService;
+    };
+    let count = header.count;
+    if count == 0 {
+        return SocketBackend::Refused;
+    }
+    let slot = random_below(count as u32) as u16 + 1;
+    let Some((_, b)) = pick_slot(v4, port, proto, slot).or_else(|| pick_slot(v4, port, proto, 1))
+    else {
+        return SocketBackend::NotAService;
+    };
+    let mut mapped = *addr;
+    let octets = b.addr.to_ne_bytes();
+    mapped[12..16].copy_from_slice(&octets);
+    SocketBackend::Backend(mapped, b.port)
+}
+
 /// recvfrom / getpeername on a socket translated above: it sees the frontend it asked for.
 #[inline(always)]
 pub fn backend_to_service(ctx: &SockAddrContext) -> i32 {
@@ -901,6 +958,23 @@ pub fn backend_to_service(ctx: &SockAddrContext) -> i32 {
     if let Some(service) = unsafe { SOCK_REVNAT6.get(&key) } {
         sa.user_ip6 = addr_to_words(&service.addr);
         sa.user_port = service.port as u32;
+    } else if is_v4_mapped(&key.addr) {
+        // A dual-stack socket's datagrams to an IPv4-mapped address go out through the
+        // kernel's IPv4 path, so the IPv4 sendmsg hook translated them (and remembered the
+        // service in SOCK_REVNAT); replies come back here, mapped.
+        let a = key.addr;
+        let key4 = SockRevNatKey {
+            cookie: key.cookie,
+            addr: u32::from_ne_bytes([a[12], a[13], a[14], a[15]]),
+            port: key.port,
+            _pad0: [0; 2],
+        };
+        if let Some(service) = unsafe { SOCK_REVNAT.get(&key4) } {
+            let mut mapped = a;
+            mapped[12..16].copy_from_slice(&service.addr.to_ne_bytes());
+            sa.user_ip6 = addr_to_words(&mapped);
+            sa.user_port = service.port as u32;
+        }
     }
     SOCK_ALLOW
 }
@@ -981,7 +1055,11 @@ fn rewrite(
         }
         ctx.l4_csum_replace(csum_off, 0, diff as u64, BPF_F_PSEUDO_HDR as u64 | mangled)
             .map_err(|_| Stat::RewriteFailed)?;
-        ctx.store(addr_off, new_addr, 0)
+        // With the pseudo-header flag the helper also moves a CHECKSUM_COMPLETE receive
+        // checksum by the difference, as IPv4 needs (its header checksum changes too). IPv6
+        // has no header checksum: the address and transport checksum changes cancel out, so
+        // the store puts the difference back.
+        ctx.store(addr_off, new_addr, BPF_F_RECOMPUTE_CSUM as u64)
             .map_err(|_| Stat::RewriteFailed)?;
     }
     let (port_off, old_port, new_port) = port;

@@ -39,6 +39,7 @@ const QUOTED_L4: usize = 40;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const IPPROTO_ICMPV6: u8 = 58;
+const IPPROTO_FRAGMENT: u8 = 44;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
 const REFUSAL4_LEN: usize = ETH_HLEN + IPV4_HLEN + ICMP_HLEN + IPV4_HLEN + QUOTED_L4;
@@ -80,6 +81,16 @@ fn try_refuse(ctx: &TcContext) -> Result<bool, Stat> {
         let proto: u8 = read(ctx, ETH_HLEN + 6).ok_or(Stat::RefuseFailed)?;
         if proto == IPPROTO_TCP {
             tcp_reset(ctx, true)
+        } else if proto == IPPROTO_FRAGMENT {
+            // A first fragment: ICMPv6 quotes it, Fragment header and all, which the
+            // client's kernel parses to find the socket. (TCP is not fragmented in practice;
+            // such a segment is dropped rather than answered with a reset built for a header
+            // that is not where the reset expects it.)
+            let next: u8 = read(ctx, ETH_HLEN + IPV6_HLEN).ok_or(Stat::RefuseFailed)?;
+            if next == IPPROTO_TCP {
+                return Err(Stat::RefuseFailed);
+            }
+            icmp6(ctx, proto).map(|_| true)
         } else {
             icmp6(ctx, proto).map(|_| true)
         }
@@ -305,6 +316,11 @@ unsafe fn write_ipv4_header(ip: *mut u8, total_len: u16, proto: u8, tos: u8) {
 /// quote's first 8 bytes (the ports, and the sequence number or length).
 #[inline(always)]
 unsafe fn quote_survives_completion(quoted_l4: *mut u8, proto: u8) {
+    // Fragments are never left for checksum offload to complete, and their quote starts
+    // with a Fragment header, not a transport header.
+    if proto == IPPROTO_FRAGMENT {
+        return;
+    }
     let field = quoted_l4.add(if proto == IPPROTO_TCP {
         TCP_CSUM_OFF
     } else {

@@ -1025,8 +1025,27 @@ fn the_node_itself_reaches_ipv6_cluster_ips(mode: Mode) {
                 "  ipFamilies: [IPv6]\n  clusterIPs: [\"fd00:10:96::41\"]\n",
                 &[("", "TCP", 80, "8080")],
             )
+            + &tcp_and_udp_service_in(V4, c, "web4", "10.96.0.42", "", &ready(&ALL))
     });
     let probe = env!("CARGO_BIN_EXE_sockprobe");
+    // A dual-stack (AF_INET6) socket naming an IPv4 service by its IPv4-mapped address,
+    // as Java and others do: served, and shown back the mapped service address.
+    let (ok, out) = c
+        .on_node(
+            1,
+            &format!("{probe} udp [::ffff:10.96.0.42]:53 && {probe} tcp [::ffff:10.96.0.42]:80"),
+        )
+        .unwrap();
+    assert!(ok, "{out}\n{}", c.logs());
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].starts_with("from=[::ffff:10.96.0.42]:53 web-"),
+        "{out}"
+    );
+    assert!(
+        lines[1].starts_with("peer=[::ffff:10.96.0.42]:80 web-"),
+        "{out}"
+    );
     let mut seen = BTreeSet::new();
     for _ in 0..20 {
         let (ok, out) = c
