@@ -664,14 +664,6 @@ fn health_check_node_port_reports_local_endpoints(mode: Mode) {
     );
 }
 
-fn a_pod_reaches_itself_through_its_service(mode: Mode) {
-    hairpin_in(mode, V4)
-}
-
-fn ipv6_a_pod_reaches_itself_through_its_service(mode: Mode) {
-    hairpin_in(mode, V6)
-}
-
 fn hairpin_in(mode: Mode, family: Family) {
     let (own, all) = (family.vip(27), family.vip(28));
     let c = cluster(mode, |c| {
@@ -692,14 +684,6 @@ fn hairpin_in(mode: Mode, family: Family) {
     }
     let hellos = tcp_from_pod(&c, "web-2a", to(&all, 80), 40);
     assert_eq!(pods(&hellos), set(&ALL), "{:?}", counts(&hellos));
-}
-
-fn fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
-    fragments_in(mode, V4)
-}
-
-fn ipv6_fragmented_udp_reaches_one_backend_and_returns_translated(mode: Mode) {
-    fragments_in(mode, V6)
 }
 
 fn fragments_in(mode: Mode, family: Family) {
@@ -754,14 +738,6 @@ fn cluster_with_flags(mode: Mode, flags: &[&str], yaml: impl Fn(&Cluster) -> Str
     c
 }
 
-fn masquerade_all_source_nats_every_service_flow(mode: Mode) {
-    masquerade_all_in(mode, V4)
-}
-
-fn ipv6_masquerade_all_source_nats_every_service_flow(mode: Mode) {
-    masquerade_all_in(mode, V6)
-}
-
 fn masquerade_all_in(mode: Mode, family: Family) {
     let vip = family.vip(30);
     let c = cluster_with_flags(mode, &["--masquerade-all"], |c| {
@@ -774,14 +750,6 @@ fn masquerade_all_in(mode: Mode, family: Family) {
         // Local backend or remote: every one sees the node.
         assert_eq!(h.from.ip(), family.lab(c.node(1).internal_ip), "{h:?}");
     }
-}
-
-fn cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mode) {
-    cluster_cidr_in(mode, V4)
-}
-
-fn ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster(mode: Mode) {
-    cluster_cidr_in(mode, V6)
 }
 
 fn cluster_cidr_in(mode: Mode, family: Family) {
@@ -1084,12 +1052,55 @@ fn the_node_itself_reaches_ipv6_cluster_ips(mode: Mode) {
 
 // --- rows run in both families ----------------------------------------------------------
 
-fn cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
-    cluster_ip_tcp_and_udp_in(mode, V4)
+/// A row written once over an address [`Family`]: its IPv4 and its IPv6 test.
+macro_rules! in_both_families {
+    ($($v4:ident, $v6:ident => $body:ident;)*) => {
+        $(
+            fn $v4(mode: Mode) {
+                $body(mode, V4)
+            }
+
+            fn $v6(mode: Mode) {
+                $body(mode, V6)
+            }
+        )*
+    };
 }
 
-fn ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes(mode: Mode) {
-    cluster_ip_tcp_and_udp_in(mode, V6)
+in_both_families! {
+    a_pod_reaches_itself_through_its_service,
+    ipv6_a_pod_reaches_itself_through_its_service
+        => hairpin_in;
+    fragmented_udp_reaches_one_backend_and_returns_translated,
+    ipv6_fragmented_udp_reaches_one_backend_and_returns_translated
+        => fragments_in;
+    masquerade_all_source_nats_every_service_flow,
+    ipv6_masquerade_all_source_nats_every_service_flow
+        => masquerade_all_in;
+    cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
+    ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster
+        => cluster_cidr_in;
+    cluster_ip_tcp_and_udp_reach_backends_on_both_nodes,
+    ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes
+        => cluster_ip_tcp_and_udp_in;
+    service_without_endpoints_is_refused,
+    ipv6_service_without_endpoints_is_refused
+        => refused_in;
+    node_port_reaches_every_backend_from_outside_with_replies_through_the_node,
+    ipv6_node_port_reaches_every_backend_from_outside_with_replies_through_the_node
+        => node_port_cluster_policy_in;
+    external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address,
+    ipv6_external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address
+        => external_policy_local_in;
+    load_balancer_source_ranges_admit_only_listed_clients,
+    ipv6_load_balancer_source_ranges_admit_only_listed_clients
+        => source_ranges_in;
+    session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
+    ipv6_session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout
+        => affinity_in;
+    schedulers_chosen_by_annotation_keep_their_defining_property,
+    ipv6_schedulers_chosen_by_annotation_keep_their_defining_property
+        => schedulers_in;
 }
 
 fn cluster_ip_tcp_and_udp_in(mode: Mode, family: Family) {
@@ -1110,14 +1121,6 @@ fn cluster_ip_tcp_and_udp_in(mode: Mode, family: Family) {
     // From a pod on the other node too.
     let tcp = tcp_from_pod(&c, CLIENT_2, to(&vip, 80), 30);
     assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
-}
-
-fn service_without_endpoints_is_refused(mode: Mode) {
-    refused_in(mode, V4)
-}
-
-fn ipv6_service_without_endpoints_is_refused(mode: Mode) {
-    refused_in(mode, V6)
 }
 
 fn refused_in(mode: Mode, family: Family) {
@@ -1159,14 +1162,6 @@ fn refused_in(mode: Mode, family: Family) {
     );
 }
 
-fn node_port_reaches_every_backend_from_outside_with_replies_through_the_node(mode: Mode) {
-    node_port_cluster_policy_in(mode, V4)
-}
-
-fn ipv6_node_port_reaches_every_backend_from_outside_with_replies_through_the_node(mode: Mode) {
-    node_port_cluster_policy_in(mode, V6)
-}
-
 fn node_port_cluster_policy_in(mode: Mode, family: Family) {
     let vip = family.vip(20);
     let c = cluster(mode, |c| node_port_service(family, c, "web", &vip, ""));
@@ -1203,16 +1198,6 @@ fn node_port_cluster_policy_in(mode: Mode, family: Family) {
     assert_eq!(pods(&tcp_from_pod(&c, CLIENT, other, 40)), set(&ALL));
 }
 
-fn external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address(mode: Mode) {
-    external_policy_local_in(mode, V4)
-}
-
-fn ipv6_external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address(
-    mode: Mode,
-) {
-    external_policy_local_in(mode, V6)
-}
-
 fn external_policy_local_in(mode: Mode, family: Family) {
     let vip = family.vip(21);
     let c = cluster(mode, |c| {
@@ -1231,14 +1216,6 @@ fn external_policy_local_in(mode: Mode, family: Family) {
     }
     // Cluster-IP traffic is not affected by the external policy.
     assert_eq!(pods(&tcp_from_pod(&c, CLIENT, to(&vip, 80), 40)), set(&ALL));
-}
-
-fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
-    source_ranges_in(mode, V4)
-}
-
-fn ipv6_load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
-    source_ranges_in(mode, V6)
 }
 
 fn source_ranges_in(mode: Mode, family: Family) {
@@ -1277,14 +1254,6 @@ fn source_ranges_in(mode: Mode, family: Family) {
     );
 }
 
-fn session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
-    affinity_in(mode, V4)
-}
-
-fn ipv6_session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout(mode: Mode) {
-    affinity_in(mode, V6)
-}
-
 fn affinity_in(mode: Mode, family: Family) {
     let vip = family.vip(25);
     let c = cluster(mode, |c| {
@@ -1319,14 +1288,6 @@ fn affinity_in(mode: Mode, family: Family) {
         "UDP too: {:?}",
         counts(&datagrams)
     );
-}
-
-fn schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
-    schedulers_in(mode, V4)
-}
-
-fn ipv6_schedulers_chosen_by_annotation_keep_their_defining_property(mode: Mode) {
-    schedulers_in(mode, V6)
 }
 
 fn schedulers_in(mode: Mode, family: Family) {
