@@ -93,6 +93,42 @@ pub struct ConntrackSweep {
     pub evicted: u64,
 }
 
+/// Removes the expired entries of one conntrack map (IPv4 or IPv6); adds, per backend slot,
+/// the removed flows the least-connection schedulers still counted to `released`.
+/// `fields` gives an entry's (protocol, flags, last seen, backend id). Returns (entries
+/// seen, entries removed).
+fn sweep<K: aya::Pod, V: aya::Pod>(
+    map: &mut BpfHashMap<&mut MapData, K, V>,
+    fields: impl Fn(&K, &V) -> (u8, u8, u64, u32),
+    expired: impl Fn(u8, u8, u64) -> bool,
+    released: &mut std::collections::HashMap<u32, u64>,
+) -> (usize, usize) {
+    let mut seen = 0;
+    let stale: Vec<(K, V)> = map
+        .iter()
+        .filter_map(|entry| entry.ok())
+        .inspect(|_| seen += 1)
+        .filter(|(k, v)| {
+            let (proto, flags, last_seen_ns, _) = fields(k, v);
+            expired(proto, flags, last_seen_ns)
+        })
+        .collect();
+    let mut deleted = 0;
+    for (key, value) in &stale {
+        // Gone already if the datapath replaced the flow meanwhile.
+        if map.remove(key).is_ok() {
+            deleted += 1;
+            let (_, flags, _, backend_id) = fields(key, value);
+            if flags & proxy_common::CT_FLAG_COUNTED != 0 {
+                *released
+                    .entry(backend_id & proxy_common::BACKEND_INDEX_MASK)
+                    .or_default() += 1;
+            }
+        }
+    }
+    (seen, deleted)
+}
+
 /// `CLOCK_MONOTONIC` in ns: the clock of `bpf_ktime_get_ns`, which stamps conntrack entries.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -469,61 +505,29 @@ impl Datapath {
         let before = self.stats()?;
         let config = self.config;
         let now = monotonic_ns();
-        let mut conntrack = self.conntrack()?;
-        let mut seen = 0;
-        let expired: Vec<(ConntrackKey, ConntrackValue)> = conntrack
-            .iter()
-            .filter_map(|entry| entry.ok())
-            .inspect(|_| seen += 1)
-            .filter(|(key, value)| {
-                now.saturating_sub(value.last_seen_ns)
-                    > config.timeout_ns(key.proto, value.flags) + CT_REFRESH_NS
-            })
-            .collect();
-        let mut deleted = 0;
+        let expired = |proto: u8, flags: u8, last_seen_ns: u64| {
+            now.saturating_sub(last_seen_ns) > config.timeout_ns(proto, flags) + CT_REFRESH_NS
+        };
         // Flows still counted as active by the least-connection schedulers, per backend slot.
         let mut released: std::collections::HashMap<u32, u64> = Default::default();
-        for (key, value) in &expired {
-            // Gone already if the datapath replaced the flow meanwhile.
-            if conntrack.remove(key).is_ok() {
-                deleted += 1;
-                if value.flags & proxy_common::CT_FLAG_COUNTED != 0 {
-                    *released
-                        .entry(value.backend_id & proxy_common::BACKEND_INDEX_MASK)
-                        .or_default() += 1;
-                }
-            }
-        }
+        let (seen, deleted) = sweep(
+            &mut self.conntrack()?,
+            |k, v| (k.proto, v.flags, v.last_seen_ns, v.backend_id),
+            expired,
+            &mut released,
+        );
         // IPv6 flows: the same sweep. (Their entries are not in the created/removed counts
         // the eviction estimate uses, so they are not added to the collected count either.)
-        let deleted6 = {
-            let map = self
-                .ebpf
-                .map_mut(map_names::CONNTRACK6)
-                .context("eBPF object has no CONNTRACK6 map")?;
-            let mut conntrack6: BpfHashMap<&mut MapData, ConntrackKey6, ConntrackValue6> =
-                BpfHashMap::try_from(map)?;
-            let expired6: Vec<(ConntrackKey6, ConntrackValue6)> = conntrack6
-                .iter()
-                .filter_map(|entry| entry.ok())
-                .filter(|(key, value)| {
-                    now.saturating_sub(value.last_seen_ns)
-                        > config.timeout_ns(key.proto, value.flags) + CT_REFRESH_NS
-                })
-                .collect();
-            let mut deleted6 = 0;
-            for (key, value) in &expired6 {
-                if conntrack6.remove(key).is_ok() {
-                    deleted6 += 1;
-                    if value.flags & proxy_common::CT_FLAG_COUNTED != 0 {
-                        *released
-                            .entry(value.backend_id & proxy_common::BACKEND_INDEX_MASK)
-                            .or_default() += 1;
-                    }
-                }
-            }
-            deleted6
-        };
+        let map = self
+            .ebpf
+            .map_mut(map_names::CONNTRACK6)
+            .context("eBPF object has no CONNTRACK6 map")?;
+        let (_, deleted6) = sweep(
+            &mut BpfHashMap::<_, ConntrackKey6, ConntrackValue6>::try_from(map)?,
+            |k, v| (k.proto, v.flags, v.last_seen_ns, v.backend_id),
+            expired,
+            &mut released,
+        );
         if !released.is_empty() {
             let map = self
                 .ebpf

@@ -460,12 +460,7 @@ fn schedule_slot(pkt: &Packet6, header: &ServiceValue) -> u16 {
     if header.count == 0 {
         return 1;
     }
-    let frontend = Frontend6 {
-        addr: pkt.key.daddr,
-        port: pkt.key.dport,
-        proto: pkt.key.proto,
-        _pad0: 0,
-    };
+    let frontend = pkt.frontend();
     let (client, destination) = (fold_address(&pkt.key.saddr), fold_address(&pkt.key.daddr));
     crate::schedule(frontend, client, destination, header)
 }
@@ -497,6 +492,18 @@ pub struct Frontend6 {
     port: u16,
     proto: u8,
     _pad0: u8,
+}
+
+impl Packet6 {
+    #[inline(always)]
+    fn frontend(&self) -> Frontend6 {
+        Frontend6 {
+            addr: self.key.daddr,
+            port: self.key.dport,
+            proto: self.key.proto,
+            _pad0: 0,
+        }
+    }
 }
 
 impl SlotTable for Frontend6 {
@@ -534,8 +541,7 @@ fn remember_affinity(key: &AffinityKey6, backend_id: u32, now: u64) {
 
 #[inline(always)]
 fn slot_backend(pkt: &Packet6, slot: u16) -> u32 {
-    let key = ServiceKey6::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot);
-    match unsafe { SERVICES6.get(&key) } {
+    match pkt.frontend().slot(slot) {
         Some(entry) if backend(entry.backend_id).is_some() => entry.backend_id,
         _ => 0,
     }
@@ -900,7 +906,13 @@ fn is_v4_mapped(addr: &[u8; 16]) -> bool {
 /// A uniformly random backend of an IPv6 frontend.
 #[inline(always)]
 fn ipv6_backend(addr: &[u8; 16], port: u16, proto: u8) -> SocketBackend {
-    let Some(header) = (unsafe { SERVICES6.get(&ServiceKey6::new(*addr, port, proto, 0)) }) else {
+    let frontend = Frontend6 {
+        addr: *addr,
+        port,
+        proto,
+        _pad0: 0,
+    };
+    let Some(header) = frontend.slot(0) else {
         return SocketBackend::NotAService;
     };
     let count = header.count;
@@ -908,11 +920,7 @@ fn ipv6_backend(addr: &[u8; 16], port: u16, proto: u8) -> SocketBackend {
         return SocketBackend::Refused;
     }
     let slot = random_below(count as u32) as u16 + 1;
-    let mut entry = unsafe { SERVICES6.get(&ServiceKey6::new(*addr, port, proto, slot)) };
-    if entry.is_none() {
-        entry = unsafe { SERVICES6.get(&ServiceKey6::new(*addr, port, proto, 1)) };
-    }
-    let Some(entry) = entry else {
+    let Some(entry) = frontend.slot(slot).or_else(|| frontend.slot(1)) else {
         return SocketBackend::NotAService;
     };
     let id = entry.backend_id;

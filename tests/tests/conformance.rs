@@ -163,8 +163,7 @@ fn tcp_and_udp_service(
     )
 }
 
-/// An EndpointSlice of `svc`. `ports`: (name, protocol, port); `endpoints`: (pod, extra
-/// YAML for the endpoint, e.g. conditions and hints; default ready).
+/// An IPv4 EndpointSlice of `svc` (see [`Family::slice`]).
 fn slice(
     cluster: &Cluster,
     svc: &str,
@@ -172,23 +171,15 @@ fn slice(
     ports: &[(&str, &str, u16)],
     endpoints: &[(&str, &str)],
 ) -> String {
-    slice_of_family(cluster, false, svc, suffix, ports, endpoints)
+    V4.slice(cluster, svc, suffix, ports, endpoints)
 }
 
-/// [`slice`] of the pods' IPv6 addresses (`addressType: IPv6`).
-fn slice6(
+/// An EndpointSlice of `svc` listing the pods' addresses of `family`. `ports`: (name,
+/// protocol, port); `endpoints`: (pod, extra YAML for the endpoint, e.g. conditions and
+/// hints; default ready).
+fn slice_in(
+    family: Family,
     cluster: &Cluster,
-    svc: &str,
-    suffix: &str,
-    ports: &[(&str, &str, u16)],
-    endpoints: &[(&str, &str)],
-) -> String {
-    slice_of_family(cluster, true, svc, suffix, ports, endpoints)
-}
-
-fn slice_of_family(
-    cluster: &Cluster,
-    ipv6: bool,
     svc: &str,
     suffix: &str,
     ports: &[(&str, &str, u16)],
@@ -207,16 +198,19 @@ fn slice_of_family(
             } else {
                 extra
             };
-            let ip: IpAddr = if ipv6 { v6(p.ip).into() } else { p.ip.into() };
+            let ip = family.lab(p.ip);
             format!(
                 "  - addresses: [\"{ip}\"]\n    nodeName: node-{}\n    {extra}\n",
                 p.node
             )
         })
         .collect();
-    let family = if ipv6 { "IPv6" } else { "IPv4" };
+    let address_type = match family {
+        V4 => "IPv4",
+        V6 => "IPv6",
+    };
     format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-{suffix}, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: {family}\nports:\n{ports}endpoints:\n{eps}---\n"
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-{suffix}, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: {address_type}\nports:\n{ports}endpoints:\n{eps}---\n"
     )
 }
 
@@ -364,7 +358,7 @@ impl Family {
         }
     }
 
-    /// An EndpointSlice of this family (see [`slice`]).
+    /// An EndpointSlice of this family (see [`slice_in`]).
     fn slice(
         self,
         c: &Cluster,
@@ -373,7 +367,7 @@ impl Family {
         ports: &[(&str, &str, u16)],
         endpoints: &[(&str, &str)],
     ) -> String {
-        slice_of_family(c, self == V6, svc, suffix, ports, endpoints)
+        slice_in(self, c, svc, suffix, ports, endpoints)
     }
 }
 
@@ -965,7 +959,7 @@ fn dual_stack_service_serves_each_family_from_its_own_slices(mode: Mode) {
             "v4",
             &[("http", "TCP", 8080), ("dns", "UDP", 5353)],
             &ready(&["web-1a", "web-2a"]),
-        ) + &slice6(
+        ) + &V6.slice(
             c,
             "dual",
             "v6",
