@@ -29,7 +29,7 @@ pub struct Cli {
     #[arg(long)]
     pub config: Option<PathBuf>,
 
-    /// Which proxy mode to use: ebpf (default).
+    /// Which proxy mode to use: ebpf (default) or iptables.
     #[arg(long = "proxy-mode", default_value = "ebpf", value_parser = parse_mode)]
     pub proxy_mode: ProxyMode,
 
@@ -187,6 +187,10 @@ pub struct Settings {
     /// The IPv6 half of the datapath settings (the IPv6 cluster CIDR; the masquerade
     /// address follows the Node object).
     pub datapath6: proxy_common::DatapathConfig6,
+    /// `--cluster-cidr`: the first range of each family (the netfilter modes' rules).
+    pub cluster_cidrs: Vec<crate::model::Cidr>,
+    /// `iptables.masqueradeBit` (default 14).
+    pub masquerade_bit: u32,
     pub file: Option<FileSettings>,
 }
 
@@ -323,10 +327,17 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
     // One range per family (kube-proxy takes the first of each in a dual-stack list).
     let mut datapath6 = proxy_common::DatapathConfig6::default();
     let (mut seen_v4, mut seen_v6) = (false, false);
+    let mut cluster_cidrs = Vec::new();
     for text in cidrs.iter().filter(|c| !c.is_empty()) {
         let cidr: crate::model::Cidr = text
             .parse()
             .map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
+        if !cluster_cidrs
+            .iter()
+            .any(|c: &crate::model::Cidr| c.addr.is_ipv4() == cidr.addr.is_ipv4())
+        {
+            cluster_cidrs.push(cidr);
+        }
         match cidr.addr {
             std::net::IpAddr::V4(addr) if !seen_v4 => {
                 seen_v4 = true;
@@ -343,6 +354,18 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
             _ => {}
         }
     }
+    // The file's section of the netfilter mode in use: kube-proxy reads `iptables.*` in
+    // iptables mode and `nftables.*` in nftables mode. (The eBPF mode has its own sync
+    // periods and reads `iptables.masqueradeAll`, as before.)
+    let section = f.and_then(|f| match mode {
+        ProxyMode::Nftables => Some(&f.nftables),
+        ProxyMode::Iptables => Some(&f.iptables),
+        _ => None,
+    });
+    let masquerade_section = f.map(|f| match mode {
+        ProxyMode::Nftables => &f.nftables,
+        _ => &f.iptables,
+    });
     Ok(Settings {
         mode,
         verbosity,
@@ -361,19 +384,32 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         )?,
         scheduler,
         masquerade_all: cli.masquerade_all
-            || f.and_then(|f| f.iptables.masquerade_all).unwrap_or(false),
+            || masquerade_section
+                .and_then(|t| t.masquerade_all)
+                .unwrap_or(false),
         backend_metrics: cli.backend_metrics || f.and_then(|f| f.backend_metrics).unwrap_or(false),
         kubeconfig: cli
             .kubeconfig
             .clone()
             .or_else(|| f.and_then(|f| f.kubeconfig.clone()).map(PathBuf::from)),
-        sync_period: f.and_then(|f| f.sync_period).unwrap_or(DEFAULT_SYNC_PERIOD),
-        min_sync_period: f.and_then(|f| f.min_sync_period).unwrap_or(Duration::ZERO),
+        // The mode's own section first (iptables.syncPeriod, ...), as kube-proxy reads it.
+        sync_period: section
+            .and_then(|t| t.sync_period)
+            .or(f.and_then(|f| f.sync_period))
+            .unwrap_or(DEFAULT_SYNC_PERIOD),
+        min_sync_period: section
+            .and_then(|t| t.min_sync_period)
+            .or(f.and_then(|f| f.min_sync_period))
+            .unwrap_or(Duration::ZERO),
         config_sync_period: f
             .and_then(|f| f.config_sync_period)
             .unwrap_or(DEFAULT_CONFIG_SYNC_PERIOD),
         datapath,
         datapath6,
+        cluster_cidrs,
+        masquerade_bit: masquerade_section
+            .and_then(|t| t.masquerade_bit)
+            .unwrap_or(crate::proxier::iptables::rules::DEFAULT_MASQUERADE_BIT),
         file,
         cli,
     })

@@ -250,6 +250,8 @@ pub struct FileSettings {
     pub sync_period: Option<Duration>,
     pub min_sync_period: Option<Duration>,
     pub iptables: IptablesSettings,
+    /// `nftables.*`: the same settings, for the nftables mode.
+    pub nftables: IptablesSettings,
     pub ipvs: IpvsSettings,
     pub conntrack: ConntrackSettings,
     pub interfaces: Option<String>,
@@ -460,10 +462,6 @@ fn settings(
         ignore("logging.vmodule", l.vmodule.is_some());
         ignore("logging.options", l.options.is_some());
     }
-    if let Some(n) = &k.nftables {
-        ignore("nftables.masqueradeBit", n.masquerade_bit.is_some());
-        ignore("nftables.masqueradeAll", n.masquerade_all.is_some());
-    }
 
     let mode = k.mode.clone();
     if let Some(m) = &mode {
@@ -556,10 +554,21 @@ fn settings(
         udp_timeout: duration("ipvs.udpTimeout", ip.udp_timeout)?,
     };
     let nft = k.nftables.unwrap_or_default();
-    let _ = (
-        duration("nftables.syncPeriod", nft.sync_period)?,
-        duration("nftables.minSyncPeriod", nft.min_sync_period)?,
-    );
+    let nft_masquerade_bit = non_negative("nftables.masqueradeBit", nft.masquerade_bit)?;
+    if let Some(b) = nft_masquerade_bit {
+        if b > 31 {
+            return Err(bad(
+                "nftables.masqueradeBit",
+                format!("{b} is out of range (0-31)"),
+            ));
+        }
+    }
+    let nftables = IptablesSettings {
+        masquerade_bit: nft_masquerade_bit,
+        masquerade_all: nft.masquerade_all,
+        sync_period: duration("nftables.syncPeriod", nft.sync_period)?,
+        min_sync_period: duration("nftables.minSyncPeriod", nft.min_sync_period)?,
+    };
     let ct = k.conntrack.unwrap_or_default();
     let conntrack = ConntrackSettings {
         max_per_core: non_negative("conntrack.maxPerCore", ct.max_per_core)?,
@@ -629,6 +638,7 @@ fn settings(
         sync_period,
         min_sync_period,
         iptables,
+        nftables,
         ipvs,
         conntrack,
         interfaces: e.interfaces,

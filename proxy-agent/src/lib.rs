@@ -5,6 +5,7 @@ pub mod cgroup;
 pub mod cleanup;
 pub mod cli;
 pub mod config;
+pub mod ctnetlink;
 pub mod datapath;
 pub mod health;
 pub mod kernel_conntrack;

@@ -10,16 +10,22 @@ use proxy_agent::{
     attach::{self, Attacher},
     cleanup::cleanup,
     cli::{settings, Cli, Settings},
+    ctnetlink::KernelConntrack,
     datapath::{Datapath, LoadOptions},
     health::{self, Health},
     metrics::{service_labels, Metrics, TrafficCounters},
     model::{
-        local_addresses, objects::NodeInfo, ChangeTracker, DesiredState, NodeContext,
+        local_addresses, objects::NodeInfo, ChangeTracker, DesiredState, IpFamily, NodeContext,
         NodePortAddress, ServiceChange, WhenEmpty,
     },
     pins::{self, Adoption, BpffsRoot},
     privileges::{self, Capabilities},
-    proxier::{ebpf::EbpfProxier, Proxier},
+    proxier::{
+        ebpf::{maps::KernelMaps, EbpfProxier},
+        iptables::{cleanup as iptables_cleanup, tables::IptablesCommands, IptablesProxier},
+        nftables::{self, nft::NftCommand, NftablesProxier},
+        Proxier, ProxyMode, SyncReport,
+    },
     service_health::{self, ServiceHealthServers},
     source::{api, manifests},
 };
@@ -164,8 +170,24 @@ async fn run(s: Settings) -> Result<()> {
             filters = report.filters_removed,
             qdiscs = report.qdiscs_removed,
             maps = report.maps_unpinned,
-            "cleanup done"
+            "eBPF mode cleaned up"
         );
+        let mut commands = IptablesCommands::host_default();
+        match commands.probe(IpFamily::V4) {
+            Ok(()) => {
+                let chains = iptables_cleanup::remove_all(&mut commands)?;
+                info!(chains, "iptables mode cleaned up");
+            }
+            Err(e) => info!("no iptables rules to clean up: {e:#}"),
+        }
+        match NftCommand.probe() {
+            Ok(()) => {
+                let tables = nftables::remove_all(&mut NftCommand)?;
+                info!(tables, "nftables mode cleaned up");
+            }
+            Err(e) => info!("no nftables tables to clean up: {e:#}"),
+        }
+        info!("cleanup done");
         return Ok(());
     }
     if let Some(file) = &s.file {
@@ -198,64 +220,50 @@ async fn run(s: Settings) -> Result<()> {
     };
     let manifests_path = s.cli.manifests.clone();
     info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
-    if s.cli.ebpf_object.is_none() {
-        // Before touching bpffs: nothing to do without the datapath.
-        Datapath::ensure_object()?;
-    }
-    let root = BpffsRoot::prepare(&s.bpffs_root)?;
-    let mut sizes = s.sizes;
-    let adoption = pins::adopt_or_rebuild(&root, &mut sizes)?;
-    match &adoption {
-        Adoption::Fresh => info!(root = %root.path.display(), "creating the datapath"),
-        Adoption::Adopted => info!(root = %root.path.display(), "adopting the pinned datapath"),
-        Adoption::Rebuilt { reason } => warn!(
-            root = %root.path.display(),
-            "rebuilding the datapath maps: {reason}; tracked connections are re-balanced"
-        ),
-    }
-    // -v 4 and up: per-flow debug messages from the datapath (aya-log), as operators turn up
-    // kube-proxy's verbosity to debug a Service.
-    let flow_log = s.verbosity >= 4;
-    let options = LoadOptions {
-        flow_log,
-        backend_stats: s.backend_metrics,
-    };
-    let mut datapath = match &s.cli.ebpf_object {
-        Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,
-        None => Datapath::load_with(sizes, Some(&root), options)?,
-    };
-    let mut flow_logger = if flow_log {
-        let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
-            .context("reading the datapath's log buffer")?;
-        // SAFETY: the logger owns the ring buffer's fd and keeps it open while the AsyncFd
-        // holds it; nothing else replaces or closes it.
-        Some(unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)?
-        })
-    } else {
-        None
-    };
-    datapath.configure(&s.datapath)?;
-    datapath.configure6(&s.datapath6)?;
-    let maps = datapath.take_service_maps()?;
-    let mut proxier = EbpfProxier::new(maps);
-    proxier.set_maglev_size(s.datapath.maglev_table_size);
-    if adoption == Adoption::Adopted {
-        let services = proxier.adopt()?;
-        info!(frontends = services, "took over the pinned service maps");
-    }
-
     let metrics = Arc::new(Metrics::new());
-    for (map, size) in [
-        (map_names::SERVICES, sizes.services),
-        (map_names::BACKENDS, sizes.backends),
-        (map_names::CONNTRACK, sizes.conntrack),
-    ] {
-        metrics
-            .map_capacity
-            .with_label_values(&[map])
-            .set(size as i64);
-    }
+    let (mut proxier, mut ebpf) = match s.mode {
+        ProxyMode::Ebpf => {
+            let (proxier, runtime) = start_ebpf(&s, &metrics)?;
+            (ActiveProxier::Ebpf(Box::new(proxier)), Some(runtime))
+        }
+        ProxyMode::Iptables => {
+            let commands = IptablesCommands::host_default();
+            for family in [IpFamily::V4, IpFamily::V6] {
+                commands.probe(family).context(
+                    "the iptables proxier needs iptables-restore and iptables-save for IPv4 and IPv6",
+                )?;
+            }
+            if s.interfaces.is_some() || s.cli.cgroup_path.is_some() {
+                info!(
+                    "--interfaces and --cgroup-path are eBPF settings: not used in iptables mode"
+                );
+            }
+            let proxier = IptablesProxier::new(
+                commands,
+                Box::new(KernelConntrack),
+                s.masquerade_bit,
+                &s.cluster_cidrs,
+            );
+            (ActiveProxier::Iptables(Box::new(proxier)), None)
+        }
+        ProxyMode::Nftables => {
+            NftCommand.probe().context(
+                "the nftables proxier needs the nft command and nf_tables in the kernel",
+            )?;
+            if s.interfaces.is_some() || s.cli.cgroup_path.is_some() {
+                info!(
+                    "--interfaces and --cgroup-path are eBPF settings: not used in nftables mode"
+                );
+            }
+            let proxier = NftablesProxier::new(
+                NftCommand,
+                Box::new(KernelConntrack),
+                s.masquerade_bit,
+                &s.cluster_cidrs,
+            );
+            (ActiveProxier::Nftables(Box::new(proxier)), None)
+        }
+    };
     let health = Health::new(2 * s.sync_period);
     health::serve(
         s.healthz,
@@ -266,15 +274,8 @@ async fn run(s: Settings) -> Result<()> {
     )
     .await?;
 
-    if let Some(path) = &s.cli.cgroup_path {
-        proxy_agent::cgroup::attach(&mut datapath, path, Some(&root))?;
-    }
-    let mut attacher = s
-        .interfaces
-        .clone()
-        .map(|p| Attacher::new(p, s.tc_attach, Some(&root)));
     let (link_tx, mut link_rx) = mpsc::channel(64);
-    if attacher.is_some() {
+    if ebpf.as_ref().is_some_and(|e| e.attacher.is_some()) {
         tokio::spawn(async move {
             if let Err(e) = attach::watch_links(link_tx).await {
                 warn!("interface watch stopped: {e:#}");
@@ -285,11 +286,7 @@ async fn run(s: Settings) -> Result<()> {
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(STATS_INTERVAL);
-    let mut service_counters = TrafficCounters::default();
-    let mut backend_counters = TrafficCounters::default();
     let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
-    // Evictions are derived from pinned counters, so they survive restarts; warn about new ones.
-    let mut evicted_reported: Option<u64> = None;
     let mut full_sync_tick = tokio::time::interval(s.sync_period);
     full_sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
     let mut config_sync_tick = tokio::time::interval(s.config_sync_period);
@@ -321,8 +318,13 @@ async fn run(s: Settings) -> Result<()> {
             None => bail!("the API-server source stopped"),
         },
     }
-    follow_masquerade_address(&mut datapath, &loop_state);
+    if let Some(e) = ebpf.as_mut() {
+        e.follow_masquerade_address(&loop_state);
+    }
     loop_state.sync(&mut proxier, false);
+    // Only now that this mode serves: what the other modes left (ours or upstream
+    // kube-proxy's) goes, so switching modes by restarting leaves no gap.
+    remove_other_modes(s.mode, &s).await;
     if let Some(client) = api_client {
         // As kube-proxy announces itself on its Node; best effort.
         tokio::spawn(announce_start(client, s.node_name.clone(), s.mode.as_str()));
@@ -330,6 +332,8 @@ async fn run(s: Settings) -> Result<()> {
     let mut deferred: Option<Instant> = None;
     loop {
         let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));
+        let flow_log = ebpf.as_mut().and_then(|e| e.flow_logger.as_mut());
+        let has_flow_log = flow_log.is_some();
         tokio::select! {
             Some(()) = reload_rx.recv() => {
                 if let Some(path) = &manifests_path {
@@ -360,116 +364,370 @@ async fn run(s: Settings) -> Result<()> {
                     deferred = loop_state.sync_or_defer(&mut proxier);
                 }
             }
-            Ok(mut ready) = async { flow_logger.as_mut().unwrap().readable_mut().await }, if flow_logger.is_some() => {
+            Ok(mut ready) = async { flow_log.unwrap().readable_mut().await }, if has_flow_log => {
                 ready.get_inner_mut().flush();
                 ready.clear_ready();
             }
             Some(event) = link_rx.recv() => {
-                if let Some(attacher) = attacher.as_mut() {
-                    attacher.handle(&mut datapath, event);
+                if let Some(e) = ebpf.as_mut() {
+                    e.link_event(event);
                 }
             }
             _ = gc_tick.tick() => {
-                match datapath.collect_conntrack_garbage() {
-                    Ok(sweep) => {
-                        metrics.conntrack_deleted_total.inc_by(sweep.deleted as u64);
-                        metrics
-                            .datapath_events
-                            .with_label_values(&["conntrack_evicted"])
-                            .set(sweep.evicted as f64);
-                        let before = evicted_reported.unwrap_or(sweep.evicted);
-                        if sweep.evicted > before {
-                            warn!(
-                                evicted = sweep.evicted - before,
-                                entries = sweep.remaining,
-                                capacity = sizes.conntrack,
-                                "the conntrack map is full: the kernel evicted tracked flows to make room (their next packets pick a backend again); raise --conntrack-map-size"
-                            );
-                        }
-                        evicted_reported = Some(before.max(sweep.evicted));
-                        metrics
-                            .map_entries
-                            .with_label_values(&[map_names::CONNTRACK])
-                            .set(sweep.remaining as i64);
-                        if sweep.deleted > 0 {
-                            debug!(deleted = sweep.deleted, remaining = sweep.remaining, "conntrack swept");
-                        }
-                    }
-                    Err(e) => warn!("conntrack garbage collection: {e:#}"),
+                if let Some(e) = ebpf.as_mut() {
+                    e.collect_conntrack_garbage(&metrics);
                 }
             }
             _ = stats_tick.tick() => {
-                let ids = proxier.service_ids();
-                let numbers: Vec<u32> = ids.iter().map(|(_, id)| *id).collect();
-                match datapath.service_stats(&numbers) {
-                    Ok(stats) => service_counters.update(
-                        &metrics.service_traffic,
-                        ids.into_iter()
-                            .zip(stats)
-                            .map(|((name, id), s)| (service_labels(&name), id, s))
-                            .collect(),
-                    ),
-                    Err(e) => debug!("reading per-service counters: {e:#}"),
-                }
-                if s.backend_metrics {
-                    let ids = proxier.backend_ids();
-                    let numbers: Vec<u32> = ids.iter().map(|(_, _, id)| *id).collect();
-                    match datapath.backend_stats(&numbers) {
-                        Ok(stats) => backend_counters.update(
-                            &metrics.backend_traffic,
-                            ids.into_iter()
-                                .zip(stats)
-                                .map(|((name, endpoint, id), s)| {
-                                    let mut l = service_labels(&name);
-                                    l.push(endpoint.to_string());
-                                    (l, id, s)
-                                })
-                                .collect(),
-                        ),
-                        Err(e) => debug!("reading per-backend counters: {e:#}"),
-                    }
-                }
-                if let Ok(stats) = datapath.stats() {
-                    for (stat, n) in &stats {
-                        metrics.datapath_events.with_label_values(&[stat.name()]).set(*n as f64);
-                    }
-                    let line: Vec<String> = stats.iter().map(|(s, n)| format!("{}={n}", s.name())).collect();
-                    debug!("datapath: {}", line.join(" "));
+                if let (Some(e), ActiveProxier::Ebpf(p)) = (ebpf.as_mut(), &proxier) {
+                    e.read_counters(p, &metrics);
                 }
             }
             _ = sigterm.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
         }
-        follow_masquerade_address(&mut datapath, &loop_state);
+        if let Some(e) = ebpf.as_mut() {
+            e.follow_masquerade_address(&loop_state);
+        }
     }
-    info!("stopping; the datapath keeps serving from the pinned state");
+    match s.mode {
+        ProxyMode::Ebpf => info!("stopping; the datapath keeps serving from the pinned state"),
+        _ => info!("stopping; the rules stay in place"),
+    }
     Ok(())
 }
 
-/// Keeps the datapath's masquerade addresses at this node's InternalIPs (one per family).
-fn follow_masquerade_address(datapath: &mut Datapath, loop_state: &SyncLoop) {
-    let wanted = loop_state
-        .masquerade_addr
-        .map_or(0, |a| u32::from(a).to_be());
-    if datapath.config.masquerade_addr != wanted {
-        let config = proxy_common::DatapathConfig {
-            masquerade_addr: wanted,
-            ..datapath.config
-        };
-        match datapath.configure(&config) {
-            Ok(()) => info!(address = ?loop_state.masquerade_addr, "masquerade address"),
-            Err(e) => warn!("setting the masquerade address: {e:#}"),
+/// Removes what the other modes left on this node (ours or upstream kube-proxy's), as
+/// kube-proxy does when it starts: best effort, each failure a warning.
+async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
+    if mode != ProxyMode::Iptables {
+        let mut commands = IptablesCommands::host_default();
+        if commands.probe(IpFamily::V4).is_ok() {
+            match iptables_cleanup::remove_all(&mut commands) {
+                Ok(0) => {}
+                Ok(n) => info!(chains = n, "removed the iptables mode's rules"),
+                Err(e) => warn!("removing the iptables mode's rules: {e:#}"),
+            }
         }
     }
-    let wanted6 = loop_state.masquerade_addr6.map_or([0; 16], |a| a.octets());
-    if datapath.config6.masquerade_addr != wanted6 {
-        let config = proxy_common::DatapathConfig6 {
-            masquerade_addr: wanted6,
-            ..datapath.config6
-        };
-        match datapath.configure6(&config) {
-            Ok(()) => info!(address = ?loop_state.masquerade_addr6, "IPv6 masquerade address"),
-            Err(e) => warn!("setting the IPv6 masquerade address: {e:#}"),
+    if mode != ProxyMode::Nftables && NftCommand.probe().is_ok() {
+        match nftables::remove_all(&mut NftCommand) {
+            Ok(0) => {}
+            Ok(n) => info!(tables = n, "removed the nftables mode's tables"),
+            Err(e) => warn!("removing the nftables mode's tables: {e:#}"),
+        }
+    }
+    if mode != ProxyMode::Ebpf {
+        match cleanup(&s.bpffs_root).await {
+            Ok(report) if report == Default::default() => {}
+            Ok(report) => info!(
+                links = report.links_unpinned,
+                filters = report.filters_removed,
+                maps = report.maps_unpinned,
+                "removed the eBPF mode's datapath"
+            ),
+            Err(e) => warn!("removing the eBPF mode's datapath: {e:#}"),
+        }
+    }
+}
+
+/// The proxier of the mode this agent runs.
+enum ActiveProxier {
+    Ebpf(Box<EbpfProxier<KernelMaps>>),
+    Iptables(Box<IptablesProxier<IptablesCommands>>),
+    Nftables(Box<NftablesProxier<NftCommand>>),
+}
+
+impl ActiveProxier {
+    fn inner(&mut self) -> &mut dyn Proxier {
+        match self {
+            ActiveProxier::Ebpf(p) => p.as_mut(),
+            ActiveProxier::Iptables(p) => p.as_mut(),
+            ActiveProxier::Nftables(p) => p.as_mut(),
+        }
+    }
+
+    /// The mode's own metrics, after a sync.
+    fn report(&self, metrics: &Metrics) {
+        match self {
+            ActiveProxier::Ebpf(p) => {
+                let (ports, backends) = p.programmed();
+                metrics
+                    .map_entries
+                    .with_label_values(&[map_names::SERVICES])
+                    .set((ports + backends) as i64);
+                metrics
+                    .map_entries
+                    .with_label_values(&[map_names::BACKENDS])
+                    .set(backends as i64);
+            }
+            ActiveProxier::Iptables(p) => {
+                let counts = p.rule_counts();
+                for (table, n) in [("nat", counts.nat), ("filter", counts.filter)] {
+                    metrics
+                        .iptables_rules
+                        .with_label_values(&[table])
+                        .set(n as i64);
+                }
+                let add = |c: &prometheus::IntCounter, total: u64| {
+                    c.inc_by(total.saturating_sub(c.get()))
+                };
+                add(&metrics.iptables_restore_failures, p.restore_failures);
+                add(
+                    &metrics.iptables_partial_restore_failures,
+                    p.partial_restore_failures,
+                );
+            }
+            ActiveProxier::Nftables(p) => {
+                metrics.nftables_rules.set(p.rule_count() as i64);
+                let c = &metrics.nftables_sync_failures;
+                c.inc_by(p.failures.saturating_sub(c.get()));
+            }
+        }
+    }
+}
+
+impl Proxier for ActiveProxier {
+    fn mode(&self) -> ProxyMode {
+        match self {
+            ActiveProxier::Ebpf(p) => p.mode(),
+            ActiveProxier::Iptables(p) => p.mode(),
+            ActiveProxier::Nftables(p) => p.mode(),
+        }
+    }
+
+    fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
+        self.inner().sync(desired, changes)
+    }
+
+    fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
+        self.inner().sync_full(desired)
+    }
+
+    fn programmed(&self) -> (usize, usize) {
+        match self {
+            ActiveProxier::Ebpf(p) => p.programmed(),
+            ActiveProxier::Iptables(p) => p.programmed(),
+            ActiveProxier::Nftables(p) => p.programmed(),
+        }
+    }
+
+    fn set_masquerade_addresses(
+        &mut self,
+        v4: Option<std::net::Ipv4Addr>,
+        v6: Option<std::net::Ipv6Addr>,
+    ) {
+        self.inner().set_masquerade_addresses(v4, v6)
+    }
+}
+
+/// What the eBPF mode runs besides its proxier: the loaded datapath, the interface
+/// attacher, the flow log, and the state of its periodic readings.
+struct EbpfRuntime {
+    datapath: Datapath,
+    attacher: Option<Attacher>,
+    flow_logger: Option<tokio::io::unix::AsyncFd<aya_log::EbpfLogger<&'static dyn log::Log>>>,
+    sizes: proxy_agent::datapath::DatapathSizes,
+    backend_metrics: bool,
+    service_counters: TrafficCounters,
+    backend_counters: TrafficCounters,
+    /// Evictions are derived from pinned counters, so they survive restarts; new ones are
+    /// warned about.
+    evicted_reported: Option<u64>,
+}
+
+/// Loads (or adopts) the eBPF datapath and its proxier.
+fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps>, EbpfRuntime)> {
+    if s.cli.ebpf_object.is_none() {
+        // Before touching bpffs: nothing to do without the datapath.
+        Datapath::ensure_object()?;
+    }
+    let root = BpffsRoot::prepare(&s.bpffs_root)?;
+    let mut sizes = s.sizes;
+    let adoption = pins::adopt_or_rebuild(&root, &mut sizes)?;
+    match &adoption {
+        Adoption::Fresh => info!(root = %root.path.display(), "creating the datapath"),
+        Adoption::Adopted => info!(root = %root.path.display(), "adopting the pinned datapath"),
+        Adoption::Rebuilt { reason } => warn!(
+            root = %root.path.display(),
+            "rebuilding the datapath maps: {reason}; tracked connections are re-balanced"
+        ),
+    }
+    // -v 4 and up: per-flow debug messages from the datapath (aya-log), as operators turn up
+    // kube-proxy's verbosity to debug a Service.
+    let flow_log = s.verbosity >= 4;
+    let options = LoadOptions {
+        flow_log,
+        backend_stats: s.backend_metrics,
+    };
+    let mut datapath = match &s.cli.ebpf_object {
+        Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,
+        None => Datapath::load_with(sizes, Some(&root), options)?,
+    };
+    let flow_logger = if flow_log {
+        let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
+            .context("reading the datapath's log buffer")?;
+        // SAFETY: the logger owns the ring buffer's fd and keeps it open while the AsyncFd
+        // holds it; nothing else replaces or closes it.
+        Some(unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)?
+        })
+    } else {
+        None
+    };
+    datapath.configure(&s.datapath)?;
+    datapath.configure6(&s.datapath6)?;
+    let maps = datapath.take_service_maps()?;
+    let mut proxier = EbpfProxier::new(maps);
+    proxier.set_maglev_size(s.datapath.maglev_table_size);
+    if adoption == Adoption::Adopted {
+        let services = proxier.adopt()?;
+        info!(frontends = services, "took over the pinned service maps");
+    }
+    for (map, size) in [
+        (map_names::SERVICES, sizes.services),
+        (map_names::BACKENDS, sizes.backends),
+        (map_names::CONNTRACK, sizes.conntrack),
+    ] {
+        metrics
+            .map_capacity
+            .with_label_values(&[map])
+            .set(size as i64);
+    }
+    if let Some(path) = &s.cli.cgroup_path {
+        proxy_agent::cgroup::attach(&mut datapath, path, Some(&root))?;
+    }
+    let attacher = s
+        .interfaces
+        .clone()
+        .map(|p| Attacher::new(p, s.tc_attach, Some(&root)));
+    let runtime = EbpfRuntime {
+        datapath,
+        attacher,
+        flow_logger,
+        sizes,
+        backend_metrics: s.backend_metrics,
+        service_counters: TrafficCounters::default(),
+        backend_counters: TrafficCounters::default(),
+        evicted_reported: None,
+    };
+    Ok((proxier, runtime))
+}
+
+impl EbpfRuntime {
+    fn link_event(&mut self, event: attach::LinkEvent) {
+        if let Some(attacher) = self.attacher.as_mut() {
+            attacher.handle(&mut self.datapath, event);
+        }
+    }
+
+    fn collect_conntrack_garbage(&mut self, metrics: &Metrics) {
+        match self.datapath.collect_conntrack_garbage() {
+            Ok(sweep) => {
+                metrics.conntrack_deleted_total.inc_by(sweep.deleted as u64);
+                metrics
+                    .datapath_events
+                    .with_label_values(&["conntrack_evicted"])
+                    .set(sweep.evicted as f64);
+                let before = self.evicted_reported.unwrap_or(sweep.evicted);
+                if sweep.evicted > before {
+                    warn!(
+                        evicted = sweep.evicted - before,
+                        entries = sweep.remaining,
+                        capacity = self.sizes.conntrack,
+                        "the conntrack map is full: the kernel evicted tracked flows to make room (their next packets pick a backend again); raise --conntrack-map-size"
+                    );
+                }
+                self.evicted_reported = Some(before.max(sweep.evicted));
+                metrics
+                    .map_entries
+                    .with_label_values(&[map_names::CONNTRACK])
+                    .set(sweep.remaining as i64);
+                if sweep.deleted > 0 {
+                    debug!(
+                        deleted = sweep.deleted,
+                        remaining = sweep.remaining,
+                        "conntrack swept"
+                    );
+                }
+            }
+            Err(e) => warn!("conntrack garbage collection: {e:#}"),
+        }
+    }
+
+    /// Per-service and per-backend traffic counters and the datapath's event counters.
+    fn read_counters(&mut self, proxier: &EbpfProxier<KernelMaps>, metrics: &Metrics) {
+        let ids = proxier.service_ids();
+        let numbers: Vec<u32> = ids.iter().map(|(_, id)| *id).collect();
+        match self.datapath.service_stats(&numbers) {
+            Ok(stats) => self.service_counters.update(
+                &metrics.service_traffic,
+                ids.into_iter()
+                    .zip(stats)
+                    .map(|((name, id), s)| (service_labels(&name), id, s))
+                    .collect(),
+            ),
+            Err(e) => debug!("reading per-service counters: {e:#}"),
+        }
+        if self.backend_metrics {
+            let ids = proxier.backend_ids();
+            let numbers: Vec<u32> = ids.iter().map(|(_, _, id)| *id).collect();
+            match self.datapath.backend_stats(&numbers) {
+                Ok(stats) => self.backend_counters.update(
+                    &metrics.backend_traffic,
+                    ids.into_iter()
+                        .zip(stats)
+                        .map(|((name, endpoint, id), s)| {
+                            let mut l = service_labels(&name);
+                            l.push(endpoint.to_string());
+                            (l, id, s)
+                        })
+                        .collect(),
+                ),
+                Err(e) => debug!("reading per-backend counters: {e:#}"),
+            }
+        }
+        if let Ok(stats) = self.datapath.stats() {
+            for (stat, n) in &stats {
+                metrics
+                    .datapath_events
+                    .with_label_values(&[stat.name()])
+                    .set(*n as f64);
+            }
+            let line: Vec<String> = stats
+                .iter()
+                .map(|(s, n)| format!("{}={n}", s.name()))
+                .collect();
+            debug!("datapath: {}", line.join(" "));
+        }
+    }
+
+    /// Keeps the datapath's masquerade addresses at this node's InternalIPs (one per family).
+    fn follow_masquerade_address(&mut self, loop_state: &SyncLoop) {
+        let datapath = &mut self.datapath;
+        let wanted = loop_state
+            .masquerade_addr
+            .map_or(0, |a| u32::from(a).to_be());
+        if datapath.config.masquerade_addr != wanted {
+            let config = proxy_common::DatapathConfig {
+                masquerade_addr: wanted,
+                ..datapath.config
+            };
+            match datapath.configure(&config) {
+                Ok(()) => info!(address = ?loop_state.masquerade_addr, "masquerade address"),
+                Err(e) => warn!("setting the masquerade address: {e:#}"),
+            }
+        }
+        let wanted6 = loop_state.masquerade_addr6.map_or([0; 16], |a| a.octets());
+        if datapath.config6.masquerade_addr != wanted6 {
+            let config = proxy_common::DatapathConfig6 {
+                masquerade_addr: wanted6,
+                ..datapath.config6
+            };
+            match datapath.configure6(&config) {
+                Ok(()) => info!(address = ?loop_state.masquerade_addr6, "IPv6 masquerade address"),
+                Err(e) => warn!("setting the IPv6 masquerade address: {e:#}"),
+            }
         }
     }
 }
@@ -561,7 +819,7 @@ impl SyncLoop {
     }
 
     /// Syncs now, or returns when to, if the last sync was less than minSyncPeriod ago.
-    fn sync_or_defer(&mut self, proxier: &mut impl Proxier) -> Option<Instant> {
+    fn sync_or_defer(&mut self, proxier: &mut ActiveProxier) -> Option<Instant> {
         if self.pending.is_empty() {
             return None;
         }
@@ -575,9 +833,10 @@ impl SyncLoop {
         None
     }
 
-    fn sync(&mut self, proxier: &mut impl Proxier, full: bool) {
+    fn sync(&mut self, proxier: &mut ActiveProxier, full: bool) {
         let started = Instant::now();
         let changes = std::mem::take(&mut self.pending);
+        proxier.set_masquerade_addresses(self.masquerade_addr, self.masquerade_addr6);
         let result = if full {
             proxier.sync_full(self.tracker.current())
         } else {
@@ -588,6 +847,7 @@ impl SyncLoop {
         let elapsed = started.elapsed().as_secs_f64();
         self.last_sync = Some(Instant::now());
         self.metrics.sync_duration.observe(elapsed);
+        let full = full || result.as_ref().is_ok_and(|r| r.full);
         if full {
             self.metrics.sync_full_duration.observe(elapsed);
         } else {
@@ -620,14 +880,12 @@ impl SyncLoop {
             .programmed_backends
             .with_label_values(&[mode])
             .set(backends as i64);
-        self.metrics
-            .map_entries
-            .with_label_values(&[map_names::SERVICES])
-            .set((ports + backends) as i64);
-        self.metrics
-            .map_entries
-            .with_label_values(&[map_names::BACKENDS])
-            .set(backends as i64);
+        proxier.report(&self.metrics);
+        if let Ok(r) = &result {
+            self.metrics
+                .conntrack_deleted_total
+                .inc_by(r.flows_deleted as u64);
+        }
         match result {
             Ok(report) => {
                 self.metrics

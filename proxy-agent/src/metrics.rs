@@ -31,6 +31,11 @@ pub struct Metrics {
     pub healthz_total: IntCounterVec,
     pub livez_total: IntCounterVec,
     pub conntrack_deleted_total: IntCounter,
+    pub iptables_rules: IntGaugeVec,
+    pub iptables_restore_failures: IntCounter,
+    pub iptables_partial_restore_failures: IntCounter,
+    pub nftables_rules: IntGauge,
+    pub nftables_sync_failures: IntCounter,
     // This project's own.
     pub programmed_service_ports: IntGaugeVec,
     pub programmed_backends: IntGaugeVec,
@@ -142,6 +147,34 @@ impl Metrics {
                 "Cumulative conntrack flows deleted by conntrack reconciler",
             )
             .unwrap(),
+            iptables_rules: IntGaugeVec::new(
+                Opts::new(
+                    "kubeproxy_sync_proxy_rules_iptables_total",
+                    "Total number of iptables rules owned by kube-proxy",
+                ),
+                &["table"],
+            )
+            .unwrap(),
+            iptables_restore_failures: IntCounter::new(
+                "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                "Cumulative proxy iptables restore failures",
+            )
+            .unwrap(),
+            iptables_partial_restore_failures: IntCounter::new(
+                "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                "Cumulative proxy iptables partial restore failures",
+            )
+            .unwrap(),
+            nftables_rules: IntGauge::new(
+                "proxy_agent_nftables_rules",
+                "Rules and verdict-map elements in the nftables mode's tables",
+            )
+            .unwrap(),
+            nftables_sync_failures: IntCounter::new(
+                "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+                "Cumulative proxy nftables sync failures",
+            )
+            .unwrap(),
             programmed_service_ports: IntGaugeVec::new(
                 Opts::new(
                     "proxy_agent_service_ports",
@@ -214,6 +247,11 @@ impl Metrics {
         reg(Box::new(m.healthz_total.clone()));
         reg(Box::new(m.livez_total.clone()));
         reg(Box::new(m.conntrack_deleted_total.clone()));
+        reg(Box::new(m.iptables_rules.clone()));
+        reg(Box::new(m.iptables_restore_failures.clone()));
+        reg(Box::new(m.iptables_partial_restore_failures.clone()));
+        reg(Box::new(m.nftables_rules.clone()));
+        reg(Box::new(m.nftables_sync_failures.clone()));
         reg(Box::new(m.programmed_service_ports.clone()));
         reg(Box::new(m.programmed_backends.clone()));
         reg(Box::new(m.unprogrammed_service_ports.clone()));

@@ -459,10 +459,12 @@ impl Cluster {
             .path()
             .join(format!("agent-{}-{runs}.log", node.name));
         let args: Vec<&str> = node.args.iter().map(String::as_str).collect();
+        let ebpf = crate::lab::attaches_interfaces(&args);
         let agent = Agent::start(&node.ns, node.manifests.as_deref(), &log, &args)?;
         node.agent = Some(agent);
         node.agent.as_mut().unwrap().wait_for_log(|log| {
-            log.matches("attached interface=").count() >= interfaces && log.contains("synced")
+            (!ebpf || log.matches("attached interface=").count() >= interfaces)
+                && log.contains("synced")
         })
     }
 
@@ -474,7 +476,7 @@ impl Cluster {
         let out = std::process::Command::new("bash")
             .arg("-c")
             .arg(format!(
-                "echo $$ > {} && exec ip netns exec {} bash -c \"$0\"",
+                "echo $$ > {} && exec timeout 120 ip netns exec {} bash -c \"$0\"",
                 procs.display(),
                 node.ns.name
             ))

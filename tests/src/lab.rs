@@ -26,8 +26,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-pub(crate) const PREFIX: &str = "kpl";
-pub(crate) static LAB_COUNTER: AtomicUsize = AtomicUsize::new(0);
+pub const PREFIX: &str = "kpl";
+pub static LAB_COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs a command, failing with its stderr.
 pub fn sh(program: &str, args: &[&str]) -> Result<String> {
@@ -506,9 +506,11 @@ impl Lab {
         let log = self.next_log();
         let agent = Agent::start(&self.node, manifests, &log, &args)?;
         self.agent = Some(agent);
+        let attaches = attaches_interfaces(&args);
         let agent = self.agent.as_mut().unwrap();
         agent.wait_for_log(|log| {
-            log.matches("attached interface=").count() >= pods && log.contains("synced")
+            (!attaches || log.matches("attached interface=").count() >= pods)
+                && log.contains("synced")
         })?;
         Ok(agent)
     }
@@ -597,6 +599,13 @@ impl Drop for Lab {
 }
 
 /// The agent binary built next to the test binaries.
+/// Whether an agent run with `args` attaches to interfaces (only the eBPF mode does).
+pub fn attaches_interfaces(args: &[&str]) -> bool {
+    args.windows(2)
+        .find(|w| w[0] == "--proxy-mode")
+        .is_none_or(|w| w[1] == "ebpf")
+}
+
 pub fn agent_binary() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("PROXY_AGENT_BIN") {
         return Ok(PathBuf::from(p));
@@ -796,7 +805,7 @@ pub type LoopOutcome = (usize, Vec<String>);
 /// Opens connections from a pod in a loop until stopped; counts what failed.
 pub struct ConnectLoop {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Result<LoopOutcome>>>,
+    thread: Option<JoinHandle<Result<(LoopOutcome, Duration)>>>,
 }
 
 impl ConnectLoop {
@@ -806,13 +815,19 @@ impl ConnectLoop {
         let thread = ns.spawn(move || {
             let mut ok = 0;
             let mut failures = Vec::new();
+            let mut last_ok = Instant::now();
+            let mut longest_gap = Duration::ZERO;
             while !flag.load(Ordering::Relaxed) {
                 match client::tcp_hello(to, Duration::from_secs(1)) {
-                    Ok(_) => ok += 1,
+                    Ok(_) => {
+                        ok += 1;
+                        longest_gap = longest_gap.max(last_ok.elapsed());
+                        last_ok = Instant::now();
+                    }
                     Err(e) => failures.push(e.to_string()),
                 }
             }
-            (ok, failures)
+            ((ok, failures), longest_gap.max(last_ok.elapsed()))
         });
         ConnectLoop {
             stop,
@@ -821,7 +836,14 @@ impl ConnectLoop {
     }
 
     /// Stops the loop; returns (connections that worked, errors of those that failed).
-    pub fn finish(mut self) -> Result<LoopOutcome> {
+    pub fn finish(self) -> Result<LoopOutcome> {
+        Ok(self.finish_with_gap()?.0)
+    }
+
+    /// Like [`ConnectLoop::finish`], with the longest time between two connections that
+    /// worked (or from the start or until the end): how long new connections were not
+    /// served.
+    pub fn finish_with_gap(mut self) -> Result<(LoopOutcome, Duration)> {
         self.stop.store(true, Ordering::Relaxed);
         match self.thread.take().unwrap().join() {
             Ok(r) => r,

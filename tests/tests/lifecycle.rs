@@ -306,3 +306,176 @@ fn missing_privileges_get_a_one_line_explanation() {
         "{stderr}"
     );
 }
+
+/// Every kube-proxy-style rule in the node's iptables (both families, every table).
+fn kube_rules(lab: &Lab) -> Vec<String> {
+    let mut rules = Vec::new();
+    for save in ["iptables-save", "ip6tables-save"] {
+        let out = lab.node.exec(save, &[]).unwrap();
+        rules.extend(
+            out.lines()
+                .filter(|l| l.contains("KUBE-"))
+                .map(|l| format!("{save}: {l}")),
+        );
+    }
+    rules
+}
+
+/// What the eBPF mode leaves on the node: tc filters on the pod links, the bpffs root.
+fn ebpf_leftovers(lab: &Lab) -> Vec<String> {
+    let mut left = Vec::new();
+    for dev in ["lxc0", "lxc1", "lxc2", "lxc3"] {
+        for hook in ["ingress", "egress"] {
+            let filters = lab
+                .node
+                .exec("tc", &["filter", "show", "dev", dev, hook])
+                .unwrap();
+            if !filters.trim().is_empty() {
+                left.push(format!("{dev} {hook}: {filters}"));
+            }
+        }
+    }
+    let root = lab.bpffs.root();
+    if root.exists() {
+        left.push(format!("{} exists", root.display()));
+    }
+    left
+}
+
+/// What upstream kube-proxy's iptables mode leaves on a node (abridged from a real
+/// `iptables-save`).
+const UPSTREAM_KUBE_PROXY: &str = "*mangle
+:KUBE-PROXY-CANARY - [0:0]
+COMMIT
+*filter
+:KUBE-PROXY-CANARY - [0:0]
+:KUBE-EXTERNAL-SERVICES - [0:0]
+:KUBE-FORWARD - [0:0]
+:KUBE-NODEPORTS - [0:0]
+:KUBE-PROXY-FIREWALL - [0:0]
+:KUBE-SERVICES - [0:0]
+-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL
+-A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS
+-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES
+-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD
+-A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP
+COMMIT
+*nat
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-NODEPORTS - [0:0]
+:KUBE-POSTROUTING - [0:0]
+:KUBE-SEP-IOZ5JIQNHTTBQCVZ - [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-NPX46M4PTMTKRN6Y - [0:0]
+-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING
+-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
+-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN
+-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0
+-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully
+-A KUBE-SEP-IOZ5JIQNHTTBQCVZ -s 10.88.0.2/32 -m comment --comment \"default/kubernetes:https\" -j KUBE-MARK-MASQ
+-A KUBE-SEP-IOZ5JIQNHTTBQCVZ -p tcp -m comment --comment \"default/kubernetes:https\" -m tcp -j DNAT --to-destination 10.88.0.2:6443
+-A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m comment --comment \"default/kubernetes:https cluster IP\" -m tcp --dport 443 -j KUBE-SVC-NPX46M4PTMTKRN6Y
+-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS
+-A KUBE-SVC-NPX46M4PTMTKRN6Y -m comment --comment \"default/kubernetes:https -> 10.88.0.2:6443\" -j KUBE-SEP-IOZ5JIQNHTTBQCVZ
+COMMIT
+";
+
+/// Whether the node has a `kube-proxy` nftables table (this agent's nftables mode or
+/// kube-proxy's), in either family.
+fn nft_tables(lab: &Lab) -> Vec<String> {
+    let out = lab.node.exec("nft", &["list", "tables"]).unwrap();
+    out.lines()
+        .filter(|l| l.contains("kube-proxy"))
+        .map(String::from)
+        .collect()
+}
+
+/// What `mode` leaves on the node, if anything.
+fn leftovers(lab: &Lab, mode: &str) -> Vec<String> {
+    match mode {
+        "ebpf" => ebpf_leftovers(lab),
+        "iptables" => kube_rules(lab),
+        "nftables" => nft_tables(lab),
+        other => panic!("no such mode {other}"),
+    }
+}
+
+#[test]
+fn switching_modes_keeps_new_connections_and_leaves_nothing_of_the_old_mode() {
+    require_kernel!();
+    let mut lab = Lab::new(LabOptions::default()).expect("lab");
+    let manifests = lab.write_manifests(&manifest(&lab)).unwrap();
+    // The node ran upstream kube-proxy before (in iptables mode, and once in nftables mode).
+    lab.node
+        .exec(
+            "bash",
+            &[
+                "-c",
+                &format!("iptables-restore --noflush <<'EOF'\n{UPSTREAM_KUBE_PROXY}EOF"),
+            ],
+        )
+        .unwrap();
+    lab.node
+        .exec(
+            "nft",
+            &["add table ip kube-proxy; add chain ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80"],
+        )
+        .unwrap();
+    assert!(!kube_rules(&lab).is_empty() && !nft_tables(&lab).is_empty());
+    lab.start_agent(&manifests, &["--proxy-mode", "iptables"])
+        .unwrap();
+    let rules = kube_rules(&lab);
+    assert!(
+        !rules.iter().any(|r| r.contains("10.96.0.1/32")),
+        "upstream kube-proxy's service chains are replaced: {rules:?}"
+    );
+    assert!(rules.iter().any(|r| r.contains("-d 10.96.0.10/32")));
+    assert_eq!(nft_tables(&lab), Vec::<String>::new());
+    let mut current = "iptables";
+    for next in [
+        "nftables", "ebpf", "iptables", "ebpf", "nftables", "iptables",
+    ] {
+        let connects = ConnectLoop::start(&lab.client.ns, WEB);
+        std::thread::sleep(Duration::from_millis(300));
+        lab.stop_agent().unwrap();
+        lab.start_agent(&manifests, &["--proxy-mode", next])
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let ((ok, failed), gap) = connects.finish_with_gap().unwrap();
+        // The figures the issue asks for; not a pass/fail threshold.
+        eprintln!(
+            "mode switch {current} -> {next}: {ok} new connections served, {} failed {failed:?}, longest gap {:.1} ms",
+            failed.len(),
+            gap.as_secs_f64() * 1000.0
+        );
+        assert!(
+            ok > 20,
+            "the client loop made only {ok} connections: {failed:?}"
+        );
+        let hello = lab
+            .client
+            .ns
+            .run(|| proxy_tests::lab::client::tcp_hello(WEB, Duration::from_secs(2)))
+            .unwrap();
+        assert!(hello.is_ok(), "served after switching to {next}: {hello:?}");
+        assert_eq!(
+            leftovers(&lab, current),
+            Vec::<String>::new(),
+            "{current} left state behind after the switch to {next}"
+        );
+        current = next;
+    }
+    lab.stop_agent().unwrap();
+    let (ok, out) = lab.run_agent_once(&["--cleanup"]).unwrap();
+    assert!(ok, "{out}");
+    for mode in ["ebpf", "iptables", "nftables"] {
+        assert_eq!(
+            leftovers(&lab, mode),
+            Vec::<String>::new(),
+            "{mode} after --cleanup"
+        );
+    }
+}

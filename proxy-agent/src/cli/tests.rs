@@ -169,3 +169,27 @@ fn a_dual_stack_cluster_cidr_sets_one_range_per_family() {
     let s = with_config(FILE, &["--cluster-cidr", "10.244.0.0/16"]);
     assert_eq!(s.datapath6.cluster_cidr_mask, [0; 16]);
 }
+
+#[test]
+fn each_netfilter_mode_reads_its_own_section() {
+    let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+syncPeriod: 45s
+iptables: {masqueradeBit: 12, masqueradeAll: false, syncPeriod: 10s}
+nftables: {masqueradeBit: 9, masqueradeAll: true, syncPeriod: 7s, minSyncPeriod: 300ms}
+";
+    let s = with_config(file, &[]);
+    assert_eq!(s.mode, ProxyMode::Nftables);
+    assert_eq!(s.masquerade_bit, 9);
+    assert!(s.masquerade_all);
+    assert_eq!(s.sync_period, Duration::from_secs(7));
+    assert_eq!(s.min_sync_period, Duration::from_millis(300));
+    let s = with_config(file, &["--proxy-mode", "iptables"]);
+    assert_eq!(s.masquerade_bit, 12);
+    assert!(!s.masquerade_all);
+    assert_eq!(s.sync_period, Duration::from_secs(10));
+    // The eBPF mode keeps its own periods (here the top-level one).
+    let s = with_config(file, &["--proxy-mode", "ebpf"]);
+    assert_eq!(s.sync_period, Duration::from_secs(45));
+}

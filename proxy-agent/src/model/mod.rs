@@ -683,6 +683,68 @@ impl ServiceChange {
     }
 }
 
+/// A connection-tracking flow that must end: the kernel's entries for `frontend` whose reply
+/// comes from `endpoint` (translated to it), or with `endpoint` `None`, from the frontend
+/// itself (entries made before the frontend was translated at all).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct StaleFlow {
+    pub frontend: Frontend,
+    pub endpoint: Option<SocketAddr>,
+}
+
+/// The flows that must end after `changes` brought the state to `desired`: a frontend's
+/// flows to an endpoint that neither serves nor drains it any more (the endpoint is gone:
+/// TCP gets a reset from wherever the next packet lands instead of hanging, and UDP moves
+/// to a live endpoint instead of being black-holed, kubernetes#59368), and the
+/// untranslated UDP entries of frontends that had no endpoint and now have one.
+pub fn stale_flows(changes: &[ServiceChange], desired: &DesiredState) -> Vec<StaleFlow> {
+    let pairs = |state: &ServicePortState| -> BTreeSet<(Frontend, SocketAddr)> {
+        state
+            .frontends()
+            .into_iter()
+            .flat_map(|f| {
+                f.backends
+                    .into_iter()
+                    .chain(f.draining)
+                    .map(move |b| (f.frontend, b))
+            })
+            .collect()
+    };
+    let served = |state: &ServicePortState| -> BTreeSet<Frontend> {
+        state
+            .frontends()
+            .into_iter()
+            .filter(|f| !f.backends.is_empty())
+            .map(|f| f.frontend)
+            .collect()
+    };
+    let mut stale = BTreeSet::new();
+    for change in changes {
+        let new = desired.ports.get(change.name());
+        let (new_pairs, new_served) = new.map_or_else(Default::default, |n| (pairs(n), served(n)));
+        let old = match change {
+            ServiceChange::Added(_) => None,
+            ServiceChange::Updated { old, .. } | ServiceChange::Removed(old) => Some(old),
+        };
+        let (old_pairs, old_served) = old.map_or_else(Default::default, |o| (pairs(o), served(o)));
+        for (frontend, endpoint) in old_pairs.difference(&new_pairs) {
+            stale.insert(StaleFlow {
+                frontend: *frontend,
+                endpoint: Some(*endpoint),
+            });
+        }
+        for frontend in new_served.difference(&old_served) {
+            if frontend.protocol == Protocol::Udp {
+                stale.insert(StaleFlow {
+                    frontend: *frontend,
+                    endpoint: None,
+                });
+            }
+        }
+    }
+    stale.into_iter().collect()
+}
+
 /// The differences from `old` to `new`, in service-port order.
 pub fn diff(old: &DesiredState, new: &DesiredState) -> Vec<ServiceChange> {
     let mut changes = Vec::new();

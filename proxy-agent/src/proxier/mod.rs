@@ -1,22 +1,29 @@
 //! Proxiers: one per proxy mode, all fed from the one service model.
 
 pub mod ebpf;
+pub mod iptables;
+pub mod naming;
+pub mod nftables;
 
 use std::{fmt, str::FromStr};
 
 use anyhow::Result;
 
-use crate::model::{DesiredState, ServiceChange};
+use crate::model::{DesiredState, ServiceChange, StaleFlow};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ProxyMode {
     Ebpf,
+    Iptables,
+    Nftables,
 }
 
 impl ProxyMode {
     pub fn as_str(self) -> &'static str {
         match self {
             ProxyMode::Ebpf => "ebpf",
+            ProxyMode::Iptables => "iptables",
+            ProxyMode::Nftables => "nftables",
         }
     }
 }
@@ -33,8 +40,10 @@ impl FromStr for ProxyMode {
         match s {
             // kube-proxy's empty mode means "the platform default"; ours is eBPF.
             "" | "ebpf" => Ok(ProxyMode::Ebpf),
-            "iptables" | "ipvs" | "nftables" | "userspace" => Err(format!(
-                "proxy mode {s:?} is not available in this build yet (available: ebpf)"
+            "iptables" => Ok(ProxyMode::Iptables),
+            "nftables" => Ok(ProxyMode::Nftables),
+            "ipvs" | "userspace" => Err(format!(
+                "proxy mode {s:?} is not available in this build yet (available: ebpf, iptables, nftables)"
             )),
             other => Err(format!(
                 "unknown proxy mode {other:?} (expected ebpf, iptables, ipvs, nftables or userspace)"
@@ -51,6 +60,28 @@ pub struct SyncReport {
     /// Service ports that could not be programmed (each also logged with its reason); the
     /// rest of the sync still happened.
     pub services_failed: usize,
+    /// Whether the whole datapath was written (a full sync, or one the proxier needed).
+    pub full: bool,
+    /// Kernel conntrack entries of ended flows deleted after the sync.
+    pub flows_deleted: usize,
+}
+
+/// Ends flows in the kernel's connection tracking (see [`crate::model::stale_flows`]).
+pub trait FlowCleaner: Send {
+    /// Deletes the entries of `flows`; returns how many there were.
+    fn delete(&mut self, flows: &[StaleFlow]) -> Result<usize>;
+}
+
+/// A [`FlowCleaner`] that only records what it was asked (tests).
+#[derive(Clone, Default)]
+pub struct RecordedFlows(pub std::sync::Arc<std::sync::Mutex<Vec<StaleFlow>>>);
+
+impl FlowCleaner for RecordedFlows {
+    fn delete(&mut self, flows: &[StaleFlow]) -> Result<usize> {
+        let mut seen = self.0.lock().expect("not poisoned");
+        seen.extend_from_slice(flows);
+        Ok(flows.len())
+    }
 }
 
 /// A datapath that serves the desired state.
@@ -68,4 +99,14 @@ pub trait Proxier {
 
     /// (service ports, backends) programmed.
     fn programmed(&self) -> (usize, usize);
+
+    /// The node's addresses that masqueraded flows leave with (its first InternalIP of each
+    /// family, from the Node object), before each sync. Proxiers that translate sources
+    /// themselves use them; the kernel's MASQUERADE would pick the outgoing link's.
+    fn set_masquerade_addresses(
+        &mut self,
+        _v4: Option<std::net::Ipv4Addr>,
+        _v6: Option<std::net::Ipv6Addr>,
+    ) {
+    }
 }

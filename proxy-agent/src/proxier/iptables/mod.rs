@@ -1,0 +1,469 @@
+//! The iptables proxier: kube-proxy's `nat`/`filter` chains (see [`rules`]), applied
+//! atomically with `iptables-restore --noflush` and `ip6tables-restore`.
+//!
+//! The first sync, every `syncPeriod`, and the sync after a failed restore write the whole
+//! ruleset and delete any `KUBE-` service chain nobody wants (including a previous agent's or
+//! kube-proxy's). Other syncs are partial, as kube-proxy's since 1.26: the dispatch chains
+//! (`KUBE-SERVICES`, `KUBE-NODEPORTS`, filter `KUBE-SERVICES`) are rewritten, but of the
+//! per-service chains only those of changed service ports.
+
+pub mod cleanup;
+pub mod rules;
+pub mod tables;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    net::IpAddr,
+};
+
+use anyhow::{Context, Result};
+use tracing::{debug, warn};
+
+use self::{
+    rules::{service_rules, RuleContext, ServiceRules},
+    tables::RuleTables,
+};
+use super::{FlowCleaner, Proxier, ProxyMode, SyncReport};
+use crate::model::{stale_flows, Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
+
+/// kube-proxy's jump rules from the built-in chains: (table, chain, rule).
+const HOOKS: &[(&str, &str, &str)] = &[
+    (
+        "nat",
+        "PREROUTING",
+        "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    ),
+    (
+        "nat",
+        "OUTPUT",
+        "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    ),
+    (
+        "nat",
+        "POSTROUTING",
+        "-m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING",
+    ),
+    (
+        "filter",
+        "INPUT",
+        "-m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    ),
+    (
+        "filter",
+        "FORWARD",
+        "-m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    ),
+    (
+        "filter",
+        "OUTPUT",
+        "-m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    ),
+    (
+        "filter",
+        "FORWARD",
+        "-m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD",
+    ),
+];
+
+/// Prefixes of the per-service chains (ours and kube-proxy's).
+const SERVICE_CHAIN_PREFIXES: &[&str] = &[
+    "KUBE-SVC-",
+    "KUBE-SVL-",
+    "KUBE-EXT-",
+    "KUBE-FW-",
+    "KUBE-SEP-",
+];
+
+/// What one family's tables hold, as last written.
+#[derive(Default)]
+struct FamilyRules {
+    services: BTreeMap<ServicePortName, ServiceRules>,
+    /// The next sync must write everything (first sync, or the last restore failed).
+    needs_full: bool,
+}
+
+/// Counters the proxier reports after each sync (kube-proxy's iptables metrics).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RuleCounts {
+    pub nat: usize,
+    pub filter: usize,
+}
+
+pub struct IptablesProxier<T: RuleTables> {
+    tables: T,
+    flows: Box<dyn FlowCleaner>,
+    contexts: [RuleContext; 2],
+    families: [FamilyRules; 2],
+    /// Restores that failed since start (`sync_proxy_rules_iptables_restore_failures_total`).
+    pub restore_failures: u64,
+    /// Partial restores that failed (`..._partial_restore_failures_total`).
+    pub partial_restore_failures: u64,
+}
+
+fn index(family: IpFamily) -> usize {
+    match family {
+        IpFamily::V4 => 0,
+        IpFamily::V6 => 1,
+    }
+}
+
+const FAMILIES: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
+
+impl<T: RuleTables> IptablesProxier<T> {
+    /// `cluster_cidrs`: at most one per family; cluster-IP traffic from outside is
+    /// masqueraded.
+    pub fn new(
+        tables: T,
+        flows: Box<dyn FlowCleaner>,
+        masquerade_bit: u32,
+        cluster_cidrs: &[Cidr],
+    ) -> Self {
+        let cidr_of = |family: IpFamily| {
+            cluster_cidrs
+                .iter()
+                .find(|c| IpFamily::of(c.addr) == family)
+                .copied()
+        };
+        IptablesProxier {
+            tables,
+            flows,
+            contexts: FAMILIES.map(|f| RuleContext::new(masquerade_bit, cidr_of(f))),
+            families: [
+                FamilyRules {
+                    needs_full: true,
+                    ..Default::default()
+                },
+                FamilyRules {
+                    needs_full: true,
+                    ..Default::default()
+                },
+            ],
+            restore_failures: 0,
+            partial_restore_failures: 0,
+        }
+    }
+
+    pub fn tables(&self) -> &T {
+        &self.tables
+    }
+
+    /// Rules in each table, both families together.
+    pub fn rule_counts(&self) -> RuleCounts {
+        let mut counts = RuleCounts::default();
+        for family in &self.families {
+            for s in family.services.values() {
+                let (nat, filter) = s.rule_counts();
+                counts.nat += nat;
+                counts.filter += filter;
+            }
+        }
+        counts
+    }
+
+    /// Writes one family: everything if `changed` is `None` (or the family needs it), else
+    /// the dispatch chains and the chains of the `changed` service ports.
+    fn sync_family(
+        &mut self,
+        family: IpFamily,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Result<usize> {
+        let i = index(family);
+        let full = changed.is_none() || self.families[i].needs_full;
+        let ctx = self.contexts[i].clone();
+        let state = &mut self.families[i];
+        let mut previous = std::mem::take(&mut state.services);
+        let mut write: Vec<ServicePortName> = Vec::new();
+        let mut current = BTreeMap::new();
+        // Chains written before that may be unwanted now: those of removed and of
+        // rewritten service ports (compared with what is wanted below).
+        let mut stale: BTreeSet<String> = BTreeSet::new();
+        for (name, port) in desired.ports.iter().filter(|(n, _)| n.family == family) {
+            let rewrite = full || changed.is_some_and(|c| c.contains(name));
+            let rules = match previous.remove(name) {
+                Some(old) if !rewrite => old,
+                old => {
+                    if let Some(old) = old {
+                        stale.extend(old.chains.into_iter().map(|(c, _)| c));
+                    }
+                    write.push(name.clone());
+                    service_rules(port, &ctx)
+                }
+            };
+            current.insert(name.clone(), rules);
+        }
+        for gone in previous.into_values() {
+            stale.extend(gone.chains.into_iter().map(|(c, _)| c));
+        }
+        let mut wanted_chains: BTreeSet<&str> = BTreeSet::new();
+        for rules in current.values() {
+            for (chain, _) in &rules.chains {
+                wanted_chains.insert(chain);
+            }
+        }
+        let mut nat_saved = String::new();
+        let mut filter_saved = String::new();
+        if full {
+            nat_saved = self.tables.save(family, "nat")?;
+            filter_saved = self.tables.save(family, "filter")?;
+            for line in nat_saved.lines() {
+                if let Some(chain) = line.strip_prefix(':').and_then(|l| l.split(' ').next()) {
+                    if SERVICE_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p)) {
+                        stale.insert(chain.to_string());
+                    }
+                }
+            }
+        }
+        stale.retain(|c| !wanted_chains.contains(c.as_str()));
+
+        let input = restore_input(
+            &ctx,
+            &current,
+            &write,
+            &stale,
+            full.then_some((&nat_saved, &filter_saved)),
+        );
+        let state = &mut self.families[i];
+        state.services = current;
+        match self.tables.restore(family, &input) {
+            Ok(()) => {
+                state.needs_full = false;
+                Ok(write.len())
+            }
+            Err(e) => {
+                // The kernel's rules are unknown now: write everything next time.
+                state.needs_full = true;
+                self.restore_failures += 1;
+                if !full {
+                    self.partial_restore_failures += 1;
+                }
+                Err(e).with_context(|| {
+                    format!(
+                        "{} failed; the next sync rewrites every rule",
+                        match family {
+                            IpFamily::V4 => "iptables-restore",
+                            IpFamily::V6 => "ip6tables-restore",
+                        }
+                    )
+                })
+            }
+        }
+    }
+
+    fn sync_with(
+        &mut self,
+        desired: &DesiredState,
+        changes: Option<&[ServiceChange]>,
+    ) -> Result<SyncReport> {
+        let changed: Option<BTreeSet<ServicePortName>> =
+            changes.map(|c| c.iter().map(|c| c.name().clone()).collect());
+        let mut report = SyncReport::default();
+        let mut errors = Vec::new();
+        for family in FAMILIES {
+            let i = index(family);
+            let touched = match &changed {
+                None => true,
+                Some(c) => self.families[i].needs_full || c.iter().any(|n| n.family == family),
+            };
+            if !touched {
+                continue;
+            }
+            report.full |= changed.is_none() || self.families[i].needs_full;
+            match self.sync_family(family, desired, changed.as_ref()) {
+                Ok(n) => report.services_written += n,
+                Err(e) => {
+                    report.services_failed +=
+                        desired.ports.keys().filter(|n| n.family == family).count();
+                    errors.push(e);
+                }
+            }
+        }
+        if let Some(e) = errors.into_iter().next() {
+            return Err(e);
+        }
+        if let Some(changes) = changes {
+            let flows = stale_flows(changes, desired);
+            if !flows.is_empty() {
+                match self.flows.delete(&flows) {
+                    Ok(n) => {
+                        report.flows_deleted = n;
+                        debug!(entries = n, "stale conntrack entries deleted");
+                    }
+                    Err(e) => warn!("deleting stale conntrack entries: {e:#}"),
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// The `iptables-restore --noflush` input of one family. `saved` (full syncs): the tables
+/// as they are, to add the jump rules only where they are missing.
+fn restore_input(
+    ctx: &RuleContext,
+    services: &BTreeMap<ServicePortName, ServiceRules>,
+    write: &[ServicePortName],
+    stale: &BTreeSet<String>,
+    saved: Option<(&String, &String)>,
+) -> String {
+    let mut out = String::new();
+    // nat
+    out.push_str("*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n");
+    if saved.is_some() {
+        out.push_str(":KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n");
+    }
+    let written: Vec<&ServiceRules> = write.iter().filter_map(|n| services.get(n)).collect();
+    for rules in &written {
+        for (chain, _) in &rules.chains {
+            let _ = writeln!(out, ":{chain} - [0:0]");
+        }
+    }
+    for chain in stale {
+        let _ = writeln!(out, ":{chain} - [0:0]");
+    }
+    if let Some((nat, _)) = saved {
+        hooks(&mut out, "nat", nat);
+        let mark = ctx.masquerade_mark;
+        let _ = writeln!(out, "-A KUBE-MARK-MASQ -j MARK --or-mark 0x{mark:x}");
+        let _ = writeln!(
+            out,
+            "-A KUBE-POSTROUTING -m mark ! --mark 0x{mark:x}/0x{mark:x} -j RETURN"
+        );
+        let _ = writeln!(out, "-A KUBE-POSTROUTING -j MARK --xor-mark 0x{mark:x}");
+        let to = match ctx.masquerade_addr {
+            Some(addr) => format!("SNAT --to-source {addr} --random-fully"),
+            None => "MASQUERADE --random-fully".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j {to}"
+        );
+    }
+    let mut node_addrs = BTreeSet::new();
+    for rules in services.values() {
+        for line in &rules.services {
+            out.push_str(line);
+            out.push('\n');
+        }
+        node_addrs.extend(rules.node_port_addrs.iter().copied());
+    }
+    for addr in node_addrs {
+        let host = match addr {
+            std::net::IpAddr::V4(a) => format!("{a}/32"),
+            std::net::IpAddr::V6(a) => format!("{a}/128"),
+        };
+        let _ = writeln!(
+            out,
+            "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -d {host} -j KUBE-NODEPORTS"
+        );
+    }
+    for rules in services.values() {
+        for line in &rules.node_ports {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    for rules in &written {
+        for (_, lines) in &rules.chains {
+            for line in lines {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    for chain in stale {
+        let _ = writeln!(out, "-X {chain}");
+    }
+    out.push_str("COMMIT\n");
+    // filter
+    out.push_str("*filter\n:KUBE-SERVICES - [0:0]\n");
+    if let Some((_, filter)) = saved {
+        out.push_str(":KUBE-FORWARD - [0:0]\n");
+        hooks(&mut out, "filter", filter);
+        // For nodes whose FORWARD policy is DROP: service traffic still flows.
+        let mark = ctx.masquerade_mark;
+        let _ = writeln!(
+            out,
+            "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x{mark:x}/0x{mark:x} -j ACCEPT"
+        );
+        let _ = writeln!(
+            out,
+            "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+        );
+    }
+    for rules in services.values() {
+        for line in &rules.filter {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// Jump rules from the built-in chains that `saved` (an `iptables-save -t table`) lacks.
+fn hooks(out: &mut String, table: &str, saved: &str) {
+    for (t, chain, rule) in HOOKS {
+        if *t != table {
+            continue;
+        }
+        let target = rule.rsplit(' ').next().unwrap_or_default();
+        let present = saved.lines().any(|l| {
+            l.starts_with(&format!("-A {chain} ")) && l.ends_with(&format!("-j {target}"))
+        });
+        if !present {
+            let _ = writeln!(out, "-I {chain} 1 {rule}");
+        }
+    }
+}
+
+impl<T: RuleTables> Proxier for IptablesProxier<T> {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Iptables
+    }
+
+    fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
+        self.sync_with(desired, Some(changes))
+    }
+
+    fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
+        self.sync_with(desired, None)
+    }
+
+    fn set_masquerade_addresses(
+        &mut self,
+        v4: Option<std::net::Ipv4Addr>,
+        v6: Option<std::net::Ipv6Addr>,
+    ) {
+        for (i, addr) in [v4.map(IpAddr::from), v6.map(IpAddr::from)]
+            .into_iter()
+            .enumerate()
+        {
+            if self.contexts[i].masquerade_addr != addr {
+                // KUBE-POSTROUTING is written by full syncs.
+                self.contexts[i].masquerade_addr = addr;
+                self.families[i].needs_full = true;
+            }
+        }
+    }
+
+    fn programmed(&self) -> (usize, usize) {
+        let mut ports = 0;
+        let mut backends = 0;
+        for family in &self.families {
+            for rules in family.services.values() {
+                ports += 1;
+                backends += rules
+                    .chains
+                    .iter()
+                    .filter(|(c, _)| c.starts_with("KUBE-SEP-"))
+                    .count();
+            }
+        }
+        (ports, backends)
+    }
+}
+
+#[cfg(test)]
+mod tests;

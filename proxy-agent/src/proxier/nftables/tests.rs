@@ -1,0 +1,222 @@
+use std::{net::IpAddr, sync::Arc};
+
+use super::{nft::MemoryNft, rules::*, *};
+use crate::{
+    model::{
+        diff, Frontend, FrontendKind, FrontendState, ObjectName, Protocol, ServicePortState,
+        WhenEmpty,
+    },
+    proxier::RecordedFlows,
+};
+
+fn state(name: &str, vip: &str, backends: &[&str]) -> ServicePortState {
+    let addr: IpAddr = vip.parse().unwrap();
+    ServicePortState {
+        name: ServicePortName {
+            service: ObjectName {
+                namespace: "default".into(),
+                name: name.into(),
+            },
+            port: "http".into(),
+            protocol: Protocol::Tcp,
+            family: IpFamily::of(addr),
+        },
+        frontend: Frontend {
+            addr,
+            port: 80,
+            protocol: Protocol::Tcp,
+        },
+        backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
+        draining: Vec::new(),
+        when_empty: WhenEmpty::Refuse,
+        masquerade_all: false,
+        external: Vec::new(),
+        remote: Default::default(),
+        affinity_timeout: None,
+        health_check: None,
+        scheduler: Default::default(),
+        weights: Default::default(),
+    }
+}
+
+fn desired(states: &[ServicePortState]) -> DesiredState {
+    DesiredState {
+        ports: states
+            .iter()
+            .map(|s| (s.name.clone(), Arc::new(s.clone())))
+            .collect(),
+    }
+}
+
+fn proxier() -> NftablesProxier<MemoryNft> {
+    NftablesProxier::new(
+        MemoryNft::default(),
+        Box::new(RecordedFlows::default()),
+        14,
+        &[],
+    )
+}
+
+fn map(p: &NftablesProxier<MemoryNft>, ip: &str, name: &str) -> BTreeMap<String, String> {
+    p.nft().elements(ip, TABLE, name).unwrap()
+}
+
+#[test]
+fn a_cluster_ip_is_a_verdict_map_element_leading_to_a_random_pick() {
+    let mut p = proxier();
+    let s = state("web", "10.96.0.10", &["10.0.0.1:8080", "10.0.0.2:8080"]);
+    let want = desired(std::slice::from_ref(&s));
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    let svc = service_chain(&s);
+    assert!(svc.starts_with("service-") && svc.ends_with("-default/web/tcp/http"));
+    assert_eq!(
+        map(&p, "ip", "service-ips").get("10.96.0.10 . tcp . 80"),
+        Some(&format!("goto {svc}"))
+    );
+    let rules = p.nft().chain("ip", TABLE, &svc).unwrap();
+    let pick = rules.last().unwrap();
+    assert!(pick.starts_with("numgen random mod 2 vmap {"), "{pick}");
+    let ep = endpoint_chain(&s, "10.0.0.2:8080".parse().unwrap());
+    assert!(pick.contains(&format!("1 : goto {ep}")), "{pick}");
+    let ep_rules = p.nft().chain("ip", TABLE, &ep).unwrap();
+    assert_eq!(
+        ep_rules.last().unwrap(),
+        "meta l4proto tcp dnat to 10.0.0.2:8080"
+    );
+    // The hooks exist once, whatever the number of syncs.
+    p.sync_full(&want).unwrap();
+    assert_eq!(
+        p.nft().chain("ip", TABLE, "nat-prerouting").unwrap().len(),
+        1
+    );
+}
+
+#[test]
+fn a_change_writes_only_its_chains_and_the_map_elements_that_differ() {
+    let mut p = proxier();
+    let a = state("a", "10.96.0.1", &["10.0.0.1:80"]);
+    let b = state("b", "10.96.0.2", &["10.0.0.2:80", "10.0.0.3:80"]);
+    let before = desired(&[a.clone(), b.clone()]);
+    p.sync(&before, &diff(&DesiredState::default(), &before))
+        .unwrap();
+    let b2 = state("b", "10.96.0.3", &["10.0.0.2:80"]);
+    let after = desired(&[a.clone(), b2.clone()]);
+    let report = p.sync(&after, &diff(&before, &after)).unwrap();
+    assert!(!report.full);
+    let script = p.nft().scripts.last().unwrap().clone();
+    assert!(
+        !script.contains(&service_chain(&a)),
+        "a untouched:\n{script}"
+    );
+    assert!(script.contains("delete element ip kube-proxy service-ips { 10.96.0.2 . tcp . 80 }"));
+    assert!(script.contains("add element ip kube-proxy service-ips { 10.96.0.3 . tcp . 80 : goto"));
+    let gone = endpoint_chain(&b, "10.0.0.3:80".parse().unwrap());
+    assert!(script.contains(&format!("delete chain ip kube-proxy {gone}")));
+    assert!(p.nft().chain("ip", TABLE, &gone).is_none());
+    assert_eq!(map(&p, "ip", "service-ips").len(), 2);
+}
+
+#[test]
+fn refusals_drops_and_source_ranges_go_through_the_no_endpoint_map() {
+    let mut p = proxier();
+    let empty = state("empty", "10.96.0.9", &[]);
+    let mut s = state("lb", "10.96.0.10", &["10.0.0.1:8080"]);
+    s.external = vec![FrontendState {
+        frontend: Frontend {
+            addr: "10.252.0.5".parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Tcp,
+        },
+        kind: FrontendKind::LoadBalancer,
+        backends: s.backends.clone(),
+        draining: Vec::new(),
+        when_empty: WhenEmpty::Refuse,
+        source_ranges: vec![Cidr {
+            addr: "10.250.1.2".parse().unwrap(),
+            prefix: 32,
+        }],
+        masquerade: true,
+        masquerade_all: false,
+    }];
+    let want = desired(&[empty, s.clone()]);
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    let no_endpoints = map(&p, "ip", "no-endpoint-services");
+    assert_eq!(
+        no_endpoints.get("10.96.0.9 . tcp . 80").map(String::as_str),
+        Some("goto reject-chain")
+    );
+    assert_eq!(
+        no_endpoints
+            .get("10.252.0.5 . tcp . 80")
+            .map(String::as_str),
+        Some("drop")
+    );
+    let fw = map(&p, "ip", "service-ips")["10.252.0.5 . tcp . 80"].clone();
+    let fw = fw.strip_prefix("goto ").unwrap();
+    assert!(fw.starts_with("firewall-"));
+    let rules = p.nft().chain("ip", TABLE, fw).unwrap();
+    assert!(rules[0].starts_with("ip saddr { 10.250.1.2/32 } goto external-"));
+}
+
+#[test]
+fn ipv6_and_affinity_use_their_own_table_and_per_endpoint_sets() {
+    let mut p = proxier();
+    let mut s = state("web", "fd00::10", &["[fd00:1::1]:8080"]);
+    s.affinity_timeout = Some(30);
+    let want = desired(std::slice::from_ref(&s));
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    assert!(map(&p, "ip6", "service-ips").contains_key("fd00::10 . tcp . 80"));
+    let ep = endpoint_chain(&s, "[fd00:1::1]:8080".parse().unwrap());
+    assert!(!ep.contains(':'), "nft names take no colons: {ep}");
+    let rules = p.nft().chain("ip6", TABLE, &ep).unwrap();
+    assert!(rules.iter().any(|r| r.starts_with("update @affinity-")));
+    assert_eq!(
+        rules.last().unwrap(),
+        "meta l4proto tcp dnat to [fd00:1::1]:8080"
+    );
+    assert!(p
+        .nft()
+        .elements("ip", TABLE, "service-ips")
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn a_full_sync_deletes_chains_nobody_wants_and_cleanup_deletes_the_tables() {
+    let mut p = proxier();
+    let a = state("a", "10.96.0.1", &["10.0.0.1:80"]);
+    let want = desired(std::slice::from_ref(&a));
+    // A table left by kube-proxy, with a chain of a service that is gone.
+    p.nft
+        .apply("add table ip kube-proxy\nadd chain ip kube-proxy service-OLD-ns/gone/tcp/p80\n")
+        .unwrap();
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    assert!(p
+        .nft()
+        .chain("ip", TABLE, "service-OLD-ns/gone/tcp/p80")
+        .is_none());
+    assert_eq!(remove_all(&mut p.nft).unwrap(), 2);
+    assert!(!p.nft().has_table("ip", TABLE) && !p.nft().has_table("ip6", TABLE));
+    assert_eq!(remove_all(&mut p.nft).unwrap(), 0, "idempotent");
+}
+
+#[test]
+fn a_failed_transaction_makes_the_next_sync_full() {
+    let mut p = proxier();
+    let a = state("a", "10.96.0.1", &["10.0.0.1:80"]);
+    let want = desired(std::slice::from_ref(&a));
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    // The table vanishes behind our back: the incremental transaction fails.
+    p.nft = MemoryNft::default();
+    let b = state("b", "10.96.0.2", &["10.0.0.2:80"]);
+    let next = desired(&[a, b]);
+    assert!(p.sync(&next, &diff(&want, &next)).is_err());
+    assert_eq!(p.failures, 1);
+    assert!(p.sync(&next, &[]).unwrap().full);
+    assert_eq!(map(&p, "ip", "service-ips").len(), 2);
+}

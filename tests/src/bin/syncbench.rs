@@ -1,0 +1,220 @@
+//! Control-plane cost per proxy mode: how long a sync takes for N services × 10 endpoints,
+//! cold (everything written into an empty datapath) and for one changed service (one
+//! endpoint replaced), against the real kernel facility of each mode (eBPF maps,
+//! `iptables-restore`, `nft`), each in a network namespace of its own.
+//!
+//! `syncbench [--modes ebpf,iptables,nftables] [--services 1000,10000] [--changes 5]`
+//! prints a Markdown table; the one-change figure is the median of `--changes` syncs
+//! (min–max beside it).
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    sync::{atomic::Ordering, Arc},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use proxy_agent::{
+    ctnetlink::KernelConntrack,
+    datapath::{Datapath, DatapathSizes, LoadOptions},
+    model::{
+        diff, DesiredState, Frontend, IpFamily, ObjectName, Protocol, ServicePortName,
+        ServicePortState, WhenEmpty,
+    },
+    proxier::{
+        ebpf::EbpfProxier, iptables::tables::IptablesCommands, iptables::IptablesProxier,
+        nftables::nft::NftCommand, nftables::NftablesProxier, Proxier,
+    },
+};
+use proxy_tests::lab::{Netns, LAB_COUNTER, PREFIX};
+
+const ENDPOINTS: u32 = 10;
+
+struct Args {
+    modes: Vec<String>,
+    services: Vec<u32>,
+    changes: usize,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        modes: vec!["ebpf".into(), "iptables".into(), "nftables".into()],
+        services: vec![1_000, 10_000],
+        changes: 5,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_default();
+        match flag.as_str() {
+            "--modes" => args.modes = value.split(',').map(String::from).collect(),
+            "--services" => {
+                args.services = value
+                    .split(',')
+                    .map(|s| s.trim().parse())
+                    .collect::<Result<_, _>>()?
+            }
+            "--changes" => args.changes = value.parse()?,
+            other => bail!("unknown flag {other} (--modes a,b --services a,b --changes N)"),
+        }
+    }
+    Ok(args)
+}
+
+fn endpoint(service: u32, index: u32, generation: u32) -> SocketAddr {
+    // 10.128.0.0/9: room for 100 000 services × 10 endpoints and their replacements.
+    let base = u32::from(Ipv4Addr::new(10, 128, 0, 0));
+    let n = base + (service * (ENDPOINTS + 8) + index + generation) % (1 << 23);
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::from(n)), 8080)
+}
+
+fn service(i: u32, generation: u32) -> Arc<ServicePortState> {
+    let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i);
+    Arc::new(ServicePortState {
+        name: ServicePortName {
+            service: ObjectName {
+                namespace: "bench".into(),
+                name: format!("svc-{i}"),
+            },
+            port: "http".into(),
+            protocol: Protocol::Tcp,
+            family: IpFamily::V4,
+        },
+        frontend: Frontend {
+            addr: vip.into(),
+            port: 80,
+            protocol: Protocol::Tcp,
+        },
+        backends: (0..ENDPOINTS)
+            .map(|e| endpoint(i, e, if e == 0 { generation } else { 0 }))
+            .collect(),
+        draining: Vec::new(),
+        when_empty: WhenEmpty::Refuse,
+        masquerade_all: false,
+        external: Vec::new(),
+        remote: Default::default(),
+        affinity_timeout: None,
+        health_check: None,
+        scheduler: Default::default(),
+        weights: Default::default(),
+    })
+}
+
+fn desired(n: u32) -> DesiredState {
+    DesiredState {
+        ports: (0..n)
+            .map(|i| {
+                let s = service(i, 0);
+                (s.name.clone(), s)
+            })
+            .collect(),
+    }
+}
+
+struct Figures {
+    cold: Duration,
+    changes: Vec<Duration>,
+}
+
+/// Cold sync, then `changes` syncs that each replace one endpoint of one service.
+fn measure(proxier: &mut dyn Proxier, n: u32, changes: usize) -> Result<Figures> {
+    let empty = DesiredState::default();
+    let mut current = desired(n);
+    let started = Instant::now();
+    let report = proxier.sync(&current, &diff(&empty, &current))?;
+    let cold = started.elapsed();
+    if report.services_failed > 0 {
+        bail!(
+            "{} service ports were not programmed",
+            report.services_failed
+        );
+    }
+    let mut times = Vec::new();
+    for c in 0..changes as u32 {
+        let target = (c * 7919) % n;
+        let mut next = current.clone();
+        let s = service(target, c + 1);
+        next.ports.insert(s.name.clone(), s);
+        let changed = diff(&current, &next);
+        let started = Instant::now();
+        proxier.sync(&next, &changed)?;
+        times.push(started.elapsed());
+        current = next;
+    }
+    times.sort();
+    Ok(Figures {
+        cold,
+        changes: times,
+    })
+}
+
+fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
+    let name = format!(
+        "{PREFIX}-{}-{}-sync",
+        std::process::id(),
+        LAB_COUNTER.fetch_add(1, Ordering::SeqCst)
+    );
+    let ns = Netns::create(&name)?;
+    let mode = mode.to_string();
+    ns.run(move || -> Result<Figures> {
+        match mode.as_str() {
+            "ebpf" => {
+                let sizes = DatapathSizes {
+                    services: n * (1 + ENDPOINTS) + 1024,
+                    backends: (n * ENDPOINTS + 1024).min(proxy_common::MAX_BACKENDS),
+                    conntrack: 4096,
+                    maglev: 1,
+                };
+                let mut datapath = Datapath::load_with(sizes, None, LoadOptions::default())?;
+                let mut p = EbpfProxier::new(datapath.take_service_maps()?);
+                measure(&mut p, n, changes)
+            }
+            "iptables" => {
+                let mut p = IptablesProxier::new(
+                    IptablesCommands::host_default(),
+                    Box::new(KernelConntrack),
+                    14,
+                    &[],
+                );
+                measure(&mut p, n, changes)
+            }
+            "nftables" => {
+                let mut p = NftablesProxier::new(NftCommand, Box::new(KernelConntrack), 14, &[]);
+                measure(&mut p, n, changes)
+            }
+            other => bail!("no such mode {other} (ebpf, iptables, nftables)"),
+        }
+    })
+    .context("the namespace thread")?
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1000.0)
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    println!(
+        "Sync time per mode: N services × {ENDPOINTS} endpoints; cold = first sync into an empty datapath; one change = one endpoint of one service replaced (median of {}, min–max).\n",
+        args.changes
+    );
+    println!("| mode | services | cold sync (ms) | one change (ms) | min–max (ms) |");
+    println!("|---|---|---|---|---|");
+    for &n in &args.services {
+        for mode in &args.modes {
+            match run_mode(mode, n, args.changes) {
+                Ok(f) => {
+                    let median = f.changes[f.changes.len() / 2];
+                    println!(
+                        "| {mode} | {n} | {} | {} | {}–{} |",
+                        ms(f.cold),
+                        ms(median),
+                        ms(f.changes[0]),
+                        ms(*f.changes.last().unwrap())
+                    );
+                }
+                Err(e) => println!("| {mode} | {n} | failed: {e:#} | | |"),
+            }
+        }
+    }
+    Ok(())
+}
