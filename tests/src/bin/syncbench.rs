@@ -5,7 +5,8 @@
 //!
 //! `syncbench [--modes ebpf,iptables,nftables] [--services 1000,10000] [--changes 5]`
 //! prints a Markdown table; the one-change figure is the median of `--changes` syncs
-//! (min–max beside it).
+//! (min–max beside it). `iptables-legacy` / `iptables-nft` force an iptables backend
+//! (`iptables` is whichever the host's is).
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -168,9 +169,11 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                 let mut p = EbpfProxier::new(datapath.take_service_maps()?);
                 measure(&mut p, n, changes)
             }
-            "iptables" => {
+            "iptables" | "iptables-legacy" | "iptables-nft" => {
+                // `iptables`: whichever backend the host's `iptables` is; the others force one.
+                let variant = mode.strip_prefix("iptables").unwrap_or_default().to_string();
                 let mut p = IptablesProxier::new(
-                    IptablesCommands::host_default(),
+                    IptablesCommands { variant },
                     Box::new(KernelConntrack),
                     14,
                     &[],
@@ -181,7 +184,9 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                 let mut p = NftablesProxier::new(NftCommand, Box::new(KernelConntrack), 14, &[]);
                 measure(&mut p, n, changes)
             }
-            other => bail!("no such mode {other} (ebpf, iptables, nftables)"),
+            other => bail!(
+                "no such mode {other} (ebpf, iptables, iptables-legacy, iptables-nft, nftables)"
+            ),
         }
     })
     .context("the namespace thread")?
