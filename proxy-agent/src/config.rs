@@ -306,6 +306,7 @@ pub struct ConntrackSettings {
 
 pub const MODES: &[&str] = &[
     "",
+    "auto",
     "ebpf",
     "iptables",
     "ipvs",

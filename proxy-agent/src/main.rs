@@ -23,7 +23,11 @@ use proxy_agent::{
     proxier::{
         ebpf::{maps::KernelMaps, EbpfProxier},
         iptables::{cleanup as iptables_cleanup, tables::IptablesCommands, IptablesProxier},
-        nftables::{self, nft::NftCommand, NftablesProxier},
+        nftables::{
+            self,
+            nft::{Nft, NftCommand},
+            NftablesProxier,
+        },
         Proxier, ProxyMode, SyncReport,
     },
     service_health::{self, ServiceHealthServers},
@@ -160,7 +164,7 @@ fn unix_seconds(t: SystemTime) -> f64 {
         .as_secs_f64()
 }
 
-async fn run(s: Settings) -> Result<()> {
+async fn run(mut s: Settings) -> Result<()> {
     let caps = Capabilities::current().context("reading the process capabilities")?;
     privileges::check_datapath(caps)?;
     if s.cli.cleanup {
@@ -201,6 +205,9 @@ async fn run(s: Settings) -> Result<()> {
             );
         }
     }
+    if s.mode == ProxyMode::Auto {
+        s.mode = choose_mode(&s)?;
+    }
     info!("Using {} Proxier", s.mode);
     tune_kernel_conntrack(&s);
     // The source first: a missing API server or manifest path fails before the node is touched.
@@ -222,6 +229,7 @@ async fn run(s: Settings) -> Result<()> {
     info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
     let metrics = Arc::new(Metrics::new());
     let (mut proxier, mut ebpf) = match s.mode {
+        ProxyMode::Auto => bail!("proxy mode auto is resolved before this point"),
         ProxyMode::Ebpf => {
             let (proxier, runtime) = start_ebpf(&s, &metrics)?;
             (ActiveProxier::Ebpf(Box::new(proxier)), Some(runtime))
@@ -395,6 +403,62 @@ async fn run(s: Settings) -> Result<()> {
         _ => info!("stopping; the rules stay in place"),
     }
     Ok(())
+}
+
+/// `--proxy-mode auto`: the first mode this kernel and node can run, in the order eBPF
+/// (its programs load: the verifier accepts them), nftables, iptables; each refusal is
+/// logged with its reason.
+fn choose_mode(s: &Settings) -> Result<ProxyMode> {
+    let mut reasons = Vec::new();
+    let ebpf = (|| -> Result<()> {
+        if s.cli.ebpf_object.is_none() {
+            Datapath::ensure_object()?;
+        }
+        // The smallest datapath, unpinned: loading it runs the verifier on every program.
+        let sizes = proxy_agent::datapath::DatapathSizes {
+            services: 16,
+            backends: 16,
+            conntrack: 16,
+            maglev: 1,
+        };
+        match &s.cli.ebpf_object {
+            Some(object) => Datapath::load_file(object, sizes, None, LoadOptions::default())?,
+            None => Datapath::load_with(sizes, None, LoadOptions::default())?,
+        };
+        Ok(())
+    })();
+    match ebpf {
+        Ok(()) => {
+            info!("auto: choosing ebpf: the datapath's programs load on this kernel");
+            return Ok(ProxyMode::Ebpf);
+        }
+        Err(e) => reasons.push(format!("ebpf: {e:#}")),
+    }
+    let nft = NftCommand.probe().and_then(|()| {
+        // A transaction, not just a listing: the kernel must accept a table.
+        NftCommand.apply("add table ip proxy-agent-probe\ndelete table ip proxy-agent-probe\n")
+    });
+    match nft {
+        Ok(()) => {
+            info!(not_chosen = ?reasons, "auto: choosing nftables");
+            return Ok(ProxyMode::Nftables);
+        }
+        Err(e) => reasons.push(format!("nftables: {e:#}")),
+    }
+    let commands = IptablesCommands::host_default();
+    match commands
+        .probe(IpFamily::V4)
+        .and_then(|()| commands.probe(IpFamily::V6))
+    {
+        Ok(()) => {
+            info!(not_chosen = ?reasons, "auto: choosing iptables");
+            Ok(ProxyMode::Iptables)
+        }
+        Err(e) => {
+            reasons.push(format!("iptables: {e:#}"));
+            bail!("auto: no proxy mode can run here: {}", reasons.join("; "))
+        }
+    }
 }
 
 /// Removes what the other modes left on this node (ours or upstream kube-proxy's), as

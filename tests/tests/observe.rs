@@ -8,7 +8,7 @@ use std::{
 };
 
 use proxy_tests::{
-    lab::{manifest::service, Lab, LabOptions, TCP_PORT},
+    lab::{client, manifest::service, Lab, LabOptions, TCP_PORT},
     require_kernel,
 };
 
@@ -320,4 +320,69 @@ fn verbosity_4_logs_each_new_flow_from_the_datapath() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+#[test]
+fn auto_mode_runs_the_first_mode_this_kernel_supports_and_says_why() {
+    require_kernel!();
+    let mut lab = Lab::new(LabOptions::default()).expect("lab");
+    let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+    let manifests = lab
+        .write_manifests(&service(
+            "web",
+            *WEB.ip(),
+            &[("http", "TCP", 80, TCP_PORT)],
+            &ips,
+        ))
+        .unwrap();
+    let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
+    let served = |lab: &Lab| {
+        lab.client
+            .ns
+            .run(|| {
+                // The eBPF mode may still be attaching to the last pod link.
+                (0..50).any(|_| {
+                    let ok = client::tcp_hello(WEB, Duration::from_millis(200)).is_ok();
+                    if !ok {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    ok
+                })
+            })
+            .unwrap()
+    };
+    // This kernel loads the eBPF datapath: auto is eBPF.
+    let log = lab
+        .start_agent(&manifests, &["--proxy-mode", "auto"])
+        .unwrap()
+        .log_text();
+    assert!(log.contains("auto: choosing ebpf"), "{log}");
+    assert!(log.contains("Using ebpf Proxier"), "{log}");
+    assert_eq!(get(&lab, metrics, "/proxyMode"), (200, "ebpf".to_string()));
+    assert!(served(&lab));
+    lab.stop_agent().unwrap();
+    // A datapath object that does not load (as on a kernel without usable BPF): the next
+    // mode in the order, nftables, with the reason eBPF was passed over.
+    let log = lab
+        .start_agent(
+            &manifests,
+            &[
+                "--proxy-mode",
+                "auto",
+                "--ebpf-object",
+                "/nonexistent/proxy-ebpf",
+            ],
+        )
+        .unwrap()
+        .log_text();
+    assert!(log.contains("auto: choosing nftables"), "{log}");
+    assert!(
+        log.contains("/nonexistent/proxy-ebpf"),
+        "the reason is logged: {log}"
+    );
+    assert_eq!(
+        get(&lab, metrics, "/proxyMode"),
+        (200, "nftables".to_string())
+    );
+    assert!(served(&lab));
 }

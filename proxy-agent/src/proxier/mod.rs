@@ -16,6 +16,8 @@ pub enum ProxyMode {
     Ebpf,
     Iptables,
     Nftables,
+    /// Resolved at start to the first mode the kernel supports (see `main`); never runs.
+    Auto,
 }
 
 impl ProxyMode {
@@ -24,6 +26,7 @@ impl ProxyMode {
             ProxyMode::Ebpf => "ebpf",
             ProxyMode::Iptables => "iptables",
             ProxyMode::Nftables => "nftables",
+            ProxyMode::Auto => "auto",
         }
     }
 }
@@ -42,11 +45,12 @@ impl FromStr for ProxyMode {
             "" | "ebpf" => Ok(ProxyMode::Ebpf),
             "iptables" => Ok(ProxyMode::Iptables),
             "nftables" => Ok(ProxyMode::Nftables),
+            "auto" => Ok(ProxyMode::Auto),
             "ipvs" | "userspace" => Err(format!(
                 "proxy mode {s:?} is not available in this build yet (available: ebpf, iptables, nftables)"
             )),
             other => Err(format!(
-                "unknown proxy mode {other:?} (expected ebpf, iptables, ipvs, nftables or userspace)"
+                "unknown proxy mode {other:?} (expected auto, ebpf, iptables, ipvs, nftables or userspace)"
             )),
         }
     }

@@ -171,7 +171,10 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
             }
             "iptables" | "iptables-legacy" | "iptables-nft" => {
                 // `iptables`: whichever backend the host's `iptables` is; the others force one.
-                let variant = mode.strip_prefix("iptables").unwrap_or_default().to_string();
+                let variant = mode
+                    .strip_prefix("iptables")
+                    .unwrap_or_default()
+                    .to_string();
                 let mut p = IptablesProxier::new(
                     IptablesCommands { variant },
                     Box::new(KernelConntrack),
