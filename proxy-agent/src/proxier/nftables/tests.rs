@@ -75,10 +75,15 @@ fn a_cluster_ip_is_a_verdict_map_element_leading_to_a_random_pick() {
         Some(&format!("goto {svc}"))
     );
     let rules = p.nft().chain("ip", TABLE, &svc).unwrap();
-    let pick = rules.last().unwrap();
-    assert!(pick.starts_with("numgen random mod 2 vmap {"), "{pick}");
+    // Half the flows to the first endpoint, the rest to the second.
+    let first = endpoint_chain(&s, "10.0.0.1:8080".parse().unwrap());
     let ep = endpoint_chain(&s, "10.0.0.2:8080".parse().unwrap());
-    assert!(pick.contains(&format!("1 : goto {ep}")), "{pick}");
+    let n = rules.len();
+    assert_eq!(
+        rules[n - 2],
+        format!("numgen random mod 2 == 0 goto {first}")
+    );
+    assert_eq!(rules[n - 1], format!("goto {ep}"));
     let ep_rules = p.nft().chain("ip", TABLE, &ep).unwrap();
     assert_eq!(
         ep_rules.last().unwrap(),
