@@ -307,6 +307,43 @@ pub struct ServicePortState {
 }
 
 impl ServicePortState {
+    /// A TCP port 80 served on cluster IP `vip` only, by `backends`, everything else at
+    /// its default (tests and benchmarks build their states from it).
+    pub fn cluster_ip(
+        namespace: &str,
+        name: &str,
+        port: &str,
+        vip: IpAddr,
+        backends: Vec<SocketAddr>,
+    ) -> Self {
+        ServicePortState {
+            name: ServicePortName {
+                service: ObjectName {
+                    namespace: namespace.into(),
+                    name: name.into(),
+                },
+                port: port.into(),
+                protocol: Protocol::Tcp,
+                family: IpFamily::of(vip),
+            },
+            frontend: Frontend {
+                addr: vip,
+                port: 80,
+                protocol: Protocol::Tcp,
+            },
+            backends,
+            draining: Vec::new(),
+            when_empty: WhenEmpty::Refuse,
+            masquerade_all: false,
+            external: Vec::new(),
+            remote: BTreeSet::new(),
+            affinity_timeout: None,
+            health_check: None,
+            scheduler: Scheduler::default(),
+            weights: BTreeMap::new(),
+        }
+    }
+
     /// Every frontend, the cluster IP first.
     pub fn frontends(&self) -> Vec<FrontendState> {
         let mut all = vec![FrontendState {

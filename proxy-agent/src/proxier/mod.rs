@@ -9,7 +9,9 @@ use std::{fmt, str::FromStr};
 
 use anyhow::Result;
 
-use crate::model::{DesiredState, ServiceChange, StaleFlow};
+use crate::model::{
+    stale_flows, DesiredState, IpFamily, ServiceChange, ServicePortName, StaleFlow,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ProxyMode {
@@ -113,4 +115,121 @@ pub trait Proxier {
         _v6: Option<std::net::Ipv6Addr>,
     ) {
     }
+}
+
+/// Both address families, in the order per-family state is kept.
+pub(crate) const FAMILIES: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
+
+/// Where `family`'s state is in a per-family array.
+pub(crate) fn family_index(family: IpFamily) -> usize {
+    match family {
+        IpFamily::V4 => 0,
+        IpFamily::V6 => 1,
+    }
+}
+
+/// What the netfilter proxiers (iptables, nftables) have in common: one set of tables per
+/// address family, each written whole when it needs to be and otherwise only for the
+/// changed service ports, and the stale flows ended after a sync.
+pub trait FamilyTables {
+    /// Whether `family`'s next write must be a full one (first sync, or the last failed).
+    fn needs_full(&self, family: IpFamily) -> bool;
+
+    /// Writes `family`: everything if `changed` is `None` (or the family needs it), else
+    /// what the `changed` service ports need. Returns the service ports written.
+    fn sync_family(
+        &mut self,
+        family: IpFamily,
+        desired: &DesiredState,
+        changed: Option<&std::collections::BTreeSet<ServicePortName>>,
+    ) -> Result<usize>;
+
+    fn flow_cleaner(&mut self) -> &mut dyn FlowCleaner;
+}
+
+/// What a family's write starts from: each of its service ports' rules, regenerated with
+/// `build` where `full` or the port is in `changed`, kept from `previous` otherwise; the
+/// ports to write; and every rules value that was replaced or whose port is gone (their
+/// objects may be stale now).
+pub struct Regenerated<R> {
+    pub current: std::collections::BTreeMap<ServicePortName, R>,
+    pub write: Vec<ServicePortName>,
+    pub replaced: Vec<R>,
+}
+
+pub fn regenerate<R>(
+    mut previous: std::collections::BTreeMap<ServicePortName, R>,
+    desired: &DesiredState,
+    family: IpFamily,
+    full: bool,
+    changed: Option<&std::collections::BTreeSet<ServicePortName>>,
+    build: impl Fn(&crate::model::ServicePortState) -> R,
+) -> Regenerated<R> {
+    let mut out = Regenerated {
+        current: std::collections::BTreeMap::new(),
+        write: Vec::new(),
+        replaced: Vec::new(),
+    };
+    for (name, port) in desired.ports.iter().filter(|(n, _)| n.family == family) {
+        let rewrite = full || changed.is_some_and(|c| c.contains(name));
+        let rules = match previous.remove(name) {
+            Some(old) if !rewrite => old,
+            old => {
+                out.replaced.extend(old);
+                out.write.push(name.clone());
+                build(port)
+            }
+        };
+        out.current.insert(name.clone(), rules);
+    }
+    out.replaced.extend(previous.into_values());
+    out
+}
+
+/// A sync of both families' tables (`changes` `None`: a full one), then the kernel's
+/// conntrack entries of the flows that must end.
+pub fn sync_by_family(
+    tables: &mut impl FamilyTables,
+    desired: &DesiredState,
+    changes: Option<&[ServiceChange]>,
+) -> Result<SyncReport> {
+    let changed: Option<std::collections::BTreeSet<ServicePortName>> =
+        changes.map(|c| c.iter().map(|c| c.name().clone()).collect());
+    let mut report = SyncReport::default();
+    let mut errors = Vec::new();
+    for family in FAMILIES {
+        let full = changed.is_none() || tables.needs_full(family);
+        let touched = full
+            || changed
+                .as_ref()
+                .is_some_and(|c| c.iter().any(|n| n.family == family));
+        if !touched {
+            continue;
+        }
+        report.full |= full;
+        match tables.sync_family(family, desired, changed.as_ref()) {
+            Ok(n) => report.services_written += n,
+            Err(e) => {
+                report.services_failed +=
+                    desired.ports.keys().filter(|n| n.family == family).count();
+                errors.push(e);
+            }
+        }
+    }
+    if let Some(e) = errors.into_iter().next() {
+        return Err(e);
+    }
+    if let Some(changes) = changes {
+        let flows = stale_flows(changes, desired);
+        if !flows.is_empty() {
+            match tables.flow_cleaner().delete(&flows) {
+                Ok(n) => {
+                    report.flows_deleted = n;
+                    tracing::debug!(entries = n, "stale conntrack entries deleted");
+                }
+                Err(e) => tracing::warn!("deleting stale conntrack entries: {e:#}"),
+            }
+        }
+    }
+    Ok(report)
 }

@@ -18,10 +18,7 @@ use anyhow::{bail, Context, Result};
 use proxy_agent::{
     ctnetlink::KernelConntrack,
     datapath::{Datapath, DatapathSizes, LoadOptions},
-    model::{
-        diff, DesiredState, Frontend, IpFamily, ObjectName, Protocol, ServicePortName,
-        ServicePortState, WhenEmpty,
-    },
+    model::{diff, DesiredState, ServicePortState},
     proxier::{
         ebpf::EbpfProxier, iptables::tables::IptablesCommands, iptables::IptablesProxier,
         nftables::nft::NftCommand, nftables::NftablesProxier, Proxier,
@@ -70,34 +67,16 @@ fn endpoint(service: u32, index: u32, generation: u32) -> SocketAddr {
 
 fn service(i: u32, generation: u32) -> Arc<ServicePortState> {
     let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i);
-    Arc::new(ServicePortState {
-        name: ServicePortName {
-            service: ObjectName {
-                namespace: "bench".into(),
-                name: format!("svc-{i}"),
-            },
-            port: "http".into(),
-            protocol: Protocol::Tcp,
-            family: IpFamily::V4,
-        },
-        frontend: Frontend {
-            addr: vip.into(),
-            port: 80,
-            protocol: Protocol::Tcp,
-        },
-        backends: (0..ENDPOINTS)
-            .map(|e| endpoint(i, e, if e == 0 { generation } else { 0 }))
-            .collect(),
-        draining: Vec::new(),
-        when_empty: WhenEmpty::Refuse,
-        masquerade_all: false,
-        external: Vec::new(),
-        remote: Default::default(),
-        affinity_timeout: None,
-        health_check: None,
-        scheduler: Default::default(),
-        weights: Default::default(),
-    })
+    let backends = (0..ENDPOINTS)
+        .map(|e| endpoint(i, e, if e == 0 { generation } else { 0 }))
+        .collect();
+    Arc::new(ServicePortState::cluster_ip(
+        "bench",
+        &format!("svc-{i}"),
+        "http",
+        vip.into(),
+        backends,
+    ))
 }
 
 fn desired(n: u32) -> DesiredState {

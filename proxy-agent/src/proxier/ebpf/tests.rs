@@ -1,37 +1,14 @@
 use std::{net::Ipv4Addr, sync::Arc};
 
 use super::{maps::InMemoryMaps, sync::service_key, *};
-use crate::model::{
-    diff, Frontend, ObjectName, Protocol, ServicePortName, ServicePortState, WhenEmpty,
-};
+use crate::model::{diff, Frontend, Protocol, ServicePortState, WhenEmpty};
 
 fn state(name: &str, vip: [u8; 4], backends: &[&str]) -> Arc<ServicePortState> {
-    Arc::new(ServicePortState {
-        name: ServicePortName {
-            service: ObjectName {
-                namespace: "default".into(),
-                name: name.into(),
-            },
-            port: String::new(),
-            protocol: Protocol::Tcp,
-            family: crate::model::IpFamily::V4,
-        },
-        frontend: Frontend {
-            addr: Ipv4Addr::from(vip).into(),
-            port: 80,
-            protocol: Protocol::Tcp,
-        },
-        backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
-        draining: Vec::new(),
-        when_empty: WhenEmpty::Refuse,
-        masquerade_all: false,
-        external: Vec::new(),
-        remote: Default::default(),
-        affinity_timeout: None,
-        health_check: None,
-        scheduler: Default::default(),
-        weights: Default::default(),
-    })
+    let backends = backends.iter().map(|b| b.parse().unwrap()).collect();
+    let vip = Ipv4Addr::from(vip).into();
+    Arc::new(ServicePortState::cluster_ip(
+        "default", name, "", vip, backends,
+    ))
 }
 
 fn desired(states: &[Arc<ServicePortState>]) -> DesiredState {

@@ -18,14 +18,16 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use tracing::{debug, warn};
 
 use self::{
     rules::{service_rules, RuleContext, ServiceRules},
     tables::RuleTables,
 };
-use super::{FlowCleaner, Proxier, ProxyMode, SyncReport};
-use crate::model::{stale_flows, Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
+use super::{
+    family_index as index, regenerate, sync_by_family, FamilyTables, FlowCleaner, Proxier,
+    ProxyMode, Regenerated, SyncReport, FAMILIES,
+};
+use crate::model::{Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
 
 /// kube-proxy's jump rules from the built-in chains: (table, chain, rule).
 const HOOKS: &[(&str, &str, &str)] = &[
@@ -101,15 +103,6 @@ pub struct IptablesProxier<T: RuleTables> {
     pub partial_restore_failures: u64,
 }
 
-fn index(family: IpFamily) -> usize {
-    match family {
-        IpFamily::V4 => 0,
-        IpFamily::V6 => 1,
-    }
-}
-
-const FAMILIES: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
-
 impl<T: RuleTables> IptablesProxier<T> {
     /// `cluster_cidrs`: at most one per family; cluster-IP traffic from outside is
     /// masqueraded.
@@ -163,7 +156,7 @@ impl<T: RuleTables> IptablesProxier<T> {
 
     /// Writes one family: everything if `changed` is `None` (or the family needs it), else
     /// the dispatch chains and the chains of the `changed` service ports.
-    fn sync_family(
+    fn write_family(
         &mut self,
         family: IpFamily,
         desired: &DesiredState,
@@ -173,29 +166,24 @@ impl<T: RuleTables> IptablesProxier<T> {
         let full = changed.is_none() || self.families[i].needs_full;
         let ctx = self.contexts[i].clone();
         let state = &mut self.families[i];
-        let mut previous = std::mem::take(&mut state.services);
-        let mut write: Vec<ServicePortName> = Vec::new();
-        let mut current = BTreeMap::new();
-        // Chains written before that may be unwanted now: those of removed and of
-        // rewritten service ports (compared with what is wanted below).
-        let mut stale: BTreeSet<String> = BTreeSet::new();
-        for (name, port) in desired.ports.iter().filter(|(n, _)| n.family == family) {
-            let rewrite = full || changed.is_some_and(|c| c.contains(name));
-            let rules = match previous.remove(name) {
-                Some(old) if !rewrite => old,
-                old => {
-                    if let Some(old) = old {
-                        stale.extend(old.chains.into_iter().map(|(c, _)| c));
-                    }
-                    write.push(name.clone());
-                    service_rules(port, &ctx)
-                }
-            };
-            current.insert(name.clone(), rules);
-        }
-        for gone in previous.into_values() {
-            stale.extend(gone.chains.into_iter().map(|(c, _)| c));
-        }
+        let Regenerated {
+            current,
+            write,
+            replaced,
+        } = regenerate(
+            std::mem::take(&mut state.services),
+            desired,
+            family,
+            full,
+            changed,
+            |port| service_rules(port, &ctx),
+        );
+        // Chains written before that may be unwanted now (compared with what is wanted
+        // below).
+        let mut stale: BTreeSet<String> = replaced
+            .into_iter()
+            .flat_map(|r| r.chains.into_iter().map(|(c, _)| c))
+            .collect();
         let mut wanted_chains: BTreeSet<&str> = BTreeSet::new();
         for rules in current.values() {
             for (chain, _) in &rules.chains {
@@ -249,52 +237,6 @@ impl<T: RuleTables> IptablesProxier<T> {
                 })
             }
         }
-    }
-
-    fn sync_with(
-        &mut self,
-        desired: &DesiredState,
-        changes: Option<&[ServiceChange]>,
-    ) -> Result<SyncReport> {
-        let changed: Option<BTreeSet<ServicePortName>> =
-            changes.map(|c| c.iter().map(|c| c.name().clone()).collect());
-        let mut report = SyncReport::default();
-        let mut errors = Vec::new();
-        for family in FAMILIES {
-            let i = index(family);
-            let touched = match &changed {
-                None => true,
-                Some(c) => self.families[i].needs_full || c.iter().any(|n| n.family == family),
-            };
-            if !touched {
-                continue;
-            }
-            report.full |= changed.is_none() || self.families[i].needs_full;
-            match self.sync_family(family, desired, changed.as_ref()) {
-                Ok(n) => report.services_written += n,
-                Err(e) => {
-                    report.services_failed +=
-                        desired.ports.keys().filter(|n| n.family == family).count();
-                    errors.push(e);
-                }
-            }
-        }
-        if let Some(e) = errors.into_iter().next() {
-            return Err(e);
-        }
-        if let Some(changes) = changes {
-            let flows = stale_flows(changes, desired);
-            if !flows.is_empty() {
-                match self.flows.delete(&flows) {
-                    Ok(n) => {
-                        report.flows_deleted = n;
-                        debug!(entries = n, "stale conntrack entries deleted");
-                    }
-                    Err(e) => warn!("deleting stale conntrack entries: {e:#}"),
-                }
-            }
-        }
-        Ok(report)
     }
 }
 
@@ -418,17 +360,36 @@ fn hooks(out: &mut String, table: &str, saved: &str) {
     }
 }
 
+impl<T: RuleTables> FamilyTables for IptablesProxier<T> {
+    fn needs_full(&self, family: IpFamily) -> bool {
+        self.families[index(family)].needs_full
+    }
+
+    fn sync_family(
+        &mut self,
+        family: IpFamily,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Result<usize> {
+        self.write_family(family, desired, changed)
+    }
+
+    fn flow_cleaner(&mut self) -> &mut dyn FlowCleaner {
+        self.flows.as_mut()
+    }
+}
+
 impl<T: RuleTables> Proxier for IptablesProxier<T> {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Iptables
     }
 
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
-        self.sync_with(desired, Some(changes))
+        sync_by_family(self, desired, Some(changes))
     }
 
     fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
-        self.sync_with(desired, None)
+        sync_by_family(self, desired, None)
     }
 
     fn set_masquerade_addresses(

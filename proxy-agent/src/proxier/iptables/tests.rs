@@ -1,42 +1,17 @@
-use std::{net::IpAddr, sync::Arc};
+use std::sync::Arc;
 
 use super::{rules::*, tables::MemoryTables, *};
 use crate::{
     model::{
-        diff, Frontend, FrontendKind, FrontendState, ObjectName, Protocol, ServicePortState,
-        StaleFlow, WhenEmpty,
+        diff, Frontend, FrontendKind, FrontendState, Protocol, ServicePortState, StaleFlow,
+        WhenEmpty,
     },
     proxier::RecordedFlows,
 };
 
 fn state(name: &str, vip: &str, backends: &[&str]) -> ServicePortState {
-    let addr: IpAddr = vip.parse().unwrap();
-    ServicePortState {
-        name: ServicePortName {
-            service: ObjectName {
-                namespace: "default".into(),
-                name: name.into(),
-            },
-            port: "http".into(),
-            protocol: Protocol::Tcp,
-            family: IpFamily::of(addr),
-        },
-        frontend: Frontend {
-            addr,
-            port: 80,
-            protocol: Protocol::Tcp,
-        },
-        backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
-        draining: Vec::new(),
-        when_empty: WhenEmpty::Refuse,
-        masquerade_all: false,
-        external: Vec::new(),
-        remote: Default::default(),
-        affinity_timeout: None,
-        health_check: None,
-        scheduler: Default::default(),
-        weights: Default::default(),
-    }
+    let backends = backends.iter().map(|b| b.parse().unwrap()).collect();
+    ServicePortState::cluster_ip("default", name, "http", vip.parse().unwrap(), backends)
 }
 
 fn node_port(s: &ServicePortState, addr: &str, masquerade: bool) -> FrontendState {

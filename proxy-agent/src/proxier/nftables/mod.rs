@@ -18,14 +18,16 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use tracing::{debug, warn};
 
 use self::{
     nft::Nft,
     rules::{service_rules, RuleContext, ServiceRules, TABLE},
 };
-use super::{FlowCleaner, Proxier, ProxyMode, SyncReport};
-use crate::model::{stale_flows, Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
+use super::{
+    family_index as index, regenerate, sync_by_family, FamilyTables, FlowCleaner, Proxier,
+    ProxyMode, Regenerated, SyncReport, FAMILIES,
+};
+use crate::model::{Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
 
 /// The table's fixed chains, with their hook if they have one.
 const BASE_CHAINS: &[(&str, &str)] = &[
@@ -84,15 +86,6 @@ pub struct NftablesProxier<N: Nft> {
     families: [FamilyTable; 2],
     /// Failed transactions since start.
     pub failures: u64,
-}
-
-const FAMILIES: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
-
-fn index(family: IpFamily) -> usize {
-    match family {
-        IpFamily::V4 => 0,
-        IpFamily::V6 => 1,
-    }
 }
 
 /// The elements each map should hold for `services`.
@@ -253,7 +246,7 @@ impl<N: Nft> NftablesProxier<N> {
         }
     }
 
-    fn sync_family(
+    fn write_family(
         &mut self,
         family: IpFamily,
         desired: &DesiredState,
@@ -270,29 +263,23 @@ impl<N: Nft> NftablesProxier<N> {
             None
         };
         let state = &mut self.families[i];
-        let mut previous = std::mem::take(&mut state.services);
-        let mut current = BTreeMap::new();
-        let mut write = Vec::new();
+        let Regenerated {
+            current,
+            write,
+            replaced,
+        } = regenerate(
+            std::mem::take(&mut state.services),
+            desired,
+            family,
+            full,
+            changed,
+            |port| service_rules(port, &ctx),
+        );
         let mut stale_chains = BTreeSet::new();
         let mut stale_sets = BTreeSet::new();
-        for (name, port) in desired.ports.iter().filter(|(n, _)| n.family == family) {
-            let rewrite = full || changed.is_some_and(|c| c.contains(name));
-            let rules = match previous.remove(name) {
-                Some(old) if !rewrite => old,
-                old => {
-                    if let Some(old) = old {
-                        stale_chains.extend(old.chains.into_iter().map(|(c, _)| c));
-                        stale_sets.extend(old.sets.into_iter().map(|(s, _)| s));
-                    }
-                    write.push(name.clone());
-                    service_rules(port, &ctx)
-                }
-            };
-            current.insert(name.clone(), rules);
-        }
-        for gone in previous.into_values() {
-            stale_chains.extend(gone.chains.into_iter().map(|(c, _)| c));
-            stale_sets.extend(gone.sets.into_iter().map(|(s, _)| s));
+        for old in replaced {
+            stale_chains.extend(old.chains.into_iter().map(|(c, _)| c));
+            stale_sets.extend(old.sets.into_iter().map(|(s, _)| s));
         }
         if let Some(existing) = &existing {
             let fixed: BTreeSet<&str> = BASE_CHAINS.iter().map(|(c, _)| *c).collect();
@@ -411,52 +398,6 @@ impl<N: Nft> NftablesProxier<N> {
             }
         }
     }
-
-    fn sync_with(
-        &mut self,
-        desired: &DesiredState,
-        changes: Option<&[ServiceChange]>,
-    ) -> Result<SyncReport> {
-        let changed: Option<BTreeSet<ServicePortName>> =
-            changes.map(|c| c.iter().map(|c| c.name().clone()).collect());
-        let mut report = SyncReport::default();
-        let mut errors = Vec::new();
-        for family in FAMILIES {
-            let i = index(family);
-            let touched = match &changed {
-                None => true,
-                Some(c) => self.families[i].needs_full || c.iter().any(|n| n.family == family),
-            };
-            if !touched {
-                continue;
-            }
-            report.full |= changed.is_none() || self.families[i].needs_full;
-            match self.sync_family(family, desired, changed.as_ref()) {
-                Ok(n) => report.services_written += n,
-                Err(e) => {
-                    report.services_failed +=
-                        desired.ports.keys().filter(|n| n.family == family).count();
-                    errors.push(e);
-                }
-            }
-        }
-        if let Some(e) = errors.into_iter().next() {
-            return Err(e);
-        }
-        if let Some(changes) = changes {
-            let flows = stale_flows(changes, desired);
-            if !flows.is_empty() {
-                match self.flows.delete(&flows) {
-                    Ok(n) => {
-                        report.flows_deleted = n;
-                        debug!(entries = n, "stale conntrack entries deleted");
-                    }
-                    Err(e) => warn!("deleting stale conntrack entries: {e:#}"),
-                }
-            }
-        }
-        Ok(report)
-    }
 }
 
 /// Deletes the `kube-proxy` tables of both families (this agent's nftables mode, and
@@ -474,17 +415,36 @@ pub fn remove_all(nft: &mut impl Nft) -> Result<usize> {
     Ok(removed)
 }
 
+impl<N: Nft> FamilyTables for NftablesProxier<N> {
+    fn needs_full(&self, family: IpFamily) -> bool {
+        self.families[index(family)].needs_full
+    }
+
+    fn sync_family(
+        &mut self,
+        family: IpFamily,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Result<usize> {
+        self.write_family(family, desired, changed)
+    }
+
+    fn flow_cleaner(&mut self) -> &mut dyn FlowCleaner {
+        self.flows.as_mut()
+    }
+}
+
 impl<N: Nft> Proxier for NftablesProxier<N> {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Nftables
     }
 
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
-        self.sync_with(desired, Some(changes))
+        sync_by_family(self, desired, Some(changes))
     }
 
     fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
-        self.sync_with(desired, None)
+        sync_by_family(self, desired, None)
     }
 
     fn programmed(&self) -> (usize, usize) {

@@ -1,42 +1,14 @@
-use std::{net::IpAddr, sync::Arc};
+use std::sync::Arc;
 
 use super::{nft::MemoryNft, rules::*, *};
 use crate::{
-    model::{
-        diff, Frontend, FrontendKind, FrontendState, ObjectName, Protocol, ServicePortState,
-        WhenEmpty,
-    },
+    model::{diff, Frontend, FrontendKind, FrontendState, Protocol, ServicePortState, WhenEmpty},
     proxier::RecordedFlows,
 };
 
 fn state(name: &str, vip: &str, backends: &[&str]) -> ServicePortState {
-    let addr: IpAddr = vip.parse().unwrap();
-    ServicePortState {
-        name: ServicePortName {
-            service: ObjectName {
-                namespace: "default".into(),
-                name: name.into(),
-            },
-            port: "http".into(),
-            protocol: Protocol::Tcp,
-            family: IpFamily::of(addr),
-        },
-        frontend: Frontend {
-            addr,
-            port: 80,
-            protocol: Protocol::Tcp,
-        },
-        backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
-        draining: Vec::new(),
-        when_empty: WhenEmpty::Refuse,
-        masquerade_all: false,
-        external: Vec::new(),
-        remote: Default::default(),
-        affinity_timeout: None,
-        health_check: None,
-        scheduler: Default::default(),
-        weights: Default::default(),
-    }
+    let backends = backends.iter().map(|b| b.parse().unwrap()).collect();
+    ServicePortState::cluster_ip("default", name, "http", vip.parse().unwrap(), backends)
 }
 
 fn desired(states: &[ServicePortState]) -> DesiredState {
