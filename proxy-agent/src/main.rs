@@ -166,7 +166,10 @@ fn unix_seconds(t: SystemTime) -> f64 {
 
 async fn run(mut s: Settings) -> Result<()> {
     let caps = Capabilities::current().context("reading the process capabilities")?;
-    privileges::check_datapath(caps)?;
+    // The netfilter modes (and auto, which falls back to them) need no BPF rights; the
+    // eBPF mode and --cleanup (which unloads the eBPF datapath) do.
+    let needs_bpf = s.cli.cleanup || s.mode == ProxyMode::Ebpf;
+    privileges::check_datapath(caps, needs_bpf)?;
     if s.cli.cleanup {
         let report = cleanup(&s.bpffs_root).await?;
         info!(

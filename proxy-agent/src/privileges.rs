@@ -53,19 +53,29 @@ pub struct MissingCapabilities(pub Vec<&'static str>);
 
 impl fmt::Display for MissingCapabilities {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let short: Vec<&str> = self
+            .0
+            .iter()
+            .map(|c| c.trim_start_matches("CAP_"))
+            .collect();
         write!(
             f,
-            "missing {}: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [BPF, NET_ADMIN]; a binary: setcap cap_bpf,cap_net_admin+ep)",
-            self.0.join(" and ")
+            "missing {}: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [{}]; a binary: setcap {}+ep)",
+            self.0.join(" and "),
+            short.join(", "),
+            self.0.join(",").to_lowercase()
         )
     }
 }
 
 impl std::error::Error for MissingCapabilities {}
 
-pub fn check_datapath(caps: Capabilities) -> Result<(), MissingCapabilities> {
+///
+/// `needs_bpf`: false for the netfilter modes (and `auto`, which then falls back to them),
+/// which need only CAP_NET_ADMIN, so they run on kernels and in pods without BPF rights.
+pub fn check_datapath(caps: Capabilities, needs_bpf: bool) -> Result<(), MissingCapabilities> {
     let mut missing = Vec::new();
-    if !caps.has(CAP_BPF) && !caps.has(CAP_SYS_ADMIN) {
+    if needs_bpf && !caps.has(CAP_BPF) && !caps.has(CAP_SYS_ADMIN) {
         missing.push("CAP_BPF");
     }
     if !caps.has(CAP_NET_ADMIN) {
@@ -85,19 +95,29 @@ mod tests {
     #[test]
     fn names_exactly_what_is_missing() {
         let none = Capabilities(0);
-        let err = check_datapath(none).unwrap_err();
+        let err = check_datapath(none, true).unwrap_err();
         assert_eq!(err.0, vec!["CAP_BPF", "CAP_NET_ADMIN"]);
-        assert!(err
-            .to_string()
-            .starts_with("missing CAP_BPF and CAP_NET_ADMIN: "));
+        assert_eq!(
+            err.to_string(),
+            "missing CAP_BPF and CAP_NET_ADMIN: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [BPF, NET_ADMIN]; a binary: setcap cap_bpf,cap_net_admin+ep)"
+        );
         let net_only = Capabilities(1 << CAP_NET_ADMIN);
-        assert_eq!(check_datapath(net_only).unwrap_err().0, vec!["CAP_BPF"]);
+        assert_eq!(
+            check_datapath(net_only, true).unwrap_err().0,
+            vec!["CAP_BPF"]
+        );
         let sys_admin = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_SYS_ADMIN);
         assert!(
-            check_datapath(sys_admin).is_ok(),
+            check_datapath(sys_admin, true).is_ok(),
             "CAP_SYS_ADMIN implies BPF"
         );
         let both = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_BPF);
-        assert!(check_datapath(both).is_ok());
+        assert!(check_datapath(both, true).is_ok());
+        // The netfilter modes need CAP_NET_ADMIN only.
+        assert!(check_datapath(net_only, false).is_ok());
+        assert_eq!(
+            check_datapath(none, false).unwrap_err().0,
+            vec!["CAP_NET_ADMIN"]
+        );
     }
 }

@@ -307,6 +307,49 @@ fn missing_privileges_get_a_one_line_explanation() {
     );
 }
 
+#[test]
+fn the_netfilter_modes_need_only_cap_net_admin() {
+    require_kernel!();
+    // In a namespace of its own (the agent must not get as far as the node's tables, but
+    // nothing runs in the root namespace either way).
+    let ns = proxy_tests::lab::Netns::create(&format!(
+        "{}-{}-{}-caps",
+        proxy_tests::lab::PREFIX,
+        std::process::id(),
+        proxy_tests::lab::LAB_COUNTER.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    ))
+    .unwrap();
+    for (mode, expect_missing) in [
+        ("iptables", None),
+        ("nftables", None),
+        ("ebpf", Some("error: missing CAP_BPF: ")),
+    ] {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "setpriv"])
+            .args([
+                "--bounding-set=-all,+net_admin",
+                "--inh-caps=-all,+net_admin",
+                "--ambient-caps=-all,+net_admin",
+                "--",
+            ])
+            .arg(agent_binary().unwrap())
+            .args(["--proxy-mode", mode, "--manifests", "/nonexistent"])
+            .env("NO_COLOR", "1")
+            .output()
+            .expect("setpriv (util-linux)");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{mode}: {stderr}");
+        match expect_missing {
+            Some(line) => assert!(stderr.contains(line), "{mode}: {stderr}"),
+            // Past the capability check: it stops at the missing manifests instead.
+            None => {
+                assert!(!stderr.contains("missing CAP"), "{mode}: {stderr}");
+                assert!(stderr.contains("/nonexistent"), "{mode}: {stderr}");
+            }
+        }
+    }
+}
+
 /// Every kube-proxy-style rule in the node's iptables (both families, every table).
 fn kube_rules(lab: &Lab) -> Vec<String> {
     let mut rules = Vec::new();
