@@ -179,20 +179,13 @@ async fn run(mut s: Settings) -> Result<()> {
             maps = report.maps_unpinned,
             "eBPF mode cleaned up"
         );
-        let mut commands = IptablesCommands::host_default();
-        match commands.probe(IpFamily::V4) {
-            Ok(()) => {
-                let chains = iptables_cleanup::remove_all(&mut commands)?;
-                info!(chains, "iptables mode cleaned up");
-            }
-            Err(e) => info!("no iptables rules to clean up: {e:#}"),
+        match remove_iptables_rules()? {
+            Some(chains) => info!(chains, "iptables mode cleaned up"),
+            None => info!("no iptables here: no iptables rules to clean up"),
         }
-        match NftCommand.probe() {
-            Ok(()) => {
-                let tables = nftables::remove_all(&mut NftCommand)?;
-                info!(tables, "nftables mode cleaned up");
-            }
-            Err(e) => info!("no nftables tables to clean up: {e:#}"),
+        match remove_nftables_tables()? {
+            Some(tables) => info!(tables, "nftables mode cleaned up"),
+            None => info!("no nftables here: no nftables tables to clean up"),
         }
         info!("cleanup done");
         return Ok(());
@@ -231,6 +224,12 @@ async fn run(mut s: Settings) -> Result<()> {
     let manifests_path = s.cli.manifests.clone();
     info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
     let metrics = Arc::new(Metrics::new());
+    if s.mode != ProxyMode::Ebpf && (s.interfaces.is_some() || s.cli.cgroup_path.is_some()) {
+        info!(
+            "--interfaces and --cgroup-path are eBPF settings: not used in {} mode",
+            s.mode
+        );
+    }
     let (mut proxier, mut ebpf) = match s.mode {
         ProxyMode::Auto => bail!("proxy mode auto is resolved before this point"),
         ProxyMode::Ebpf => {
@@ -244,11 +243,6 @@ async fn run(mut s: Settings) -> Result<()> {
                     "the iptables proxier needs iptables-restore and iptables-save for IPv4 and IPv6",
                 )?;
             }
-            if s.interfaces.is_some() || s.cli.cgroup_path.is_some() {
-                info!(
-                    "--interfaces and --cgroup-path are eBPF settings: not used in iptables mode"
-                );
-            }
             let proxier = IptablesProxier::new(
                 commands,
                 Box::new(KernelConntrack),
@@ -261,11 +255,6 @@ async fn run(mut s: Settings) -> Result<()> {
             NftCommand.probe().context(
                 "the nftables proxier needs the nft command and nf_tables in the kernel",
             )?;
-            if s.interfaces.is_some() || s.cli.cgroup_path.is_some() {
-                info!(
-                    "--interfaces and --cgroup-path are eBPF settings: not used in nftables mode"
-                );
-            }
             let proxier = NftablesProxier::new(
                 NftCommand,
                 Box::new(KernelConntrack),
@@ -464,23 +453,39 @@ fn choose_mode(s: &Settings) -> Result<ProxyMode> {
     }
 }
 
+/// Removes every kube-proxy-style iptables chain (ours and upstream kube-proxy's); `None`
+/// when this node has no iptables to hold any.
+fn remove_iptables_rules() -> Result<Option<usize>> {
+    let mut commands = IptablesCommands::host_default();
+    if commands.probe(IpFamily::V4).is_err() {
+        return Ok(None);
+    }
+    iptables_cleanup::remove_all(&mut commands).map(Some)
+}
+
+/// Removes the `kube-proxy` nftables tables (ours and upstream kube-proxy's); `None` when
+/// this node has no nftables.
+fn remove_nftables_tables() -> Result<Option<usize>> {
+    if NftCommand.probe().is_err() {
+        return Ok(None);
+    }
+    nftables::remove_all(&mut NftCommand).map(Some)
+}
+
 /// Removes what the other modes left on this node (ours or upstream kube-proxy's), as
 /// kube-proxy does when it starts: best effort, each failure a warning.
 async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
     if mode != ProxyMode::Iptables {
-        let mut commands = IptablesCommands::host_default();
-        if commands.probe(IpFamily::V4).is_ok() {
-            match iptables_cleanup::remove_all(&mut commands) {
-                Ok(0) => {}
-                Ok(n) => info!(chains = n, "removed the iptables mode's rules"),
-                Err(e) => warn!("removing the iptables mode's rules: {e:#}"),
-            }
+        match remove_iptables_rules() {
+            Ok(None | Some(0)) => {}
+            Ok(Some(n)) => info!(chains = n, "removed the iptables mode's rules"),
+            Err(e) => warn!("removing the iptables mode's rules: {e:#}"),
         }
     }
-    if mode != ProxyMode::Nftables && NftCommand.probe().is_ok() {
-        match nftables::remove_all(&mut NftCommand) {
-            Ok(0) => {}
-            Ok(n) => info!(tables = n, "removed the nftables mode's tables"),
+    if mode != ProxyMode::Nftables {
+        match remove_nftables_tables() {
+            Ok(None | Some(0)) => {}
+            Ok(Some(n)) => info!(tables = n, "removed the nftables mode's tables"),
             Err(e) => warn!("removing the nftables mode's tables: {e:#}"),
         }
     }
@@ -505,7 +510,20 @@ enum ActiveProxier {
     Nftables(Box<NftablesProxier<NftCommand>>),
 }
 
+/// Brings a counter up to a total the proxier keeps.
+fn catch_up(counter: &prometheus::IntCounter, total: u64) {
+    counter.inc_by(total.saturating_sub(counter.get()));
+}
+
 impl ActiveProxier {
+    fn inner_ref(&self) -> &dyn Proxier {
+        match self {
+            ActiveProxier::Ebpf(p) => p.as_ref(),
+            ActiveProxier::Iptables(p) => p.as_ref(),
+            ActiveProxier::Nftables(p) => p.as_ref(),
+        }
+    }
+
     fn inner(&mut self) -> &mut dyn Proxier {
         match self {
             ActiveProxier::Ebpf(p) => p.as_mut(),
@@ -536,19 +554,15 @@ impl ActiveProxier {
                         .with_label_values(&[table])
                         .set(n as i64);
                 }
-                let add = |c: &prometheus::IntCounter, total: u64| {
-                    c.inc_by(total.saturating_sub(c.get()))
-                };
-                add(&metrics.iptables_restore_failures, p.restore_failures);
-                add(
+                catch_up(&metrics.iptables_restore_failures, p.restore_failures);
+                catch_up(
                     &metrics.iptables_partial_restore_failures,
                     p.partial_restore_failures,
                 );
             }
             ActiveProxier::Nftables(p) => {
                 metrics.nftables_rules.set(p.rule_count() as i64);
-                let c = &metrics.nftables_sync_failures;
-                c.inc_by(p.failures.saturating_sub(c.get()));
+                catch_up(&metrics.nftables_sync_failures, p.failures);
             }
         }
     }
@@ -556,11 +570,7 @@ impl ActiveProxier {
 
 impl Proxier for ActiveProxier {
     fn mode(&self) -> ProxyMode {
-        match self {
-            ActiveProxier::Ebpf(p) => p.mode(),
-            ActiveProxier::Iptables(p) => p.mode(),
-            ActiveProxier::Nftables(p) => p.mode(),
-        }
+        self.inner_ref().mode()
     }
 
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
@@ -572,11 +582,7 @@ impl Proxier for ActiveProxier {
     }
 
     fn programmed(&self) -> (usize, usize) {
-        match self {
-            ActiveProxier::Ebpf(p) => p.programmed(),
-            ActiveProxier::Iptables(p) => p.programmed(),
-            ActiveProxier::Nftables(p) => p.programmed(),
-        }
+        self.inner_ref().programmed()
     }
 
     fn set_masquerade_addresses(

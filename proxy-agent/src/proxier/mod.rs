@@ -145,6 +145,32 @@ pub trait FamilyTables {
     ) -> Result<usize>;
 
     fn flow_cleaner(&mut self) -> &mut dyn FlowCleaner;
+
+    /// Where `family`'s masquerade address is kept (written by full syncs only).
+    fn masquerade_addr_mut(&mut self, family: IpFamily) -> &mut Option<std::net::IpAddr>;
+
+    /// Makes `family`'s next write a full one.
+    fn require_full(&mut self, family: IpFamily);
+}
+
+/// [`Proxier::set_masquerade_addresses`] for the netfilter proxiers: a family whose
+/// address changed is rewritten whole at its next sync, as the source-NAT rule is part
+/// of the fixed chains only full syncs write.
+pub fn set_family_masquerade_addresses(
+    tables: &mut impl FamilyTables,
+    v4: Option<std::net::Ipv4Addr>,
+    v6: Option<std::net::Ipv6Addr>,
+) {
+    for (family, addr) in [
+        (IpFamily::V4, v4.map(std::net::IpAddr::from)),
+        (IpFamily::V6, v6.map(std::net::IpAddr::from)),
+    ] {
+        let kept = tables.masquerade_addr_mut(family);
+        if *kept != addr {
+            *kept = addr;
+            tables.require_full(family);
+        }
+    }
 }
 
 /// What a family's write starts from: each of its service ports' rules, regenerated with

@@ -24,8 +24,8 @@ use self::{
     tables::RuleTables,
 };
 use super::{
-    family_index as index, regenerate, sync_by_family, FamilyTables, FlowCleaner, Proxier,
-    ProxyMode, Regenerated, SyncReport, FAMILIES,
+    family_index as index, regenerate, set_family_masquerade_addresses, sync_by_family,
+    FamilyTables, FlowCleaner, Proxier, ProxyMode, Regenerated, SyncReport, FAMILIES,
 };
 use crate::model::{Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
 
@@ -377,6 +377,14 @@ impl<T: RuleTables> FamilyTables for IptablesProxier<T> {
     fn flow_cleaner(&mut self) -> &mut dyn FlowCleaner {
         self.flows.as_mut()
     }
+
+    fn masquerade_addr_mut(&mut self, family: IpFamily) -> &mut Option<IpAddr> {
+        &mut self.contexts[index(family)].masquerade_addr
+    }
+
+    fn require_full(&mut self, family: IpFamily) {
+        self.families[index(family)].needs_full = true;
+    }
 }
 
 impl<T: RuleTables> Proxier for IptablesProxier<T> {
@@ -397,16 +405,7 @@ impl<T: RuleTables> Proxier for IptablesProxier<T> {
         v4: Option<std::net::Ipv4Addr>,
         v6: Option<std::net::Ipv6Addr>,
     ) {
-        for (i, addr) in [v4.map(IpAddr::from), v6.map(IpAddr::from)]
-            .into_iter()
-            .enumerate()
-        {
-            if self.contexts[i].masquerade_addr != addr {
-                // KUBE-POSTROUTING is written by full syncs.
-                self.contexts[i].masquerade_addr = addr;
-                self.families[i].needs_full = true;
-            }
-        }
+        set_family_masquerade_addresses(self, v4, v6)
     }
 
     fn programmed(&self) -> (usize, usize) {

@@ -24,8 +24,8 @@ use self::{
     rules::{service_rules, RuleContext, ServiceRules, TABLE},
 };
 use super::{
-    family_index as index, regenerate, sync_by_family, FamilyTables, FlowCleaner, Proxier,
-    ProxyMode, Regenerated, SyncReport, FAMILIES,
+    family_index as index, regenerate, set_family_masquerade_addresses, sync_by_family,
+    FamilyTables, FlowCleaner, Proxier, ProxyMode, Regenerated, SyncReport, FAMILIES,
 };
 use crate::model::{Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
 
@@ -432,6 +432,14 @@ impl<N: Nft> FamilyTables for NftablesProxier<N> {
     fn flow_cleaner(&mut self) -> &mut dyn FlowCleaner {
         self.flows.as_mut()
     }
+
+    fn masquerade_addr_mut(&mut self, family: IpFamily) -> &mut Option<IpAddr> {
+        &mut self.contexts[index(family)].masquerade_addr
+    }
+
+    fn require_full(&mut self, family: IpFamily) {
+        self.families[index(family)].needs_full = true;
+    }
 }
 
 impl<N: Nft> Proxier for NftablesProxier<N> {
@@ -468,15 +476,7 @@ impl<N: Nft> Proxier for NftablesProxier<N> {
         v4: Option<std::net::Ipv4Addr>,
         v6: Option<std::net::Ipv6Addr>,
     ) {
-        for (i, addr) in [v4.map(IpAddr::from), v6.map(IpAddr::from)]
-            .into_iter()
-            .enumerate()
-        {
-            if self.contexts[i].masquerade_addr != addr {
-                self.contexts[i].masquerade_addr = addr;
-                self.families[i].needs_full = true;
-            }
-        }
+        set_family_masquerade_addresses(self, v4, v6)
     }
 }
 
