@@ -29,7 +29,8 @@ pub struct Cli {
     #[arg(long)]
     pub config: Option<PathBuf>,
 
-    /// Which proxy mode to use: ebpf (default) or iptables.
+    /// Which proxy mode to use: ebpf (default), iptables, nftables, userspace, or auto (the
+    /// first of those the kernel supports).
     #[arg(long = "proxy-mode", default_value = "ebpf", value_parser = parse_mode)]
     pub proxy_mode: ProxyMode,
 
@@ -86,6 +87,11 @@ pub struct Cli {
     /// --masquerade-all).
     #[arg(long = "masquerade-all")]
     pub masquerade_all: bool,
+
+    /// Userspace mode: how long a UDP session without traffic is kept (kube-proxy's
+    /// --udp-timeout; default 250ms).
+    #[arg(long = "udp-timeout", value_parser = parse_duration)]
+    pub udp_timeout: Option<Duration>,
 
     /// The pods' address ranges (comma-separated, the first of each family is used, as
     /// kube-proxy's dual-stack list): flows from outside them to a cluster IP are
@@ -160,6 +166,10 @@ fn parse_mode(s: &str) -> Result<ProxyMode, String> {
     s.parse()
 }
 
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    crate::config::GoDuration::parse(s).map(|d| d.0)
+}
+
 /// Everything the agent runs with, after the file and the flags.
 pub struct Settings {
     pub cli: Cli,
@@ -176,6 +186,8 @@ pub struct Settings {
     pub node_port_addresses: Vec<NodePortAddress>,
     /// `--masquerade-all` / `iptables.masqueradeAll`.
     pub masquerade_all: bool,
+    /// Userspace mode's UDP session idle timeout.
+    pub udp_idle_timeout: Duration,
     /// `--scheduler` / `ebpf.scheduler`.
     pub scheduler: crate::model::Scheduler,
     pub backend_metrics: bool,
@@ -387,6 +399,10 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
             || masquerade_section
                 .and_then(|t| t.masquerade_all)
                 .unwrap_or(false),
+        udp_idle_timeout: cli
+            .udp_timeout
+            .or(f.and_then(|f| f.udp_idle_timeout))
+            .unwrap_or(crate::proxier::userspace::DEFAULT_UDP_IDLE_TIMEOUT),
         backend_metrics: cli.backend_metrics || f.and_then(|f| f.backend_metrics).unwrap_or(false),
         kubeconfig: cli
             .kubeconfig

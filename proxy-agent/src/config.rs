@@ -108,6 +108,9 @@ pub struct KubeProxyConfiguration {
     pub windows_run_as_service: Option<bool>,
     pub sync_period: Option<GoDuration>,
     pub min_sync_period: Option<GoDuration>,
+    /// The userspace mode's UDP session idle timeout (a v1alpha1 field until kube-proxy
+    /// removed its userspace mode).
+    pub udp_idle_timeout: Option<GoDuration>,
     /// Not a v1alpha1 field, but widely copied guides write it; accepted as an alias of
     /// `logging.verbosity`, with a warning.
     pub v: Option<u32>,
@@ -245,6 +248,7 @@ pub struct FileSettings {
     pub cluster_cidrs: Vec<String>,
     pub node_port_addresses: Vec<String>,
     pub config_sync_period: Option<Duration>,
+    pub udp_idle_timeout: Option<Duration>,
     pub kubeconfig: Option<String>,
     pub verbosity: Option<u32>,
     pub sync_period: Option<Duration>,
@@ -631,6 +635,7 @@ fn settings(
         cluster_cidrs,
         node_port_addresses,
         config_sync_period: duration("configSyncPeriod", k.config_sync_period)?,
+        udp_idle_timeout: duration("udpIdleTimeout", k.udp_idle_timeout)?,
         kubeconfig: k
             .client_connection
             .and_then(|c| c.kubeconfig)

@@ -9,6 +9,7 @@ pub mod ctnetlink;
 pub mod datapath;
 pub mod health;
 pub mod kernel_conntrack;
+pub mod local_routes;
 pub mod metrics;
 pub mod model;
 pub mod pins;

@@ -13,6 +13,7 @@ use proxy_agent::{
     ctnetlink::KernelConntrack,
     datapath::{Datapath, LoadOptions},
     health::{self, Health},
+    local_routes::{self, KernelLocalRoutes, LocalRoutes},
     metrics::{service_labels, Metrics, TrafficCounters},
     model::{
         local_addresses, objects::NodeInfo, ChangeTracker, DesiredState, IpFamily, NodeContext,
@@ -28,6 +29,7 @@ use proxy_agent::{
             nft::{Nft, NftCommand},
             NftablesProxier,
         },
+        userspace::UserspaceProxier,
         Proxier, ProxyMode, SyncReport,
     },
     service_health::{self, ServiceHealthServers},
@@ -169,7 +171,7 @@ async fn run(mut s: Settings) -> Result<()> {
     // The netfilter modes (and auto, which falls back to them) need no BPF rights; the
     // eBPF mode and --cleanup (which unloads the eBPF datapath) do.
     let needs_bpf = s.cli.cleanup || s.mode == ProxyMode::Ebpf;
-    privileges::check_datapath(caps, needs_bpf)?;
+    privileges::check_datapath(caps, needs_bpf, s.mode == ProxyMode::Userspace)?;
     if s.cli.cleanup {
         let report = cleanup(&s.bpffs_root).await?;
         info!(
@@ -187,6 +189,8 @@ async fn run(mut s: Settings) -> Result<()> {
             Some(tables) => info!(tables, "nftables mode cleaned up"),
             None => info!("no nftables here: no nftables tables to clean up"),
         }
+        let routes = local_routes::remove_all()?;
+        info!(routes, "userspace mode cleaned up");
         info!("cleanup done");
         return Ok(());
     }
@@ -262,6 +266,12 @@ async fn run(mut s: Settings) -> Result<()> {
                 &s.cluster_cidrs,
             );
             (ActiveProxier::Nftables(Box::new(proxier)), None)
+        }
+        ProxyMode::Userspace => {
+            let routes = KernelLocalRoutes::open()
+                .context("the userspace proxier makes service addresses local with routes")?;
+            let proxier = UserspaceProxier::new(Box::new(routes), s.udp_idle_timeout);
+            (ActiveProxier::Userspace(Box::new(proxier)), None)
         }
     };
     let health = Health::new(2 * s.sync_period);
@@ -444,10 +454,18 @@ fn choose_mode(s: &Settings) -> Result<ProxyMode> {
     {
         Ok(()) => {
             info!(not_chosen = ?reasons, "auto: choosing iptables");
-            Ok(ProxyMode::Iptables)
+            return Ok(ProxyMode::Iptables);
+        }
+        Err(e) => reasons.push(format!("iptables: {e:#}")),
+    }
+    // The last resort: no netfilter, no BPF, only sockets and a route per address.
+    match KernelLocalRoutes::open().and_then(|mut r| r.list().map(|_| ())) {
+        Ok(()) => {
+            info!(not_chosen = ?reasons, "auto: choosing userspace");
+            Ok(ProxyMode::Userspace)
         }
         Err(e) => {
-            reasons.push(format!("iptables: {e:#}"));
+            reasons.push(format!("userspace: {e:#}"));
             bail!("auto: no proxy mode can run here: {}", reasons.join("; "))
         }
     }
@@ -489,6 +507,13 @@ async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
             Err(e) => warn!("removing the nftables mode's tables: {e:#}"),
         }
     }
+    if mode != ProxyMode::Userspace {
+        match local_routes::remove_all() {
+            Ok(0) => {}
+            Ok(n) => info!(routes = n, "removed the userspace mode's local routes"),
+            Err(e) => warn!("removing the userspace mode's local routes: {e:#}"),
+        }
+    }
     if mode != ProxyMode::Ebpf {
         match cleanup(&s.bpffs_root).await {
             Ok(report) if report == Default::default() => {}
@@ -508,6 +533,7 @@ enum ActiveProxier {
     Ebpf(Box<EbpfProxier<KernelMaps>>),
     Iptables(Box<IptablesProxier<IptablesCommands>>),
     Nftables(Box<NftablesProxier<NftCommand>>),
+    Userspace(Box<UserspaceProxier>),
 }
 
 /// Brings a counter up to a total the proxier keeps.
@@ -521,6 +547,7 @@ impl ActiveProxier {
             ActiveProxier::Ebpf(p) => p.as_ref(),
             ActiveProxier::Iptables(p) => p.as_ref(),
             ActiveProxier::Nftables(p) => p.as_ref(),
+            ActiveProxier::Userspace(p) => p.as_ref(),
         }
     }
 
@@ -529,6 +556,7 @@ impl ActiveProxier {
             ActiveProxier::Ebpf(p) => p.as_mut(),
             ActiveProxier::Iptables(p) => p.as_mut(),
             ActiveProxier::Nftables(p) => p.as_mut(),
+            ActiveProxier::Userspace(p) => p.as_mut(),
         }
     }
 
@@ -563,6 +591,9 @@ impl ActiveProxier {
             ActiveProxier::Nftables(p) => {
                 metrics.nftables_rules.set(p.rule_count() as i64);
                 catch_up(&metrics.nftables_sync_failures, p.failures);
+            }
+            ActiveProxier::Userspace(p) => {
+                metrics.userspace_listeners.set(p.listening() as i64);
             }
         }
     }

@@ -35,6 +35,7 @@ pub struct Metrics {
     pub iptables_restore_failures: IntCounter,
     pub iptables_partial_restore_failures: IntCounter,
     pub nftables_rules: IntGauge,
+    pub userspace_listeners: IntGauge,
     pub nftables_sync_failures: IntCounter,
     // This project's own.
     pub programmed_service_ports: IntGaugeVec,
@@ -170,6 +171,11 @@ impl Metrics {
                 "Rules and verdict-map elements in the nftables mode's tables",
             )
             .unwrap(),
+            userspace_listeners: IntGauge::new(
+                "proxy_agent_userspace_listeners",
+                "Frontends the userspace mode listens on (those with endpoints to serve)",
+            )
+            .unwrap(),
             nftables_sync_failures: IntCounter::new(
                 "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
                 "Cumulative proxy nftables sync failures",
@@ -251,6 +257,7 @@ impl Metrics {
         reg(Box::new(m.iptables_restore_failures.clone()));
         reg(Box::new(m.iptables_partial_restore_failures.clone()));
         reg(Box::new(m.nftables_rules.clone()));
+        reg(Box::new(m.userspace_listeners.clone()));
         reg(Box::new(m.nftables_sync_failures.clone()));
         reg(Box::new(m.programmed_service_ports.clone()));
         reg(Box::new(m.programmed_backends.clone()));

@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+pub const CAP_NET_BIND_SERVICE: u32 = 10;
 pub const CAP_NET_ADMIN: u32 = 12;
 pub const CAP_SYS_ADMIN: u32 = 21;
 pub const CAP_BPF: u32 = 39;
@@ -73,13 +74,22 @@ impl std::error::Error for MissingCapabilities {}
 ///
 /// `needs_bpf`: false for the netfilter modes (and `auto`, which then falls back to them),
 /// which need only CAP_NET_ADMIN, so they run on kernels and in pods without BPF rights.
-pub fn check_datapath(caps: Capabilities, needs_bpf: bool) -> Result<(), MissingCapabilities> {
+/// `binds_service_ports`: the userspace mode listens on the services' own ports, most of
+/// them below 1024, which takes CAP_NET_BIND_SERVICE.
+pub fn check_datapath(
+    caps: Capabilities,
+    needs_bpf: bool,
+    binds_service_ports: bool,
+) -> Result<(), MissingCapabilities> {
     let mut missing = Vec::new();
     if needs_bpf && !caps.has(CAP_BPF) && !caps.has(CAP_SYS_ADMIN) {
         missing.push("CAP_BPF");
     }
     if !caps.has(CAP_NET_ADMIN) {
         missing.push("CAP_NET_ADMIN");
+    }
+    if binds_service_ports && !caps.has(CAP_NET_BIND_SERVICE) {
+        missing.push("CAP_NET_BIND_SERVICE");
     }
     if missing.is_empty() {
         Ok(())
@@ -95,7 +105,7 @@ mod tests {
     #[test]
     fn names_exactly_what_is_missing() {
         let none = Capabilities(0);
-        let err = check_datapath(none, true).unwrap_err();
+        let err = check_datapath(none, true, false).unwrap_err();
         assert_eq!(err.0, vec!["CAP_BPF", "CAP_NET_ADMIN"]);
         assert_eq!(
             err.to_string(),
@@ -103,21 +113,28 @@ mod tests {
         );
         let net_only = Capabilities(1 << CAP_NET_ADMIN);
         assert_eq!(
-            check_datapath(net_only, true).unwrap_err().0,
+            check_datapath(net_only, true, false).unwrap_err().0,
             vec!["CAP_BPF"]
         );
         let sys_admin = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_SYS_ADMIN);
         assert!(
-            check_datapath(sys_admin, true).is_ok(),
+            check_datapath(sys_admin, true, false).is_ok(),
             "CAP_SYS_ADMIN implies BPF"
         );
         let both = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_BPF);
-        assert!(check_datapath(both, true).is_ok());
+        assert!(check_datapath(both, true, false).is_ok());
         // The netfilter modes need CAP_NET_ADMIN only.
-        assert!(check_datapath(net_only, false).is_ok());
+        assert!(check_datapath(net_only, false, false).is_ok());
         assert_eq!(
-            check_datapath(none, false).unwrap_err().0,
+            check_datapath(none, false, false).unwrap_err().0,
             vec!["CAP_NET_ADMIN"]
         );
+        // The userspace mode binds the services' ports.
+        assert_eq!(
+            check_datapath(net_only, false, true).unwrap_err().0,
+            vec!["CAP_NET_BIND_SERVICE"]
+        );
+        let userspace = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_NET_BIND_SERVICE);
+        assert!(check_datapath(userspace, false, true).is_ok());
     }
 }

@@ -518,7 +518,7 @@ impl Cluster {
         self.nodes
             .iter()
             .filter_map(|n| n.agent.as_ref())
-            .map(|a| a.log_text().matches("synced").count())
+            .map(|a| a.log_text().matches(" synced full=").count())
             .sum()
     }
 }

@@ -37,6 +37,12 @@ impl Mode {
             Mode::Userspace => "userspace",
         }
     }
+
+    /// Whether endpoints see the client's own address: the userspace proxier relays every
+    /// flow from the node's address.
+    fn keeps_client_address(self) -> bool {
+        self != Mode::Userspace
+    }
 }
 
 /// Runs `row` for `mode`.
@@ -67,7 +73,7 @@ macro_rules! conformance {
             run,
             "this proxier is not built yet ([5 of 6])",
             run,
-            "this proxier is not built yet ([5 of 6])"
+            run
         ])] $($rest)*);
     };
     (@modes [$(($row:ident [$e:tt, $i:tt, $v:tt, $n:tt, $u:tt]))*]) => {
@@ -102,7 +108,13 @@ conformance!(
     internal_traffic_policy_local_keeps_traffic_on_the_node,
     prefer_close_keeps_traffic_in_the_zone,
     node_port_reaches_every_backend_from_outside_with_replies_through_the_node,
-    external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address,
+    external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address: [
+        run,
+        run,
+        "this proxier is not built yet ([5 of 6])",
+        run,
+        "relays each flow from the node's own address: it cannot keep the client's"
+    ],
     node_port_addresses_restrict_where_node_ports_listen,
     external_ips_and_load_balancer_ips_are_served,
     load_balancer_source_ranges_admit_only_listed_clients,
@@ -111,7 +123,13 @@ conformance!(
     a_pod_reaches_itself_through_its_service,
     fragmented_udp_reaches_one_backend_and_returns_translated,
     masquerade_all_source_nats_every_service_flow,
-    cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
+    cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster: [
+        run,
+        run,
+        "this proxier is not built yet ([5 of 6])",
+        run,
+        "relays each flow from the node's own address: it cannot keep the client's"
+    ],
     established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone,
     udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
     the_node_itself_reaches_cluster_ips,
@@ -120,12 +138,18 @@ conformance!(
         "balances at random as kube-proxy's does; scheduler annotations are for ipvs and ebpf",
         "this proxier is not built yet ([5 of 6])",
         "balances at random as kube-proxy's does; scheduler annotations are for ipvs and ebpf",
-        "this proxier is not built yet ([5 of 6])"
+        "round robin, as kube-proxy's userspace mode; scheduler annotations are for ipvs and ebpf"
     ],
     ipv6_cluster_ip_tcp_and_udp_reach_backends_on_both_nodes,
     ipv6_service_without_endpoints_is_refused,
     ipv6_node_port_reaches_every_backend_from_outside_with_replies_through_the_node,
-    ipv6_external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address,
+    ipv6_external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address: [
+        run,
+        run,
+        "this proxier is not built yet ([5 of 6])",
+        run,
+        "relays each flow from the node's own address: it cannot keep the client's"
+    ],
     ipv6_load_balancer_source_ranges_admit_only_listed_clients,
     ipv6_session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
     ipv6_schedulers_chosen_by_annotation_keep_their_defining_property: [
@@ -133,12 +157,18 @@ conformance!(
         "balances at random as kube-proxy's does; scheduler annotations are for ipvs and ebpf",
         "this proxier is not built yet ([5 of 6])",
         "balances at random as kube-proxy's does; scheduler annotations are for ipvs and ebpf",
-        "this proxier is not built yet ([5 of 6])"
+        "round robin, as kube-proxy's userspace mode; scheduler annotations are for ipvs and ebpf"
     ],
     ipv6_masquerade_all_source_nats_every_service_flow,
     ipv6_a_pod_reaches_itself_through_its_service,
     ipv6_fragmented_udp_reaches_one_backend_and_returns_translated,
-    ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster,
+    ipv6_cluster_cidr_masquerades_cluster_ip_traffic_from_outside_the_cluster: [
+        run,
+        run,
+        "this proxier is not built yet ([5 of 6])",
+        run,
+        "relays each flow from the node's own address: it cannot keep the client's"
+    ],
     dual_stack_service_serves_each_family_from_its_own_slices,
     the_node_itself_reaches_ipv6_cluster_ips,
 );
@@ -707,9 +737,22 @@ fn hairpin_in(mode: Mode, family: Family) {
     assert_eq!(pods(&hellos), set(&ALL), "{:?}", counts(&hellos));
 }
 
+/// Reaches every backend once, straight from the client pod: in this lab the first IPv6
+/// packet towards a pod on the other node can be lost (a SYN: retransmitted after 1.02 s,
+/// then 0.6 ms; a datagram: gone) with netfilter's conntrack active, and from the node's
+/// own address in userspace mode; not in eBPF mode (0.7 ms). Rows with a per-flow deadline
+/// shorter than that start with the paths in use. Cause not found.
+fn warm_backend_paths(c: &Cluster, family: Family) {
+    for (pod, _, ip) in proxy_tests::cluster::BACKENDS {
+        let direct = SocketAddr::new(family.lab(ip), 8080);
+        assert_eq!(tcp_from_pod(c, CLIENT, direct, 1)[0].pod, pod);
+    }
+}
+
 fn fragments_in(mode: Mode, family: Family) {
     let vip = family.vip(29);
     let c = cluster(mode, |c| node_port_service(family, c, "web", &vip, ""));
+    warm_backend_paths(&c, family);
     let size = 4000; // well over the 1500-byte MTU: three fragments each way
     let to_vip = to(&vip, 53);
     let from_pod = c
@@ -838,7 +881,8 @@ fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode:
     let outcome = session.exchange("three");
     assert!(
         outcome.is_err(),
-        "the connection to a removed endpoint must end: {outcome:?}"
+        "the connection to a removed endpoint must end: {outcome:?}\n{}",
+        c.logs()
     );
     assert!(
         started.elapsed() < Duration::from_millis(1500),
@@ -1004,9 +1048,12 @@ fn dual_stack_service_serves_each_family_from_its_own_slices(mode: Mode) {
     assert_eq!(pods(&v6_tcp), set(&["web-2b"]));
     let v6_udp = udp_from_pod(&c, CLIENT_2, to("fd00:10:96::60", 53), 20);
     assert_eq!(pods(&v6_udp), set(&["web-2b"]));
-    assert!(v6_udp
-        .iter()
-        .all(|h| h.from.ip() == IpAddr::from(v6(CLIENT_2_IP))));
+    let client = if mode.keeps_client_address() {
+        IpAddr::from(v6(CLIENT_2_IP))
+    } else {
+        IpAddr::from(v6(c.node(c.pod(CLIENT_2).node).internal_ip))
+    };
+    assert!(v6_udp.iter().all(|h| h.from.ip() == client), "{v6_udp:?}");
 }
 
 fn the_node_itself_reaches_ipv6_cluster_ips(mode: Mode) {
@@ -1020,6 +1067,7 @@ fn the_node_itself_reaches_ipv6_cluster_ips(mode: Mode) {
             )
             + &tcp_and_udp_service_in(V4, c, "web4", "10.96.0.42", "", &ready(&ALL))
     });
+    warm_backend_paths(&c, V6);
     let probe = env!("CARGO_BIN_EXE_sockprobe");
     // A dual-stack (AF_INET6) socket naming an IPv4 service by its IPv4-mapped address,
     // as Java and others do: served, and shown back the mapped service address.
@@ -1133,7 +1181,11 @@ fn cluster_ip_tcp_and_udp_in(mode: Mode, family: Family) {
     let c = cluster(mode, |c| {
         tcp_and_udp_service_in(family, c, "web", &vip, "", &ready(&ALL))
     });
-    let client = family.lab(CLIENT_IP);
+    let client = if mode.keeps_client_address() {
+        family.lab(CLIENT_IP)
+    } else {
+        family.lab(c.node(c.pod(CLIENT).node).internal_ip)
+    };
     let tcp = tcp_from_pod(&c, CLIENT, to(&vip, 80), 60);
     assert_eq!(pods(&tcp), set(&ALL), "{:?}", counts(&tcp));
     for h in &tcp {
@@ -1203,7 +1255,7 @@ fn node_port_cluster_policy_in(mode: Mode, family: Family) {
         for h in &hellos {
             // externalTrafficPolicy Cluster: a backend on the other node sees the node that
             // forwarded (so its reply goes back the same way); a local one sees the client.
-            let want = if c.pod(&h.pod).node == via {
+            let want = if c.pod(&h.pod).node == via && mode.keeps_client_address() {
                 family.lab(external_client_ip(via))
             } else {
                 family.lab(node.internal_ip)
@@ -1291,15 +1343,8 @@ fn affinity_in(mode: Mode, family: Family) {
             &ready(&ALL),
         )
     });
-    // A first connection that takes a second outlives the 1 s timeout it started, and in
-    // this lab the first IPv6 SYN to a pod on the other node is lost while netfilter's
-    // conntrack is active (the netfilter modes), even straight to the pod's address with
-    // no service in between (measured: 1.02 s, then 0.6 ms; eBPF mode 0.7 ms): so every
-    // backend is reached directly first.
-    for (pod, _, ip) in proxy_tests::cluster::BACKENDS {
-        let direct = SocketAddr::new(family.lab(ip), 8080);
-        assert_eq!(tcp_from_pod(&c, CLIENT, direct, 1)[0].pod, pod);
-    }
+    // A first connection that takes a second outlives the 1 s timeout it started.
+    warm_backend_paths(&c, family);
     // Each round: many new flows within the timeout all go to one backend. Between rounds
     // the timeout passes, so the next round may choose again.
     let mut chosen = BTreeSet::new();

@@ -442,8 +442,25 @@ fn leftovers(lab: &Lab, mode: &str) -> Vec<String> {
         "ebpf" => ebpf_leftovers(lab),
         "iptables" => kube_rules(lab),
         "nftables" => nft_tables(lab),
+        "userspace" => local_routes(lab),
         other => panic!("no such mode {other}"),
     }
+}
+
+/// The userspace mode's routes making service addresses local (its protocol number, 201).
+fn local_routes(lab: &Lab) -> Vec<String> {
+    let mut routes = Vec::new();
+    for family in ["-4", "-6"] {
+        let out = lab
+            .node
+            .exec(
+                "ip",
+                &[family, "route", "show", "table", "local", "proto", "201"],
+            )
+            .unwrap();
+        routes.extend(out.lines().map(String::from));
+    }
+    routes
 }
 
 #[test]
@@ -479,7 +496,14 @@ fn switching_modes_keeps_new_connections_and_leaves_nothing_of_the_old_mode() {
     assert_eq!(nft_tables(&lab), Vec::<String>::new());
     let mut current = "iptables";
     for next in [
-        "nftables", "ebpf", "iptables", "ebpf", "nftables", "iptables",
+        "nftables",
+        "ebpf",
+        "iptables",
+        "userspace",
+        "ebpf",
+        "userspace",
+        "nftables",
+        "iptables",
     ] {
         let connects = ConnectLoop::start(&lab.client.ns, WEB);
         std::thread::sleep(Duration::from_millis(300));
@@ -514,7 +538,7 @@ fn switching_modes_keeps_new_connections_and_leaves_nothing_of_the_old_mode() {
     lab.stop_agent().unwrap();
     let (ok, out) = lab.run_agent_once(&["--cleanup"]).unwrap();
     assert!(ok, "{out}");
-    for mode in ["ebpf", "iptables", "nftables"] {
+    for mode in ["ebpf", "iptables", "nftables", "userspace"] {
         assert_eq!(
             leftovers(&lab, mode),
             Vec::<String>::new(),

@@ -193,3 +193,15 @@ nftables: {masqueradeBit: 9, masqueradeAll: true, syncPeriod: 7s, minSyncPeriod:
     let s = with_config(file, &["--proxy-mode", "ebpf"]);
     assert_eq!(s.sync_period, Duration::from_secs(45));
 }
+
+#[test]
+fn udp_idle_timeout_comes_from_the_flag_then_the_file_then_kube_proxys_default() {
+    let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: userspace\nudpIdleTimeout: 2s\n";
+    let s = with_config(file, &[]);
+    assert_eq!(s.mode, ProxyMode::Userspace);
+    assert_eq!(s.udp_idle_timeout, Duration::from_secs(2));
+    let s = with_config(file, &["--udp-timeout", "500ms"]);
+    assert_eq!(s.udp_idle_timeout, Duration::from_millis(500));
+    let s = settings(&Cli::command().get_matches_from(["proxy-agent"])).unwrap();
+    assert_eq!(s.udp_idle_timeout, Duration::from_millis(250));
+}

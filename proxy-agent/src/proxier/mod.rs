@@ -4,6 +4,7 @@ pub mod ebpf;
 pub mod iptables;
 pub mod naming;
 pub mod nftables;
+pub mod userspace;
 
 use std::{fmt, str::FromStr};
 
@@ -18,6 +19,7 @@ pub enum ProxyMode {
     Ebpf,
     Iptables,
     Nftables,
+    Userspace,
     /// Resolved at start to the first mode the kernel supports (see `main`); never runs.
     Auto,
 }
@@ -28,6 +30,7 @@ impl ProxyMode {
             ProxyMode::Ebpf => "ebpf",
             ProxyMode::Iptables => "iptables",
             ProxyMode::Nftables => "nftables",
+            ProxyMode::Userspace => "userspace",
             ProxyMode::Auto => "auto",
         }
     }
@@ -47,9 +50,10 @@ impl FromStr for ProxyMode {
             "" | "ebpf" => Ok(ProxyMode::Ebpf),
             "iptables" => Ok(ProxyMode::Iptables),
             "nftables" => Ok(ProxyMode::Nftables),
+            "userspace" => Ok(ProxyMode::Userspace),
             "auto" => Ok(ProxyMode::Auto),
-            "ipvs" | "userspace" => Err(format!(
-                "proxy mode {s:?} is not available in this build yet (available: ebpf, iptables, nftables)"
+            "ipvs" => Err(format!(
+                "proxy mode {s:?} is not available in this build yet (available: ebpf, iptables, nftables, userspace)"
             )),
             other => Err(format!(
                 "unknown proxy mode {other:?} (expected auto, ebpf, iptables, ipvs, nftables or userspace)"

@@ -1,9 +1,9 @@
 //! Control-plane cost per proxy mode: how long a sync takes for N services × 10 endpoints,
 //! cold (everything written into an empty datapath) and for one changed service (one
 //! endpoint replaced), against the real kernel facility of each mode (eBPF maps,
-//! `iptables-restore`, `nft`), each in a network namespace of its own.
+//! `iptables-restore`, `nft`, local routes and listening sockets), each in a network namespace of its own.
 //!
-//! `syncbench [--modes ebpf,iptables,nftables] [--services 1000,10000] [--changes 5]`
+//! `syncbench [--modes ebpf,iptables,nftables,userspace] [--services 1000,10000] [--changes 5]`
 //! prints a Markdown table; the one-change figure is the median of `--changes` syncs
 //! (min–max beside it). `iptables-legacy` / `iptables-nft` force an iptables backend
 //! (`iptables` is whichever the host's is).
@@ -18,10 +18,12 @@ use anyhow::{bail, Context, Result};
 use proxy_agent::{
     ctnetlink::KernelConntrack,
     datapath::{Datapath, DatapathSizes, LoadOptions},
+    local_routes::KernelLocalRoutes,
     model::{diff, DesiredState, ServicePortState},
     proxier::{
         ebpf::EbpfProxier, iptables::tables::IptablesCommands, iptables::IptablesProxier,
-        nftables::nft::NftCommand, nftables::NftablesProxier, Proxier,
+        nftables::nft::NftCommand, nftables::NftablesProxier, userspace::UserspaceProxier,
+        userspace::DEFAULT_UDP_IDLE_TIMEOUT, Proxier,
     },
 };
 use proxy_tests::lab::{Netns, LAB_COUNTER, PREFIX};
@@ -36,7 +38,12 @@ struct Args {
 
 fn parse_args() -> Result<Args> {
     let mut args = Args {
-        modes: vec!["ebpf".into(), "iptables".into(), "nftables".into()],
+        modes: vec![
+            "ebpf".into(),
+            "iptables".into(),
+            "nftables".into(),
+            "userspace".into(),
+        ],
         services: vec![1_000, 10_000],
         changes: 5,
     };
@@ -166,8 +173,21 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                 let mut p = NftablesProxier::new(NftCommand, Box::new(KernelConntrack), 14, &[]);
                 measure(&mut p, n, changes)
             }
+            "userspace" => {
+                // Its listeners are tokio sockets: a runtime must be current (they are
+                // bound during the sync; nothing needs to run).
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                let _context = runtime.enter();
+                let mut p = UserspaceProxier::new(
+                    Box::new(KernelLocalRoutes::open()?),
+                    DEFAULT_UDP_IDLE_TIMEOUT,
+                );
+                measure(&mut p, n, changes)
+            }
             other => bail!(
-                "no such mode {other} (ebpf, iptables, iptables-legacy, iptables-nft, nftables)"
+                "no such mode {other} (ebpf, iptables, iptables-legacy, iptables-nft, nftables, userspace)"
             ),
         }
     })

@@ -1,0 +1,202 @@
+//! Where a frontend's new flows go: round robin over its serving endpoints, sticky per
+//! client address under `sessionAffinity: ClientIP`, and only for clients its source ranges
+//! admit. Shared by the frontend's listener (which picks) and the sync (which updates).
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    net::{IpAddr, SocketAddr},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use tokio::{net::TcpStream, sync::watch};
+
+use crate::model::Cidr;
+
+/// The choice rules of one frontend, as the model decided them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Choice {
+    /// Endpoints that take new flows (sorted, as the model lists them).
+    pub backends: Vec<SocketAddr>,
+    /// `sessionAffinity: ClientIP` timeout.
+    pub affinity: Option<Duration>,
+    /// `loadBalancerSourceRanges`; empty: every client.
+    pub source_ranges: Vec<Cidr>,
+}
+
+#[derive(Default)]
+struct Picker {
+    choice: Choice,
+    next: usize,
+    /// Client address → (endpoint, last new flow).
+    sticky: HashMap<IpAddr, (SocketAddr, Instant)>,
+}
+
+/// One frontend's shared state.
+pub struct Balancer {
+    picker: Mutex<Picker>,
+    /// Endpoints whose flows may continue (serving or draining): a flow whose endpoint
+    /// leaves this set ends. Closed (sender dropped) when the frontend goes.
+    live: watch::Sender<Arc<BTreeSet<SocketAddr>>>,
+    /// Relayed TCP connections: (endpoint, client side, endpoint side), so a sync ends
+    /// those of a gone endpoint before it returns, not whenever their task next runs.
+    connections: Mutex<HashMap<u64, Relayed>>,
+    next_connection: AtomicU64,
+}
+
+type Relayed = (SocketAddr, Arc<TcpStream>, Arc<TcpStream>);
+
+/// A relayed connection's entry; removed when the relay ends.
+pub struct Registration<'a> {
+    balancer: &'a Balancer,
+    id: u64,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        self.balancer
+            .connections
+            .lock()
+            .expect("not poisoned")
+            .remove(&self.id);
+    }
+}
+
+/// Ends a connection at once with a reset, whoever else holds the socket: connecting a
+/// TCP socket to `AF_UNSPEC` disconnects it (the kernel's `tcp_disconnect`), which resets
+/// an established connection; its relay then finds it closed.
+pub fn abort(stream: &TcpStream) {
+    // SAFETY: an all-zero sockaddr is a valid AF_UNSPEC address.
+    let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid descriptor, and an address of the size given.
+    unsafe {
+        libc::connect(
+            std::os::fd::AsRawFd::as_raw_fd(stream),
+            &unspec,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Above this many remembered clients, expired ones are forgotten at the next new flow.
+const STICKY_PRUNE_AT: usize = 4096;
+
+impl Balancer {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Balancer {
+            picker: Mutex::default(),
+            live: watch::Sender::new(Arc::default()),
+            connections: Mutex::default(),
+            next_connection: AtomicU64::new(0),
+        })
+    }
+
+    /// Takes the model's latest decision for this frontend.
+    pub fn update(&self, choice: Choice, live: BTreeSet<SocketAddr>) {
+        {
+            let mut picker = self.picker.lock().expect("not poisoned");
+            if picker.choice != choice {
+                let backends = choice.backends.clone();
+                picker.sticky.retain(|_, (ep, _)| backends.contains(ep));
+                picker.choice = choice;
+            }
+        }
+        for (endpoint, client, upstream) in self.connections.lock().expect("not poisoned").values()
+        {
+            if !live.contains(endpoint) {
+                abort(client);
+                abort(upstream);
+            }
+        }
+        self.live.send_if_modified(|current| {
+            if **current == live {
+                false
+            } else {
+                *current = Arc::new(live);
+                true
+            }
+        });
+    }
+
+    /// Records a relayed connection until the returned registration drops.
+    pub fn register(
+        &self,
+        endpoint: SocketAddr,
+        client: Arc<TcpStream>,
+        upstream: Arc<TcpStream>,
+    ) -> Registration<'_> {
+        let id = self.next_connection.fetch_add(1, Ordering::Relaxed);
+        self.connections
+            .lock()
+            .expect("not poisoned")
+            .insert(id, (endpoint, client, upstream));
+        Registration { balancer: self, id }
+    }
+
+    /// Whether flows to `endpoint` may continue.
+    pub fn is_live(&self, endpoint: SocketAddr) -> bool {
+        self.live.borrow().contains(&endpoint)
+    }
+
+    /// The endpoint for a new flow from `client`, or `None` if it is refused (outside the
+    /// source ranges, or nothing serves).
+    pub fn pick(&self, client: IpAddr, now: Instant) -> Option<SocketAddr> {
+        let mut p = self.picker.lock().expect("not poisoned");
+        let ranges = &p.choice.source_ranges;
+        if !ranges.is_empty() && !ranges.iter().any(|r| r.contains(client)) {
+            return None;
+        }
+        if p.choice.backends.is_empty() {
+            return None;
+        }
+        if let Some(timeout) = p.choice.affinity {
+            if let Some((ep, last)) = p.sticky.get(&client).copied() {
+                if now.duration_since(last) < timeout {
+                    p.sticky.insert(client, (ep, now));
+                    return Some(ep);
+                }
+            }
+        }
+        let ep = p.choice.backends[p.next % p.choice.backends.len()];
+        p.next = p.next.wrapping_add(1);
+        if let Some(timeout) = p.choice.affinity {
+            if p.sticky.len() >= STICKY_PRUNE_AT {
+                p.sticky
+                    .retain(|_, (_, last)| now.duration_since(*last) < timeout);
+            }
+            p.sticky.insert(client, (ep, now));
+        }
+        Some(ep)
+    }
+
+    /// Forgets `client`'s sticky endpoint (it could not be reached).
+    pub fn unstick(&self, client: IpAddr, endpoint: SocketAddr) {
+        let mut p = self.picker.lock().expect("not poisoned");
+        if p.sticky.get(&client).is_some_and(|(ep, _)| *ep == endpoint) {
+            p.sticky.remove(&client);
+        }
+    }
+
+    pub fn watch_live(&self) -> watch::Receiver<Arc<BTreeSet<SocketAddr>>> {
+        self.live.subscribe()
+    }
+}
+
+/// Resolves when `endpoint` no longer serves nor drains (or the frontend is gone): the flow
+/// to it must end.
+pub async fn endpoint_gone(
+    live: &mut watch::Receiver<Arc<BTreeSet<SocketAddr>>>,
+    endpoint: SocketAddr,
+) {
+    loop {
+        if !live.borrow_and_update().contains(&endpoint) {
+            return;
+        }
+        if live.changed().await.is_err() {
+            return;
+        }
+    }
+}
