@@ -88,6 +88,12 @@ pub struct Cli {
     #[arg(long = "masquerade-all")]
     pub masquerade_all: bool,
 
+    /// eBPF mode: load the IPv6 datapath. Where the kernel's verifier refuses it (Debian's
+    /// 6.1: too complex for its 1M-instruction limit) the agent warns and serves IPv4 only;
+    /// `--ebpf-ipv6=false` skips the attempt (and the seconds it costs).
+    #[arg(long = "ebpf-ipv6", default_value_t = true, action = clap::ArgAction::Set)]
+    pub ebpf_ipv6: bool,
+
     /// Userspace mode: how long a UDP session without traffic is kept (kube-proxy's
     /// --udp-timeout; default 250ms).
     #[arg(long = "udp-timeout", value_parser = parse_duration)]

@@ -57,6 +57,31 @@ pub struct LoadOptions {
     pub flow_log: bool,
     /// Per-backend packet/byte/connection counters.
     pub backend_stats: bool,
+    /// Skip the IPv6 tc programs (a kernel whose verifier refuses them).
+    pub without_ipv6: bool,
+}
+
+/// The verifier's verdict from a refused load: the error chain's first line and the
+/// verifier log's lines that say why (its last ones), not the whole log.
+fn verifier_summary(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    let first = text.lines().next().unwrap_or_default();
+    let first = first.split(". Verifier output").next().unwrap_or(first);
+    let why: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            l.starts_with("BPF program is too large")
+                || l.starts_with("processed ")
+                || l.contains("Too large")
+                || l.contains("too complex")
+        })
+        .collect();
+    if why.is_empty() {
+        first.to_string()
+    } else {
+        format!("{first}: {}", why.join("; "))
+    }
 }
 
 /// Explains the usual reasons a BPF load fails, in one line with the fix.
@@ -77,6 +102,8 @@ pub struct Datapath {
     pub config: DatapathConfig,
     /// What was last written to `CONFIG6`.
     pub config6: DatapathConfig6,
+    /// Whether the IPv6 tc programs are loaded (else IPv6 packets pass untranslated).
+    pub ipv6: bool,
 }
 
 /// What a conntrack garbage collection found.
@@ -281,13 +308,7 @@ impl Datapath {
                 None => err,
             }
         })?;
-        for name in [
-            program_names::TC_INGRESS,
-            program_names::TC_EGRESS,
-            program_names::TC_INGRESS6,
-            program_names::TC_EGRESS6,
-            program_names::REFUSE,
-        ] {
+        let load_classifier = |ebpf: &mut Ebpf, name: &str| -> Result<()> {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .with_context(|| format!("eBPF object has no program {name}"))?
@@ -301,15 +322,39 @@ impl Datapath {
                     Some(h) => err.context(h),
                     None => err,
                 }
-            })?;
+            })
+        };
+        for name in [
+            program_names::TC_INGRESS,
+            program_names::TC_EGRESS,
+            program_names::REFUSE,
+        ] {
+            load_classifier(&mut ebpf, name)?;
+        }
+        // The IPv6 programs are tail-called: without them IPv6 packets pass untranslated,
+        // and IPv4 is still served. Older verifiers (Debian's 6.1) give up on them as too
+        // complex; that is a warning, not a failure to start.
+        let mut ipv6 = !options.without_ipv6;
+        if ipv6 {
+            for name in [program_names::TC_INGRESS6, program_names::TC_EGRESS6] {
+                if let Err(e) = load_classifier(&mut ebpf, name) {
+                    tracing::warn!(
+                        "the IPv6 datapath is not loaded, IPv6 services are not served by this node: {}; kernels from 6.6 load it, and --ebpf-ipv6=false skips the attempt",
+                        verifier_summary(&e)
+                    );
+                    ipv6 = false;
+                    break;
+                }
+            }
         }
         // The tc programs tail-call these (IPv6 packets, refusals).
         let mut slots = Vec::new();
-        for (index, name) in [
-            (tail_calls::INGRESS6, program_names::TC_INGRESS6),
-            (tail_calls::EGRESS6, program_names::TC_EGRESS6),
-            (tail_calls::REFUSE, program_names::REFUSE),
-        ] {
+        let mut tail_called = vec![(tail_calls::REFUSE, program_names::REFUSE)];
+        if ipv6 {
+            tail_called.push((tail_calls::INGRESS6, program_names::TC_INGRESS6));
+            tail_called.push((tail_calls::EGRESS6, program_names::TC_EGRESS6));
+        }
+        for (index, name) in tail_called {
             let prog: &SchedClassifier = ebpf
                 .program(name)
                 .with_context(|| format!("eBPF object has no program {name}"))?
@@ -339,6 +384,7 @@ impl Datapath {
             sizes,
             config: DatapathConfig::DEFAULT,
             config6: DatapathConfig6::default(),
+            ipv6,
         };
         datapath.configure(&DatapathConfig::DEFAULT)?;
         datapath.configure6(&DatapathConfig6::default())?;
@@ -576,5 +622,20 @@ impl Datapath {
             .map_mut(map_names::CONNTRACK)
             .context("eBPF object has no CONNTRACK map")?;
         Ok(BpfHashMap::try_from(map)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A refused load is summed up by its first line and the verifier's reason, not the
+    /// thousands of lines of its log (as 6.1 refuses the IPv6 programs).
+    #[test]
+    fn verifier_summary_keeps_the_reason_and_drops_the_log() {
+        let log = "the BPF_PROG_LOAD syscall returned Argument list too long (os error 7). Verifier output: 0: R1=ctx(off=0,imm=0) R10=fp0\n       ; unsafe { (*self.skb).data_end as usize }\n       0: (61) r3 = *(u32 *)(r1 +80)\n       BPF program is too large. Processed 1000001 insn\n       verification time 60000000 usec\n       processed 1000001 insns (limit 1000000) max_states_per_insn 17";
+        let e = anyhow::anyhow!("{log}").context("the kernel refused eBPF program proxy_ingress6");
+        assert_eq!(
+            super::verifier_summary(&e),
+            "the kernel refused eBPF program proxy_ingress6: the BPF_PROG_LOAD syscall returned Argument list too long (os error 7): BPF program is too large. Processed 1000001 insn; processed 1000001 insns (limit 1000000) max_states_per_insn 17"
+        );
     }
 }

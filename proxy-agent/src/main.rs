@@ -663,6 +663,7 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
     let options = LoadOptions {
         flow_log,
         backend_stats: s.backend_metrics,
+        without_ipv6: !s.cli.ebpf_ipv6,
     };
     let mut datapath = match &s.cli.ebpf_object {
         Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,

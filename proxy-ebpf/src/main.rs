@@ -945,12 +945,22 @@ fn active_connections(backend_id: u32) -> u64 {
 #[inline(always)]
 fn least_loaded<F: SlotTable>(frontend: F, header: &ServiceValue, id: u16) -> u16 {
     let count = header.count as u32;
+    // "No best yet" is a slot past the end, and the best's cost and weight start as values
+    // the verifier cannot know: verifiers before 6.7 check a bpf_loop step once, with the
+    // state of its first call, and would judge a branch that only later steps take (the
+    // comparison with a best found earlier) dead and wire it away.
+    let none = count + 1;
     let mut scan = LcScan {
         frontend,
         start: random_below(count),
         count,
         id: id as u32,
-        best: LcScratch::default(),
+        best: LcScratch {
+            cost: none as u64,
+            weight: none as u64,
+            slot: none,
+            _pad0: 0,
+        },
         idle: 0,
     };
     // bpf_loop: the step is verified once, whatever the number of backends scanned.
@@ -1015,7 +1025,7 @@ extern "C" fn lc_step<F: SlotTable>(index: u64, ctx: *mut core::ffi::c_void) -> 
         _ => (active + 1, weight),
     };
     // cost / w < best cost / best weight, without division.
-    if scan.best.slot == 0 || cost * scan.best.weight < scan.best.cost * w {
+    if scan.best.slot > scan.count || cost * scan.best.weight < scan.best.cost * w {
         scan.best = LcScratch {
             cost,
             weight: w,
@@ -1082,23 +1092,29 @@ fn overloaded<F: SlotTable>(frontend: F, active: u64, weight: u64, candidate: u1
 
 /// The scan of an lblcr set, passed to each step (a bpf_loop callback, so the scan is
 /// verified once).
+// Member indexes are masked with LBLCR_SET_SIZE - 1.
+const _: () = assert!(LBLCR_SET_SIZE.is_power_of_two());
+
 #[repr(C)]
 struct SetScan<F> {
     frontend: F,
     count: u32,
     set: LblcrSet,
-    /// Least loaded live member: index + 1 (0: none), slot, active, weight.
-    min: u32,
-    min_slot: u32,
     min_active: u64,
     min_weight: u64,
-    /// Most loaded live member: index + 1 (0: none), active, weight.
-    max: u32,
-    _pad1: u32,
     max_active: u64,
     max_weight: u64,
-    live: u32,
-    _pad2: u32,
+    /// The member being looked at (see `member_load`): kept here, in the caller's frame,
+    /// so the step's own stack stays within 32 bytes.
+    cur_active: u64,
+    cur_weight: u64,
+    min_slot: u16,
+    cur_slot: u16,
+    /// Least and most loaded live member: index + 1 (0: none); live members seen.
+    min: u8,
+    max: u8,
+    live: u8,
+    _pad0: u8,
 }
 
 /// One member of an lblcr set: dropped if its slot no longer holds its backend, else
@@ -1110,35 +1126,48 @@ extern "C" fn set_step<F: SlotTable>(index: u64, ctx: *mut core::ffi::c_void) ->
     if i >= LBLCR_SET_SIZE {
         return 1;
     }
-    let value = scan.set.members[i];
-    let (slot, id) = ((value >> 32) as u16, value as u32);
-    if value == 0 || slot == 0 || slot as u32 > scan.count {
+    // The member's weight and load go through the scan (the caller's memory), not this
+    // callback's stack: on kernels before 6.6 the verifier rounds each frame up to 32
+    // bytes and the packet program and this step must share 512.
+    if !member_load(scan, i) {
         scan.set.members[i] = 0;
         return 0;
     }
-    let cumulative = |s: u16| cumulative_weight_at(scan.frontend, s) as u64;
-    let Some(v) = scan.frontend.slot(slot) else {
-        scan.set.members[i] = 0;
-        return 0;
-    };
-    if v.backend_id != id {
-        scan.set.members[i] = 0;
-        return 0;
-    }
-    let weight = cumulative(slot).saturating_sub(cumulative(slot - 1));
-    if weight == 0 {
+    if scan.cur_weight == 0 {
         return 0;
     }
     scan.live += 1;
-    let active = active_connections(id);
+    let (active, weight) = (scan.cur_active, scan.cur_weight);
     if scan.min == 0 || active * scan.min_weight < scan.min_active * weight {
         (scan.min, scan.min_slot, scan.min_active, scan.min_weight) =
-            (i as u32 + 1, slot as u32, active, weight);
+            (i as u8 + 1, scan.cur_slot, active, weight);
     }
     if scan.max == 0 || active * scan.max_weight > scan.max_active * weight {
-        (scan.max, scan.max_active, scan.max_weight) = (i as u32 + 1, active, weight);
+        (scan.max, scan.max_active, scan.max_weight) = (i as u8 + 1, active, weight);
     }
     0
+}
+
+/// Reads member `i` into the scan's `cur_*` fields; false if the member is gone (its slot
+/// no longer holds its backend).
+#[inline(always)]
+fn member_load<F: SlotTable>(scan: &mut SetScan<F>, i: usize) -> bool {
+    let value = scan.set.members[i];
+    let (slot, id) = ((value >> 32) as u16, value as u32);
+    if value == 0 || slot == 0 || slot as u32 > scan.count {
+        return false;
+    }
+    scan.cur_slot = slot;
+    match scan.frontend.slot(slot) {
+        Some(v) if v.backend_id == id => {
+            scan.cur_weight = ((v.flags as u32) << 16 | v.count as u32) as u64;
+        }
+        _ => return false,
+    }
+    scan.cur_active = active_connections(id);
+    let previous = cumulative_weight_at(scan.frontend, scan.cur_slot - 1) as u64;
+    scan.cur_weight = scan.cur_weight.saturating_sub(previous);
+    true
 }
 
 /// lblcr, IPVS's locality-based least connection with replication: the destination (the
@@ -1161,16 +1190,18 @@ fn replicated_locality<F: SlotTable>(frontend: F, header: &ServiceValue, now: u6
         count: count as u32,
         // SAFETY: a map value pointer, valid for this run.
         set: unsafe { core::ptr::read_volatile(set) },
-        min: 0,
-        min_slot: 0,
         min_active: 0,
         min_weight: 1,
-        max: 0,
-        _pad1: 0,
         max_active: 0,
         max_weight: 1,
+        cur_active: 0,
+        cur_weight: 0,
+        min_slot: 0,
+        cur_slot: 0,
+        min: 0,
+        max: 0,
         live: 0,
-        _pad2: 0,
+        _pad0: 0,
     };
     unsafe {
         bpf_loop(
@@ -1182,8 +1213,10 @@ fn replicated_locality<F: SlotTable>(frontend: F, header: &ServiceValue, now: u6
     }
     if scan.live > 1 && scan.max != 0 && now.wrapping_sub(scan.set.changed_ns) > LBLCR_EXPIRATION_NS
     {
-        let i = (scan.max - 1) as usize;
-        if i < LBLCR_SET_SIZE {
+        // Masked, not just compared: the verifier must see the bound on the register
+        // that indexes (LBLCR_SET_SIZE is a power of two; max is 1..=LBLCR_SET_SIZE here).
+        let i = (scan.max as usize).wrapping_sub(1) & (LBLCR_SET_SIZE - 1);
+        {
             scan.set.members[i] = 0;
             scan.set.changed_ns = now;
             if scan.min == scan.max {
@@ -1193,12 +1226,12 @@ fn replicated_locality<F: SlotTable>(frontend: F, header: &ServiceValue, now: u6
     }
     let keep = scan.min != 0 && !overloaded(frontend, scan.min_active, scan.min_weight, candidate);
     let chosen = if keep {
-        scan.min_slot as u16
+        scan.min_slot
     } else {
         // The candidate joins the set: in an empty place, else instead of the most loaded.
         if let Some((cid, _)) = slot_backend(frontend, candidate) {
             let mut place = if scan.max != 0 {
-                scan.max as usize - 1
+                (scan.max as usize - 1) & (LBLCR_SET_SIZE - 1)
             } else {
                 0
             };

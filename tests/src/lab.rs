@@ -641,9 +641,13 @@ impl Agent {
         if let Some(m) = manifests {
             cmd.arg("--manifests").arg(m);
         }
+        // PROXY_AGENT_ARGS: flags for every agent a test starts (the VM runner's kernel
+        // needs `--ebpf-ipv6=false`).
+        let from_env = std::env::var("PROXY_AGENT_ARGS").unwrap_or_default();
         let child = cmd
             .args(["--interfaces", "lxc*", "-v", "2"])
             .args(extra)
+            .args(from_env.split_whitespace())
             .stdin(Stdio::null())
             .stdout(logfile.try_clone()?)
             .stderr(logfile)

@@ -1407,6 +1407,9 @@ fn schedulers_in(mode: Mode, family: Family) {
     // lc: held connections count; a new one goes to the backend with fewest, and a closed
     // one frees its backend.
     let lc_vip = to(&vips[4], 80);
+    // Counts are per backend, whatever the service: the rr and wrr connections above must
+    // have closed (their last packets crossed the datapath) before lc is judged.
+    std::thread::sleep(proxy_tests::scaled(Duration::from_millis(200)));
     let mut held: Vec<proxy_tests::lab::Session> = (0..3)
         .map(|_| proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap())
         .collect();
@@ -1417,7 +1420,7 @@ fn schedulers_in(mode: Mode, family: Family) {
     let closed = held.remove(1);
     let freed = owner(&closed);
     drop(closed);
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(proxy_tests::scaled(Duration::from_millis(200)));
     let next = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap();
     assert_eq!(
         owner(&next),

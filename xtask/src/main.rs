@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench`.
+//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench | vm-test`.
 //!
 //! Everything is installed from Debian's packages and crates.io only (see README): Debian's
 //! `rustc-web` ships a precompiled `core` for `bpfel-unknown-none`, so the eBPF crate builds
@@ -11,6 +11,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+
+mod vm;
 
 const APT_PACKAGES: &[&str] = &[
     // eBPF toolchain
@@ -29,7 +31,12 @@ const APT_PACKAGES: &[&str] = &[
     "iptables",
     "nftables",
     "conntrack",
+    // the ipvs mode's tools (its checks, and its masquerade sets)
+    "ipvsadm",
+    "ipset",
 ];
+/// What `vm-test` needs besides (installed without recommends: qemu's would bring a GUI).
+const VM_APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "kmod"];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
@@ -47,7 +54,8 @@ enum Task {
     Setup,
     /// Build the eBPF object (proxy-ebpf) with Debian's rustc and bpf-linker.
     BuildEbpf,
-    /// Everything CI checks: formatting, clippy, unit tests and in-kernel tests.
+    /// Everything CI checks: formatting, clippy, unit, in-kernel and lab tests, and the
+    /// conformance suite on Debian's 6.1 in a VM (left out when a filter is given).
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
@@ -60,6 +68,19 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
+    /// The conformance suite in a VM running another kernel (Debian's, under qemu).
+    VmTest {
+        /// `debian-<major>.<minor>`, resolved through this host's `linux-image-amd64`.
+        #[arg(long, default_value = "debian-6.1")]
+        kernel: String,
+        #[arg(long, default_value_t = 2)]
+        cpus: u32,
+        #[arg(long, default_value_t = 2048)]
+        memory_mb: u32,
+        /// Test name filters (default: the ebpf and ipvs modules).
+        #[arg(trailing_var_arg = true)]
+        filters: Vec<String>,
+    },
 }
 
 fn main() {
@@ -70,6 +91,23 @@ fn main() {
         Task::Test { args } => test(&args),
         Task::Demo => demo(),
         Task::Bench { args } => bench(&args),
+        Task::VmTest {
+            kernel,
+            cpus,
+            memory_mb,
+            filters,
+        } => vm_setup().and_then(|()| {
+            vm::vm_test(&vm::VmTest {
+                kernel,
+                filters: if filters.is_empty() {
+                    vm::DEFAULT_FILTERS.iter().map(|f| f.to_string()).collect()
+                } else {
+                    filters
+                },
+                memory_mb,
+                cpus,
+            })
+        }),
     };
     if let Err(e) = result {
         eprintln!("xtask: error: {e:#}");
@@ -106,7 +144,11 @@ fn is_root() -> bool {
 }
 
 fn missing_apt_packages() -> Vec<&'static str> {
-    APT_PACKAGES
+    missing(APT_PACKAGES)
+}
+
+fn missing(packages: &[&'static str]) -> Vec<&'static str> {
+    packages
         .iter()
         .copied()
         .filter(|p| {
@@ -167,6 +209,31 @@ fn setup() -> Result<()> {
     }
     step("setup: done");
     Ok(())
+}
+
+/// Installs the VM runner's packages (and the rest of the setup).
+fn vm_setup() -> Result<()> {
+    build_ebpf()?;
+    let missing = missing(VM_APT_PACKAGES);
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!(
+            "Debian packages missing: {}; run `sudo apt-get install -y --no-install-recommends {}` or run this as root",
+            missing.join(" "),
+            missing.join(" ")
+        );
+    }
+    step(&format!(
+        "vm-test: installing Debian packages: {}",
+        missing.join(" ")
+    ));
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
 fn ensure_setup() -> Result<()> {
@@ -255,7 +322,19 @@ fn test(extra: &[String]) -> Result<()> {
     cmd.args(extra)
         // Kernel tests must run, not skip, when this command runs them.
         .env("PROXY_REQUIRE_KERNEL_TESTS", "1");
-    run(&mut cmd)
+    run(&mut cmd)?;
+    if !extra.is_empty() {
+        step("test: a filtered run: the VM suite is left out (cargo xtask vm-test runs it)");
+        return Ok(());
+    }
+    step("test: the conformance suite on Debian's 6.1 kernel, in a VM");
+    vm_setup()?;
+    vm::vm_test(&vm::VmTest {
+        kernel: "debian-6.1".into(),
+        filters: vm::DEFAULT_FILTERS.iter().map(|f| f.to_string()).collect(),
+        memory_mb: 2048,
+        cpus: 2,
+    })
 }
 
 fn demo() -> Result<()> {

@@ -1,0 +1,517 @@
+//! `cargo xtask vm-test --kernel debian-6.1`: the conformance suite on a kernel this machine
+//! does not run (IPVS, SCTP, the dummy driver, and tc attachment without TCX).
+//!
+//! The kernel is Debian's, resolved through the `linux-image-amd64` metapackage of this
+//! host's apt sources (never a pinned ABI name), fetched with `apt-get download` and
+//! unpacked under `target/vm/<kernel>/`. It boots under `qemu-system-x86_64` with a small
+//! initramfs (busybox and the virtio/9p modules); the init mounts this host's root read-only
+//! over 9p, chroots into it — so iproute2, iptables with its run-time extensions, nft,
+//! ipvsadm, the agent and the test binaries are the host's own — and loads every other
+//! module on demand with the host's `modprobe` pointed at the unpacked kernel's tree. The
+//! test binary's output comes back over the serial console; each test's result is listed,
+//! and a failure makes the command fail.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::{cargo, root, run, step};
+
+/// What the init prints when the VM has booted far enough to run anything.
+const BOOTED: &str = "VMTEST-BOOTED";
+/// What the init prints after the tests, with their exit code.
+const EXIT: &str = "VMTEST-EXIT=";
+
+/// Modules the tests need before anything asks for them (the rest load on demand through
+/// the kernel's modprobe helper).
+const PRELOAD: &[&str] = &[
+    "veth",
+    "dummy",
+    "sctp",
+    "nf_conntrack",
+    "nf_nat",
+    "nf_tables",
+    "nft_chain_nat",
+    "ip_tables",
+    "ip6_tables",
+    "iptable_nat",
+    "iptable_filter",
+    "ip6table_nat",
+    "ip6table_filter",
+    "ip_vs",
+    "ip_vs_rr",
+    "cls_bpf",
+    "sch_ingress",
+];
+
+/// Which filters of the conformance suite run in the VM: the rows of the modes this host
+/// cannot run (ipvs) and the eBPF mode on a kernel without TCX.
+pub const DEFAULT_FILTERS: &[&str] = &["ebpf::", "ipvs::"];
+
+/// Rows skipped per kernel, with the reason (printed, never silent).
+fn skipped_rows(kernel: &str) -> Vec<(&'static str, &'static str)> {
+    match kernel {
+        "debian-6.1" => vec![("ipv6", IPV6_ON_6_1), ("dual_stack", IPV6_ON_6_1)],
+        _ => Vec::new(),
+    }
+}
+
+/// Agent flags per kernel.
+fn agent_args(kernel: &str) -> &'static str {
+    match kernel {
+        "debian-6.1" => "--ebpf-ipv6=false",
+        _ => "",
+    }
+}
+
+const IPV6_ON_6_1: &str = "6.1's verifier gives up on the eBPF IPv6 programs (over 1M instructions processed; 6.6 and later load them): the agent serves IPv4 only there, and runs with --ebpf-ipv6=false";
+
+pub struct VmTest {
+    pub kernel: String,
+    pub filters: Vec<String>,
+    pub memory_mb: u32,
+    pub cpus: u32,
+}
+
+pub fn vm_test(opts: &VmTest) -> Result<()> {
+    let series = opts
+        .kernel
+        .strip_prefix("debian-")
+        .with_context(|| format!("--kernel {}: expected debian-<major>.<minor>", opts.kernel))?;
+    let dir = root().join("target/vm").join(&opts.kernel);
+    std::fs::create_dir_all(&dir)?;
+    let release = resolve_kernel(series)?;
+    let unpacked = fetch_kernel(&dir, &release)?;
+    let initramfs = build_initramfs(&dir, &unpacked, &release)?;
+    let vmlinuz = unpacked.join(format!("boot/vmlinuz-{release}"));
+
+    step("vm-test: building the agent and the conformance suite");
+    run(&mut cargo(&["build", "--quiet", "-p", "proxy-agent"]))?;
+    let tests = conformance_binary()?;
+    let skipped = skipped_rows(&opts.kernel);
+    for (pattern, reason) in &skipped {
+        step(&format!(
+            "vm-test: skipping rows matching {pattern:?}: {reason}"
+        ));
+    }
+    let script = dir.join("run.sh");
+    std::fs::write(
+        &script,
+        run_script(&tests, &opts.filters, &skipped, agent_args(&opts.kernel)),
+    )?;
+
+    let accel = probe_kvm(&vmlinuz, &initramfs);
+    step(&format!(
+        "vm-test: booting Debian's {release} under qemu ({accel}, {} CPUs, {} MiB): conformance {}",
+        opts.cpus,
+        opts.memory_mb,
+        opts.filters.join(" ")
+    ));
+    let append = format!(
+        "console=ttyS0 panic=-1 quiet loglevel=3 vmtest.script={} vmtest.modroot={}",
+        script.display(),
+        unpacked.display()
+    );
+    let mut child = qemu(&vmlinuz, &initramfs, &append, accel, opts)
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting qemu-system-x86_64 (Debian package qemu-system-x86)")?;
+    let mut results = Vec::new();
+    let mut exit = None;
+    let mut booted = false;
+    let out = std::io::stdout();
+    for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line.unwrap_or_default();
+        let line = line.trim_end_matches('\r');
+        if line.contains(BOOTED) {
+            booted = true;
+        }
+        if let Some(code) = line.split(EXIT).nth(1) {
+            exit = code.trim().parse::<i32>().ok();
+        }
+        if let Some(r) = TestResult::parse(line) {
+            results.push(r);
+        }
+        let _ = writeln!(out.lock(), "vm | {line}");
+    }
+    let status = child.wait()?;
+    report(&results);
+    match exit {
+        Some(0) => {
+            step(&format!("vm-test: {}: passed", opts.kernel));
+            Ok(())
+        }
+        Some(code) => bail!("vm-test: {}: the suite failed (exit {code})", opts.kernel),
+        None if !booted => bail!("vm-test: the VM did not boot (qemu: {status})"),
+        None => bail!("vm-test: the VM stopped before the suite finished (qemu: {status})"),
+    }
+}
+
+/// The kernel release `linux-image-amd64` depends on, which must be of `series`.
+fn resolve_kernel(series: &str) -> Result<String> {
+    let out = Command::new("apt-cache")
+        .args(["depends", "linux-image-amd64"])
+        .output()
+        .context("apt-cache (this runner needs Debian's apt)")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let release = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("Depends: linux-image-"))
+        .map(str::to_string)
+        .next()
+        .context(
+            "apt-cache depends linux-image-amd64 names no kernel: run `apt-get update` first",
+        )?;
+    if !release.starts_with(&format!("{series}.")) {
+        bail!(
+            "this host's apt sources resolve linux-image-amd64 to {release}, not a {series} kernel \
+             (Debian's {series} comes with the release whose sources are configured)"
+        );
+    }
+    Ok(release)
+}
+
+/// Downloads and unpacks the kernel package once; returns the unpacked tree.
+fn fetch_kernel(dir: &Path, release: &str) -> Result<PathBuf> {
+    let unpacked = dir.join("root");
+    let vmlinuz = unpacked.join(format!("boot/vmlinuz-{release}"));
+    if vmlinuz.exists() {
+        step(&format!("vm-test: kernel {release} already unpacked"));
+    } else {
+        step(&format!("vm-test: apt-get download linux-image-{release}"));
+        let package = format!("linux-image-{release}");
+        run(Command::new("apt-get")
+            .args(["download", "-qq", &package])
+            .current_dir(dir))?;
+        let deb = std::fs::read_dir(dir)?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{package}_")))
+            })
+            .context("apt-get download left no package")?;
+        let _ = std::fs::remove_dir_all(&unpacked);
+        run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked))?;
+        std::fs::remove_file(&deb)?;
+    }
+    // modules.dep for `modprobe -d` inside the VM.
+    run(Command::new("depmod").arg("-b").arg(&unpacked).arg(release))?;
+    Ok(unpacked)
+}
+
+/// The initramfs: busybox, the modules that reach the 9p share, and the init.
+fn build_initramfs(dir: &Path, unpacked: &Path, release: &str) -> Result<PathBuf> {
+    let mut modules = Vec::new();
+    for module in ["virtio_pci", "9pnet_virtio", "9p"] {
+        let out = Command::new("modprobe")
+            .arg("-d")
+            .arg(unpacked)
+            .args(["-S", release, "--show-depends", module])
+            .output()
+            .context("modprobe (Debian package kmod)")?;
+        if !out.status.success() {
+            bail!(
+                "resolving the modules of {module}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some(path) = line.strip_prefix("insmod ") {
+                let path = PathBuf::from(path.trim());
+                if !modules.contains(&path) {
+                    modules.push(path);
+                }
+            }
+        }
+    }
+    let busybox = Path::new("/bin/busybox");
+    if !busybox.exists() {
+        bail!("/bin/busybox is missing (Debian package busybox-static)");
+    }
+    let mut archive = Cpio::default();
+    for d in ["bin", "dev", "proc", "sys", "mnt", "modules"] {
+        archive.dir(d);
+    }
+    archive.file("bin/busybox", &std::fs::read(busybox)?, 0o755);
+    let mut order = String::new();
+    for m in &modules {
+        let name = m.file_name().expect("a module file").to_string_lossy();
+        archive.file(&format!("modules/{name}"), &std::fs::read(m)?, 0o644);
+        order.push_str(&name);
+        order.push('\n');
+    }
+    archive.file("modules/order", order.as_bytes(), 0o644);
+    archive.file("init", init_script().as_bytes(), 0o755);
+    archive.file("modprobe", MODPROBE_HELPER.as_bytes(), 0o755);
+    let path = dir.join("initramfs.cpio");
+    std::fs::write(&path, archive.finish())?;
+    Ok(path)
+}
+
+/// The kernel's modprobe helper: the host's modprobe, in the chroot, on the unpacked tree.
+const MODPROBE_HELPER: &str = "#!/bin/busybox sh
+exec /bin/busybox chroot /mnt /sbin/modprobe -d \"$(cat /modroot)\" \"$@\"
+";
+
+fn init_script() -> String {
+    format!(
+        r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in $(cat /modules/order); do insmod /modules/$m || echo "insmod $m failed"; done
+for x in $(cat /proc/cmdline); do
+  case "$x" in
+    vmtest.script=*) script="${{x#*=}}" ;;
+    vmtest.modroot=*) modroot="${{x#*=}}" ;;
+    vmtest.probe) echo {BOOTED}; poweroff -f ;;
+  esac
+done
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 hostroot /mnt || {{ echo "mounting the host root over 9p failed"; poweroff -f; }}
+echo {BOOTED}
+mount -o bind /proc /mnt/proc
+mount -o bind /sys /mnt/sys
+mount -o bind /dev /mnt/dev
+mkdir -p /dev/pts && mount -t devpts devpts /mnt/dev/pts
+mount -t tmpfs tmp /mnt/tmp
+mount -t tmpfs run /mnt/run
+mount -t tmpfs vartmp /mnt/var/tmp
+mount -t cgroup2 cgroup2 /mnt/sys/fs/cgroup
+echo "$modroot" > /modroot
+echo /modprobe > /proc/sys/kernel/modprobe
+chroot /mnt /sbin/modprobe -d "$modroot" -a {preload} || echo "preloading modules failed"
+chroot /mnt /bin/sh "$script"
+echo "{EXIT}$?"
+poweroff -f
+"#,
+        preload = PRELOAD.join(" ")
+    )
+}
+
+/// The script the VM runs in the chroot: the conformance binary, with the kernel tests
+/// required to run.
+fn run_script(
+    tests: &Path,
+    filters: &[String],
+    skipped: &[(&str, &str)],
+    agent_args: &str,
+) -> String {
+    let root = root();
+    let skips: String = skipped
+        .iter()
+        .map(|(pattern, _)| format!(" --skip {pattern}"))
+        .collect();
+    format!(
+        "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export HOME=/tmp PROXY_REQUIRE_KERNEL_TESTS=1 PROXY_TEST_TIME_SCALE=5
+export PROXY_AGENT_BIN={agent}
+export PROXY_AGENT_ARGS=\"{agent_args}\"
+cd {tests_dir}
+echo \"kernel $(uname -r), $(nproc) CPUs\"
+{binary} --color never --test-threads 1 {filters}{skips}
+",
+        agent = root.join("target/debug/proxy-agent").display(),
+        tests_dir = root.join("tests").display(),
+        binary = tests.display(),
+        filters = filters.join(" ")
+    )
+}
+
+/// The conformance suite's test binary (built if needed).
+fn conformance_binary() -> Result<PathBuf> {
+    let out = cargo(&[
+        "test",
+        "--no-run",
+        "--quiet",
+        "-p",
+        "proxy-tests",
+        "--test",
+        "conformance",
+        "--message-format=json",
+    ])
+    .stderr(Stdio::inherit())
+    .output()
+    .context("building the conformance suite")?;
+    if !out.status.success() {
+        bail!("building the conformance suite failed");
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("\"name\":\"conformance\""))
+        .find_map(|l| {
+            let start = l.find("\"executable\":\"")? + "\"executable\":\"".len();
+            let end = l[start..].find('"')? + start;
+            Some(PathBuf::from(&l[start..end]))
+        })
+        .context("cargo named no conformance test binary")
+}
+
+fn qemu(vmlinuz: &Path, initramfs: &Path, append: &str, accel: &str, opts: &VmTest) -> Command {
+    let mut cmd = Command::new("qemu-system-x86_64");
+    cmd.args(["-accel", accel])
+        .args(["-cpu", if accel == "kvm" { "host" } else { "max" }])
+        .args(["-smp", &opts.cpus.to_string()])
+        .args(["-m", &opts.memory_mb.to_string()])
+        .arg("-kernel")
+        .arg(vmlinuz)
+        .arg("-initrd")
+        .arg(initramfs)
+        .args(["-append", append])
+        .args(["-display", "none", "-serial", "stdio", "-monitor", "none"])
+        .args(["-nic", "none", "-no-reboot"])
+        .args([
+            "-fsdev",
+            "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
+            "-device",
+            "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
+        ]);
+    cmd
+}
+
+/// KVM if a VM boots with it within the timeout (on this machine kind `/dev/kvm` exists but
+/// qemu hangs with it), else TCG.
+fn probe_kvm(vmlinuz: &Path, initramfs: &Path) -> &'static str {
+    const TIMEOUT: Duration = Duration::from_secs(20);
+    if !Path::new("/dev/kvm").exists() {
+        return "tcg,thread=multi";
+    }
+    let opts = VmTest {
+        kernel: String::new(),
+        filters: Vec::new(),
+        memory_mb: 256,
+        cpus: 1,
+    };
+    let spawned = qemu(
+        vmlinuz,
+        initramfs,
+        "console=ttyS0 panic=-1 quiet vmtest.probe",
+        "kvm",
+        &opts,
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .stdin(Stdio::null())
+    .spawn();
+    let Ok(mut child) = spawned else {
+        return "tcg,thread=multi";
+    };
+    let stdout = child.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let booted = BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| l.contains(BOOTED));
+        let _ = tx.send(booted);
+    });
+    let started = Instant::now();
+    let booted = rx.recv_timeout(TIMEOUT).unwrap_or(false);
+    let _ = child.kill();
+    let _ = child.wait();
+    if booted {
+        "kvm"
+    } else {
+        step(&format!(
+            "vm-test: qemu with KVM did not boot the kernel (gave up after {:.1} s): using TCG (software emulation)",
+            started.elapsed().as_secs_f64()
+        ));
+        "tcg,thread=multi"
+    }
+}
+
+/// One test's outcome, from libtest's `test <name> ... <outcome>` lines.
+struct TestResult {
+    name: String,
+    outcome: String,
+}
+
+impl TestResult {
+    fn parse(line: &str) -> Option<Self> {
+        let rest = line.strip_prefix("test ")?;
+        let (name, outcome) = rest.split_once(" ... ")?;
+        Some(TestResult {
+            name: name.to_string(),
+            outcome: outcome.trim().to_string(),
+        })
+    }
+}
+
+fn report(results: &[TestResult]) {
+    let count = |prefix: &str| {
+        results
+            .iter()
+            .filter(|r| r.outcome.starts_with(prefix))
+            .count()
+    };
+    println!(
+        "vm-test results: {} passed, {} failed, {} ignored",
+        count("ok"),
+        count("FAILED"),
+        count("ignored")
+    );
+    for r in results.iter().filter(|r| r.outcome.starts_with("FAILED")) {
+        println!("  FAILED {}", r.name);
+    }
+}
+
+/// A `newc` cpio archive, the format the kernel unpacks an initramfs from.
+#[derive(Default)]
+struct Cpio {
+    bytes: Vec<u8>,
+    inode: u32,
+}
+
+impl Cpio {
+    fn entry(&mut self, name: &str, mode: u32, data: &[u8]) {
+        self.inode += 1;
+        let header = format!(
+            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
+            self.inode,
+            mode,
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            0,
+            0,
+            name.len() + 1,
+            0
+        );
+        self.bytes.extend_from_slice(header.as_bytes());
+        self.bytes.extend_from_slice(name.as_bytes());
+        self.bytes.push(0);
+        self.pad();
+        self.bytes.extend_from_slice(data);
+        self.pad();
+    }
+
+    fn pad(&mut self) {
+        while !self.bytes.len().is_multiple_of(4) {
+            self.bytes.push(0);
+        }
+    }
+
+    fn dir(&mut self, name: &str) {
+        self.entry(name, 0o040755, &[]);
+    }
+
+    fn file(&mut self, name: &str, data: &[u8], perm: u32) {
+        self.entry(name, 0o100000 | perm, data);
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.entry("TRAILER!!!", 0, &[]);
+        self.bytes
+    }
+}
