@@ -178,22 +178,7 @@ fn setup() -> Result<()> {
     if missing.is_empty() {
         step("setup: Debian packages already installed");
     } else {
-        if !is_root() {
-            bail!(
-                "Debian packages missing: {}; run `sudo apt-get install -y {}` or run this as root",
-                missing.join(" "),
-                missing.join(" ")
-            );
-        }
-        step(&format!(
-            "setup: installing Debian packages: {}",
-            missing.join(" ")
-        ));
-        run(Command::new("apt-get").args(["update", "-qq"]))?;
-        run(Command::new("apt-get")
-            .args(["install", "-y", "-qq"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+        install_packages("setup", &missing, &[])?;
     }
     match bpf_linker() {
         Some(p) => step(&format!("setup: bpf-linker present ({})", p.display())),
@@ -218,21 +203,33 @@ fn vm_setup() -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
+    install_packages("vm-test", &missing, &["--no-install-recommends"])
+}
+
+/// `apt-get install`s `packages` (as root; otherwise says the command to run).
+fn install_packages(task: &str, packages: &[&str], options: &[&str]) -> Result<()> {
+    let command = ["apt-get install -y"]
+        .iter()
+        .chain(options)
+        .chain(packages)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(" ");
     if !is_root() {
         bail!(
-            "Debian packages missing: {}; run `sudo apt-get install -y --no-install-recommends {}` or run this as root",
-            missing.join(" "),
-            missing.join(" ")
+            "Debian packages missing: {}; run `sudo {command}` or run this as root",
+            packages.join(" ")
         );
     }
     step(&format!(
-        "vm-test: installing Debian packages: {}",
-        missing.join(" ")
+        "{task}: installing Debian packages: {}",
+        packages.join(" ")
     ));
     run(Command::new("apt-get").args(["update", "-qq"]))?;
     run(Command::new("apt-get")
-        .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&missing)
+        .args(["install", "-y", "-qq"])
+        .args(options)
+        .args(packages)
         .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 

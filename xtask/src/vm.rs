@@ -113,9 +113,10 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
         opts.filters.join(" ")
     ));
     let append = format!(
-        "console=ttyS0 panic=-1 quiet loglevel=3 vmtest.script={} vmtest.modroot={}",
+        "console=ttyS0 panic=-1 quiet loglevel=3 vmtest.script={} vmtest.modroot={} vmtest.workspace={}",
         script.display(),
-        unpacked.display()
+        unpacked.display(),
+        root().display()
     );
     let mut child = qemu(&vmlinuz, &initramfs, &append, accel, opts)
         .stdout(Stdio::piped())
@@ -236,7 +237,7 @@ fn build_initramfs(dir: &Path, unpacked: &Path, release: &str) -> Result<PathBuf
         bail!("/bin/busybox is missing (Debian package busybox-static)");
     }
     let mut archive = Cpio::default();
-    for d in ["bin", "dev", "proc", "sys", "mnt", "modules"] {
+    for d in ["bin", "dev", "proc", "sys", "mnt", "host", "modules"] {
         archive.dir(d);
     }
     archive.file("bin/busybox", &std::fs::read(busybox)?, 0o755);
@@ -272,16 +273,22 @@ for x in $(cat /proc/cmdline); do
   case "$x" in
     vmtest.script=*) script="${{x#*=}}" ;;
     vmtest.modroot=*) modroot="${{x#*=}}" ;;
+    vmtest.workspace=*) workspace="${{x#*=}}" ;;
     vmtest.probe) echo {BOOTED}; poweroff -f ;;
   esac
 done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 hostroot /mnt || {{ echo "mounting the host root over 9p failed"; poweroff -f; }}
 echo {BOOTED}
+# The host's root as it is, without the tmpfs below: a workspace under /tmp stays visible.
+mount -o bind /mnt /host
 mount -o bind /proc /mnt/proc
 mount -o bind /sys /mnt/sys
 mount -o bind /dev /mnt/dev
 mkdir -p /dev/pts && mount -t devpts devpts /mnt/dev/pts
 mount -t tmpfs tmp /mnt/tmp
+case "$workspace" in
+  /tmp/*) mkdir -p "/mnt$workspace" && mount -o bind "/host$workspace" "/mnt$workspace" ;;
+esac
 mount -t tmpfs run /mnt/run
 mount -t tmpfs vartmp /mnt/var/tmp
 mount -t cgroup2 cgroup2 /mnt/sys/fs/cgroup
