@@ -99,6 +99,33 @@ pub struct Cli {
     #[arg(long = "udp-timeout", value_parser = parse_duration)]
     pub udp_timeout: Option<Duration>,
 
+    /// ipvs mode: the scheduler of Services without the scheduler annotation (kube-proxy's
+    /// --ipvs-scheduler; default rr). Overrides --scheduler in ipvs mode.
+    #[arg(long = "ipvs-scheduler")]
+    pub ipvs_scheduler: Option<crate::model::Scheduler>,
+
+    /// ipvs mode: comma-separated CIDRs whose IPVS virtual servers are someone else's
+    /// (never removed by syncs or cleanup).
+    #[arg(long = "ipvs-exclude-cidrs")]
+    pub ipvs_exclude_cidrs: Option<String>,
+
+    /// ipvs mode: arp_ignore=1 and arp_announce=2, so the node answers ARP only for
+    /// addresses of the interface asked (kube-ipvs0's stay unannounced; MetalLB L2 needs it).
+    #[arg(long = "ipvs-strict-arp")]
+    pub ipvs_strict_arp: bool,
+
+    /// ipvs mode: the idle timeout of IPVS TCP connections (0: the kernel's).
+    #[arg(long = "ipvs-tcp-timeout", value_parser = parse_duration)]
+    pub ipvs_tcp_timeout: Option<Duration>,
+
+    /// ipvs mode: the timeout of IPVS TCP connections after a FIN (0: the kernel's).
+    #[arg(long = "ipvs-tcpfin-timeout", value_parser = parse_duration)]
+    pub ipvs_tcpfin_timeout: Option<Duration>,
+
+    /// ipvs mode: the timeout of IPVS UDP flows (0: the kernel's).
+    #[arg(long = "ipvs-udp-timeout", value_parser = parse_duration)]
+    pub ipvs_udp_timeout: Option<Duration>,
+
     /// The pods' address ranges (comma-separated, the first of each family is used, as
     /// kube-proxy's dual-stack list): flows from outside them to a cluster IP are
     /// source-NATed to the node.
@@ -209,7 +236,16 @@ pub struct Settings {
     pub cluster_cidrs: Vec<crate::model::Cidr>,
     /// `iptables.masqueradeBit` (default 14).
     pub masquerade_bit: u32,
+    /// The ipvs mode's own settings (`ipvs.*`, `--ipvs-*`).
+    pub ipvs: IpvsModeSettings,
     pub file: Option<FileSettings>,
+}
+
+/// What the ipvs mode takes from `ipvs.*` and `--ipvs-*`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IpvsModeSettings {
+    pub options: crate::proxier::ipvs::IpvsOptions,
+    pub strict_arp: bool,
 }
 
 pub fn settings(matches: &ArgMatches) -> Result<Settings> {
@@ -291,10 +327,60 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         ),
         maglev: cli.maglev_map_size,
     };
-    let scheduler = if on_command_line("scheduler") {
+    let ipvs_file = f.map(|f| f.ipvs.clone()).unwrap_or_default();
+    let scheduler = if mode == ProxyMode::Ipvs && cli.ipvs_scheduler.is_some() {
+        cli.ipvs_scheduler.unwrap_or_default()
+    } else if on_command_line("scheduler") {
         cli.scheduler
+    } else if mode == ProxyMode::Ipvs
+        && ipvs_file
+            .scheduler
+            .as_deref()
+            .is_some_and(|s| !s.is_empty())
+    {
+        ipvs_file
+            .scheduler
+            .as_deref()
+            .unwrap_or_default()
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("ipvs.scheduler: {e}"))?
     } else {
         f.and_then(|f| f.scheduler).unwrap_or(cli.scheduler)
+    };
+    let exclude_text: Vec<String> = match &cli.ipvs_exclude_cidrs {
+        Some(list) => list
+            .split(',')
+            .map(|c| c.trim().to_string())
+            .filter(|c| !c.is_empty())
+            .collect(),
+        None => ipvs_file.exclude_cidrs.clone(),
+    };
+    let mut exclude_cidrs = Vec::new();
+    for text in &exclude_text {
+        exclude_cidrs.push(
+            text.parse::<crate::model::Cidr>()
+                .map_err(|e| anyhow::anyhow!("--ipvs-exclude-cidrs / ipvs.excludeCIDRs: {e}"))?,
+        );
+    }
+    let seconds = |cli: Option<Duration>, file: Option<Duration>| {
+        cli.or(file)
+            .map_or(0, |d| d.as_secs().min(u32::MAX as u64) as u32)
+    };
+    let ipvs_periods = if mode == ProxyMode::Ipvs {
+        (ipvs_file.sync_period, ipvs_file.min_sync_period)
+    } else {
+        (None, None)
+    };
+    let ipvs = IpvsModeSettings {
+        options: crate::proxier::ipvs::IpvsOptions {
+            exclude_cidrs,
+            timeouts: crate::ipvs_netlink::IpvsTimeouts {
+                tcp: seconds(cli.ipvs_tcp_timeout, ipvs_file.tcp_timeout),
+                tcp_fin: seconds(cli.ipvs_tcpfin_timeout, ipvs_file.tcp_fin_timeout),
+                udp: seconds(cli.ipvs_udp_timeout, ipvs_file.udp_timeout),
+            },
+        },
+        strict_arp: cli.ipvs_strict_arp || ipvs_file.strict_arp.unwrap_or(false),
     };
     let maglev_table_size = size(
         "maglev_table_size",
@@ -417,10 +503,12 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         // The mode's own section first (iptables.syncPeriod, ...), as kube-proxy reads it.
         sync_period: section
             .and_then(|t| t.sync_period)
+            .or(ipvs_periods.0)
             .or(f.and_then(|f| f.sync_period))
             .unwrap_or(DEFAULT_SYNC_PERIOD),
         min_sync_period: section
             .and_then(|t| t.min_sync_period)
+            .or(ipvs_periods.1)
             .or(f.and_then(|f| f.min_sync_period))
             .unwrap_or(Duration::ZERO),
         config_sync_period: f
@@ -432,6 +520,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         masquerade_bit: masquerade_section
             .and_then(|t| t.masquerade_bit)
             .unwrap_or(crate::proxier::iptables::rules::DEFAULT_MASQUERADE_BIT),
+        ipvs,
         file,
         cli,
     })

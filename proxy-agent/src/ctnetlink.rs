@@ -8,24 +8,18 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use anyhow::{bail, Context, Result};
-use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr as NetlinkAddr};
+use anyhow::{Context, Result};
+use netlink_sys::{protocols::NETLINK_NETFILTER, Socket};
 
 use crate::{
     model::{Protocol, StaleFlow},
+    nlattr::{self, attr, attrs, nested, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST},
     proxier::FlowCleaner,
 };
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_GET: u16 = 1;
 const IPCTNL_MSG_CT_DELETE: u16 = 2;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLA_F_NESTED: u16 = 0x8000;
-const NLA_TYPE_MASK: u16 = 0x3fff;
 
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_TUPLE_REPLY: u16 = 2;
@@ -77,49 +71,15 @@ impl Entry {
 #[derive(Default)]
 pub struct KernelConntrack;
 
-fn attr(buf: &mut Vec<u8>, kind: u16, payload: &[u8]) {
-    let len = 4 + payload.len();
-    buf.extend_from_slice(&(len as u16).to_ne_bytes());
-    buf.extend_from_slice(&kind.to_ne_bytes());
-    buf.extend_from_slice(payload);
-    buf.resize(buf.len().next_multiple_of(4), 0);
-}
-
-fn nested(buf: &mut Vec<u8>, kind: u16, fill: impl FnOnce(&mut Vec<u8>)) {
-    let mut inner = Vec::new();
-    fill(&mut inner);
-    attr(buf, kind | NLA_F_NESTED, &inner);
-}
-
 fn message(kind: u16, flags: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
-    let len = 16 + 4 + attrs.len();
-    let mut m = Vec::with_capacity(len);
-    m.extend_from_slice(&(len as u32).to_ne_bytes());
-    m.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | kind).to_ne_bytes());
-    m.extend_from_slice(&flags.to_ne_bytes());
-    m.extend_from_slice(&seq.to_ne_bytes());
-    m.extend_from_slice(&0u32.to_ne_bytes());
     // nfgenmsg: family, version 0, resource id 0.
-    m.extend_from_slice(&[family, 0, 0, 0]);
-    m.extend_from_slice(attrs);
-    m
-}
-
-/// (type, payload) of each attribute in `buf`.
-fn attrs(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        if buf.len() < 4 {
-            return None;
-        }
-        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
-        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & NLA_TYPE_MASK;
-        if len < 4 || len > buf.len() {
-            return None;
-        }
-        let payload = &buf[4..len];
-        buf = &buf[len.next_multiple_of(4).min(buf.len())..];
-        Some((kind, payload))
-    })
+    nlattr::message(
+        (NFNL_SUBSYS_CTNETLINK << 8) | kind,
+        flags,
+        seq,
+        [family, 0, 0, 0],
+        attrs,
+    )
 }
 
 fn encode_tuple(buf: &mut Vec<u8>, t: &Tuple) {
@@ -199,52 +159,11 @@ fn decode_entry(body: &[u8]) -> Option<Entry> {
 }
 
 fn open() -> Result<Socket> {
-    let mut socket =
-        Socket::new(NETLINK_NETFILTER).context("opening a conntrack netlink socket")?;
-    socket
-        .bind_auto()
-        .context("binding the conntrack netlink socket")?;
-    socket
-        .connect(&NetlinkAddr::new(0, 0))
-        .context("connecting the conntrack netlink socket")?;
-    Ok(socket)
+    nlattr::open(NETLINK_NETFILTER, "conntrack netlink")
 }
 
-/// Reads replies to `seq` until the dump ends (or the ack arrives), handing each conntrack
-/// message's attributes to `each`.
-fn receive(socket: &Socket, seq: u32, mut each: impl FnMut(&[u8])) -> Result<()> {
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = socket
-            .recv(&mut &mut buf[..], 0)
-            .context("reading from conntrack netlink")?;
-        let mut rest = &buf[..n];
-        while rest.len() >= 16 {
-            let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
-            let kind = u16::from_ne_bytes(rest[4..6].try_into().unwrap());
-            let msg_seq = u32::from_ne_bytes(rest[8..12].try_into().unwrap());
-            if len < 16 || len > rest.len() {
-                bail!("malformed conntrack netlink message");
-            }
-            let body = &rest[16..len];
-            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
-            if msg_seq != seq {
-                continue;
-            }
-            match kind {
-                NLMSG_DONE => return Ok(()),
-                NLMSG_ERROR => {
-                    let code = i32::from_ne_bytes(body[0..4].try_into().unwrap_or_default());
-                    if code == 0 {
-                        return Ok(());
-                    }
-                    return Err(std::io::Error::from_raw_os_error(-code).into());
-                }
-                _ if body.len() >= 4 => each(&body[4..]),
-                _ => {}
-            }
-        }
-    }
+fn receive(socket: &Socket, seq: u32, each: impl FnMut(&[u8])) -> Result<()> {
+    nlattr::receive(socket, seq, "conntrack netlink", each)
 }
 
 impl KernelConntrack {

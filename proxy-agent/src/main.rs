@@ -13,7 +13,8 @@ use proxy_agent::{
     ctnetlink::KernelConntrack,
     datapath::{Datapath, LoadOptions},
     health::{self, Health},
-    local_routes::{self, KernelLocalRoutes, LocalRoutes},
+    ipvs_netlink::{Ipvs, KernelIpvs},
+    local_routes::{self, DummyAddresses, KernelLocalRoutes, LocalRoutes},
     metrics::{service_labels, Metrics, TrafficCounters},
     model::{
         local_addresses, objects::NodeInfo, ChangeTracker, DesiredState, IpFamily, NodeContext,
@@ -24,6 +25,11 @@ use proxy_agent::{
     proxier::{
         ebpf::{maps::KernelMaps, EbpfProxier},
         iptables::{cleanup as iptables_cleanup, tables::IptablesCommands, IptablesProxier},
+        ipvs::{
+            self as ipvs_mode,
+            ipset::{IpSets, IpsetCommand},
+            IpvsProxier,
+        },
         nftables::{
             self,
             nft::{Nft, NftCommand},
@@ -181,7 +187,7 @@ async fn run(mut s: Settings) -> Result<()> {
             maps = report.maps_unpinned,
             "eBPF mode cleaned up"
         );
-        match remove_iptables_rules()? {
+        match remove_iptables_rules(&[])? {
             Some(chains) => info!(chains, "iptables mode cleaned up"),
             None => info!("no iptables here: no iptables rules to clean up"),
         }
@@ -191,6 +197,13 @@ async fn run(mut s: Settings) -> Result<()> {
         }
         let routes = local_routes::remove_all()?;
         info!(routes, "userspace mode cleaned up");
+        let (servers, interface, sets) = remove_ipvs_mode(&s)?;
+        info!(
+            virtual_servers = servers,
+            kube_ipvs0 = interface,
+            ipsets = sets,
+            "ipvs mode cleaned up"
+        );
         info!("cleanup done");
         return Ok(());
     }
@@ -267,6 +280,7 @@ async fn run(mut s: Settings) -> Result<()> {
             );
             (ActiveProxier::Nftables(Box::new(proxier)), None)
         }
+        ProxyMode::Ipvs => (ActiveProxier::Ipvs(Box::new(start_ipvs(&s)?)), None),
         ProxyMode::Userspace => {
             let routes = KernelLocalRoutes::open()
                 .context("the userspace proxier makes service addresses local with routes")?;
@@ -287,8 +301,13 @@ async fn run(mut s: Settings) -> Result<()> {
     let (link_tx, mut link_rx) = mpsc::channel(64);
     if ebpf.as_ref().is_some_and(|e| e.attacher.is_some()) {
         tokio::spawn(async move {
-            if let Err(e) = attach::watch_links(link_tx).await {
-                warn!("interface watch stopped: {e:#}");
+            // A failed watch starts again (listing the links anew: attaching is idempotent),
+            // so interfaces created later are still served. It ends when the receiver goes.
+            while !link_tx.is_closed() {
+                if let Err(e) = attach::watch_links(link_tx.clone()).await {
+                    warn!("interface watch failed, restarting it in 1 s: {e:#}");
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });
     }
@@ -458,6 +477,13 @@ fn choose_mode(s: &Settings) -> Result<ProxyMode> {
         }
         Err(e) => reasons.push(format!("iptables: {e:#}")),
     }
+    match ipvs_prerequisites() {
+        Ok(()) => {
+            info!(not_chosen = ?reasons, "auto: choosing ipvs");
+            return Ok(ProxyMode::Ipvs);
+        }
+        Err(e) => reasons.push(format!("ipvs: {e:#}")),
+    }
     // The last resort: no netfilter, no BPF, only sockets and a route per address.
     match KernelLocalRoutes::open().and_then(|mut r| r.list().map(|_| ())) {
         Ok(()) => {
@@ -471,14 +497,14 @@ fn choose_mode(s: &Settings) -> Result<ProxyMode> {
     }
 }
 
-/// Removes every kube-proxy-style iptables chain (ours and upstream kube-proxy's); `None`
-/// when this node has no iptables to hold any.
-fn remove_iptables_rules() -> Result<Option<usize>> {
+/// Removes every kube-proxy-style iptables chain (ours and upstream kube-proxy's) but
+/// those in `keep`; `None` when this node has no iptables to hold any.
+fn remove_iptables_rules(keep: &[&str]) -> Result<Option<usize>> {
     let mut commands = IptablesCommands::host_default();
     if commands.probe(IpFamily::V4).is_err() {
         return Ok(None);
     }
-    iptables_cleanup::remove_all(&mut commands).map(Some)
+    iptables_cleanup::remove_all(&mut commands, keep).map(Some)
 }
 
 /// Removes the `kube-proxy` nftables tables (ours and upstream kube-proxy's); `None` when
@@ -494,7 +520,13 @@ fn remove_nftables_tables() -> Result<Option<usize>> {
 /// kube-proxy does when it starts: best effort, each failure a warning.
 async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
     if mode != ProxyMode::Iptables {
-        match remove_iptables_rules() {
+        // The ipvs mode writes a few of the same chains itself (already, by now).
+        let keep = if mode == ProxyMode::Ipvs {
+            ipvs_mode::IPTABLES_CHAINS
+        } else {
+            &[]
+        };
+        match remove_iptables_rules(keep) {
             Ok(None | Some(0)) => {}
             Ok(Some(n)) => info!(chains = n, "removed the iptables mode's rules"),
             Err(e) => warn!("removing the iptables mode's rules: {e:#}"),
@@ -505,6 +537,18 @@ async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
             Ok(None | Some(0)) => {}
             Ok(Some(n)) => info!(tables = n, "removed the nftables mode's tables"),
             Err(e) => warn!("removing the nftables mode's tables: {e:#}"),
+        }
+    }
+    if mode != ProxyMode::Ipvs {
+        match remove_ipvs_mode(s) {
+            Ok((0, false, 0)) => {}
+            Ok((servers, interface, sets)) => info!(
+                virtual_servers = servers,
+                kube_ipvs0 = interface,
+                ipsets = sets,
+                "removed the ipvs mode's state"
+            ),
+            Err(e) => warn!("removing the ipvs mode's state: {e:#}"),
         }
     }
     if mode != ProxyMode::Userspace {
@@ -528,10 +572,98 @@ async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
     }
 }
 
+/// What the ipvs proxier needs of the node: IPVS in the kernel, ipset, and iptables for
+/// both families (for masquerading around IPVS).
+fn ipvs_prerequisites() -> Result<()> {
+    KernelIpvs::open()?;
+    IpsetCommand
+        .probe()
+        .context("the ipvs proxier needs the ipset command and ip_set in the kernel")?;
+    let commands = IptablesCommands::host_default();
+    for family in [IpFamily::V4, IpFamily::V6] {
+        commands
+            .probe(family)
+            .context("the ipvs proxier needs iptables-restore for its masquerade rules")?;
+    }
+    Ok(())
+}
+
+/// kube-proxy's ipvs sysctls (in this network namespace): IPVS connections tracked by
+/// conntrack (so iptables can masquerade them), connections of removed real servers and
+/// their persistence templates expired at once, forwarding on; with strictARP, ARP answered
+/// only for the asking interface's addresses.
+fn ipvs_sysctls(strict_arp: bool) {
+    let mut settings = vec![
+        ("net/ipv4/vs/conntrack", "1"),
+        ("net/ipv4/vs/expire_nodest_conn", "1"),
+        ("net/ipv4/vs/expire_quiescent_template", "1"),
+        ("net/ipv4/ip_forward", "1"),
+    ];
+    if strict_arp {
+        settings.push(("net/ipv4/conf/all/arp_ignore", "1"));
+        settings.push(("net/ipv4/conf/all/arp_announce", "2"));
+    }
+    for (path, value) in settings {
+        let full = format!("/proc/sys/{path}");
+        match std::fs::write(&full, value) {
+            Ok(()) => debug!("{full} = {value}"),
+            Err(e) => warn!("ipvs mode: could not set {full} to {value}: {e}"),
+        }
+    }
+}
+
+fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand>> {
+    let ipvs = KernelIpvs::open().context("the ipvs proxier cannot run")?;
+    ipvs_prerequisites().context("the ipvs proxier cannot run")?;
+    ipvs_sysctls(s.ipvs.strict_arp);
+    let addresses: Box<dyn LocalRoutes> = match DummyAddresses::open() {
+        Ok(dummy) => Box::new(dummy),
+        Err(e) if proxy_agent::nlattr::errno(&e) == Some(libc::EOPNOTSUPP) => {
+            warn!(
+                "this kernel has no dummy interfaces ({}): service addresses are made local with routes on lo instead",
+                local_routes::DUMMY_INTERFACE
+            );
+            Box::new(KernelLocalRoutes::open()?)
+        }
+        Err(e) => {
+            return Err(e.context("the ipvs proxier holds service addresses on a dummy interface"))
+        }
+    };
+    Ok(IpvsProxier::new(
+        ipvs_mode::IpvsKernel {
+            ipvs: Box::new(ipvs),
+            addresses,
+            tables: IptablesCommands::host_default(),
+            sets: IpsetCommand,
+            flows: Box::new(KernelConntrack),
+        },
+        s.masquerade_bit,
+        &s.cluster_cidrs,
+        s.ipvs.options.clone(),
+    ))
+}
+
+/// Removes the ipvs mode's IPVS virtual servers (outside excludeCIDRs), `kube-ipvs0` and
+/// `KUBE-` ipsets (ours or kube-proxy's); nothing where the node has no IPVS or ipset.
+/// Runs after the iptables rules are gone (sets in use cannot be destroyed).
+fn remove_ipvs_mode(s: &Settings) -> Result<(usize, bool, usize)> {
+    let mut ipvs = KernelIpvs::open().ok();
+    let mut sets: Box<dyn IpSets> = match IpsetCommand.probe() {
+        Ok(()) => Box::new(IpsetCommand),
+        Err(_) => Box::new(ipvs_mode::ipset::MemorySets::default()),
+    };
+    ipvs_mode::remove_all(
+        ipvs.as_mut().map(|i| i as &mut dyn Ipvs),
+        sets.as_mut(),
+        &s.ipvs.options.exclude_cidrs,
+    )
+}
+
 /// The proxier of the mode this agent runs.
 enum ActiveProxier {
     Ebpf(Box<EbpfProxier<KernelMaps>>),
     Iptables(Box<IptablesProxier<IptablesCommands>>),
+    Ipvs(Box<IpvsProxier<IptablesCommands, IpsetCommand>>),
     Nftables(Box<NftablesProxier<NftCommand>>),
     Userspace(Box<UserspaceProxier>),
 }
@@ -546,6 +678,7 @@ impl ActiveProxier {
         match self {
             ActiveProxier::Ebpf(p) => p.as_ref(),
             ActiveProxier::Iptables(p) => p.as_ref(),
+            ActiveProxier::Ipvs(p) => p.as_ref(),
             ActiveProxier::Nftables(p) => p.as_ref(),
             ActiveProxier::Userspace(p) => p.as_ref(),
         }
@@ -555,6 +688,7 @@ impl ActiveProxier {
         match self {
             ActiveProxier::Ebpf(p) => p.as_mut(),
             ActiveProxier::Iptables(p) => p.as_mut(),
+            ActiveProxier::Ipvs(p) => p.as_mut(),
             ActiveProxier::Nftables(p) => p.as_mut(),
             ActiveProxier::Userspace(p) => p.as_mut(),
         }
@@ -591,6 +725,10 @@ impl ActiveProxier {
             ActiveProxier::Nftables(p) => {
                 metrics.nftables_rules.set(p.rule_count() as i64);
                 catch_up(&metrics.nftables_sync_failures, p.failures);
+            }
+            ActiveProxier::Ipvs(p) => {
+                metrics.ipvs_virtual_servers.set(p.virtual_servers() as i64);
+                catch_up(&metrics.ipvs_sync_failures, p.failures);
             }
             ActiveProxier::Userspace(p) => {
                 metrics.userspace_listeners.set(p.listening() as i64);

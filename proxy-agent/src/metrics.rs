@@ -36,6 +36,8 @@ pub struct Metrics {
     pub iptables_partial_restore_failures: IntCounter,
     pub nftables_rules: IntGauge,
     pub userspace_listeners: IntGauge,
+    pub ipvs_virtual_servers: IntGauge,
+    pub ipvs_sync_failures: IntCounter,
     pub nftables_sync_failures: IntCounter,
     // This project's own.
     pub programmed_service_ports: IntGaugeVec,
@@ -176,6 +178,16 @@ impl Metrics {
                 "Frontends the userspace mode listens on (those with endpoints to serve)",
             )
             .unwrap(),
+            ipvs_virtual_servers: IntGauge::new(
+                "proxy_agent_ipvs_virtual_servers",
+                "IPVS virtual servers the ipvs mode programs (one per frontend with endpoints)",
+            )
+            .unwrap(),
+            ipvs_sync_failures: IntCounter::new(
+                "proxy_agent_ipvs_sync_failures_total",
+                "ipvs mode syncs that failed (the next one compares everything with the kernel)",
+            )
+            .unwrap(),
             nftables_sync_failures: IntCounter::new(
                 "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
                 "Cumulative proxy nftables sync failures",
@@ -258,6 +270,8 @@ impl Metrics {
         reg(Box::new(m.iptables_partial_restore_failures.clone()));
         reg(Box::new(m.nftables_rules.clone()));
         reg(Box::new(m.userspace_listeners.clone()));
+        reg(Box::new(m.ipvs_virtual_servers.clone()));
+        reg(Box::new(m.ipvs_sync_failures.clone()));
         reg(Box::new(m.nftables_sync_failures.clone()));
         reg(Box::new(m.programmed_service_ports.clone()));
         reg(Box::new(m.programmed_backends.clone()));

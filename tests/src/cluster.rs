@@ -13,9 +13,9 @@
 //! The lab is dual-stack: every address above has an IPv6 twin ([`v6`]: 10.a.b.c becomes
 //! fd00:10:a:b::c), with the same routes, so IPv4 and IPv6 services run side by side.
 //!
-//! Backend pods answer TCP on 8080 and 8081 and UDP on 5353 with a greeting that says who
-//! answered, on which port, and which source address they saw (so tests can check
-//! source NAT and source preservation).
+//! Backend pods answer TCP on 8080 and 8081, UDP on 5353 and, where the kernel has SCTP,
+//! SCTP on 9090 with a greeting that says who answered, on which port, and which source
+//! address they saw (so tests can check source NAT and source preservation).
 
 use std::{
     io::{BufRead, BufReader, Write},
@@ -38,6 +38,57 @@ use crate::lab::{
 
 pub const TCP_PORTS: [u16; 2] = [8080, 8081];
 pub const UDP_PORT: u16 = 5353;
+pub const SCTP_PORT: u16 = 9090;
+
+/// An SCTP one-to-one (stream) socket of `addr`'s family, bound to it (port 0: any);
+/// `None` where the kernel has no SCTP. Such a socket is used like a TCP one (connect,
+/// listen, accept, read, write), so it is handed out as a `TcpListener`/`TcpStream`.
+pub fn sctp_socket(addr: SocketAddr) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
+    use std::os::fd::FromRawFd;
+    let family = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain socket/setsockopt/bind calls on a fresh descriptor that OwnedFd owns.
+    unsafe {
+        let fd = libc::socket(
+            family,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            libc::IPPROTO_SCTP,
+        );
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EPROTONOSUPPORT | libc::ESOCKTNOSUPPORT) => Ok(None),
+                _ => Err(e),
+            };
+        }
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            &one as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        if addr.is_ipv6() {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_IPV6,
+                libc::IPV6_V6ONLY,
+                &one as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+        let (sa, len) = client::sockaddr(addr);
+        if libc::bind(fd, &sa as *const _ as *const libc::sockaddr, len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Some(owned))
+    }
+}
 
 /// The IPv6 twin of a lab address: 10.a.b.c becomes fd00:10:a:b::c.
 pub fn v6(v4: Ipv4Addr) -> Ipv6Addr {
@@ -343,6 +394,15 @@ impl Cluster {
                 let u = UdpSocket::bind((any, UDP_PORT))?;
                 u.set_nonblocking(true)?;
                 udp.push(u);
+                if let Some(fd) = sctp_socket(SocketAddr::new(any, SCTP_PORT))? {
+                    // SAFETY: a bound socket of our own.
+                    if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+                        return Err(std::io::Error::last_os_error().into());
+                    }
+                    let l = TcpListener::from(fd);
+                    l.set_nonblocking(true)?;
+                    tcp.push(l);
+                }
             }
             ready_tx.send(()).ok();
             let mut fds: Vec<libc::pollfd> = tcp
@@ -686,8 +746,28 @@ pub mod client {
         Ok((hello, n))
     }
 
+    /// Connects over SCTP (from `source` when given), reads the greeting.
+    pub fn sctp_hello(
+        to: impl Into<SocketAddr>,
+        source: Option<IpAddr>,
+        timeout: Duration,
+    ) -> std::io::Result<Hello> {
+        let to: SocketAddr = to.into();
+        let local = source.unwrap_or(match to {
+            SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+            SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+        });
+        let fd = super::sctp_socket(SocketAddr::new(local, 0))?
+            .ok_or_else(|| std::io::Error::other("this kernel has no SCTP"))?;
+        let mut s = connect_stream(TcpStream::from(fd), to, timeout)?;
+        s.set_read_timeout(Some(timeout))?;
+        let mut line = String::new();
+        BufReader::new(&mut s).read_line(&mut line)?;
+        Hello::parse(&line).ok_or_else(|| std::io::Error::other(format!("bad greeting {line:?}")))
+    }
+
     /// `addr` as a C socket address, with its length.
-    fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    pub(super) fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
         // SAFETY: an all-zero sockaddr_storage is valid, and it is large and aligned enough
         // for both sockaddr_in and sockaddr_in6.
         let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };

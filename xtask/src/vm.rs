@@ -45,18 +45,55 @@ const PRELOAD: &[&str] = &[
     "ip6table_filter",
     "ip_vs",
     "ip_vs_rr",
+    "ip_set",
+    "ip_set_hash_ipport",
+    "ip_set_hash_ipportip",
+    "xt_set",
     "cls_bpf",
     "sch_ingress",
 ];
 
-/// Which filters of the conformance suite run in the VM: the rows of the modes this host
-/// cannot run (ipvs) and the eBPF mode on a kernel without TCX.
-pub const DEFAULT_FILTERS: &[&str] = &["ebpf::", "ipvs::"];
+/// What runs in the VM: the conformance rows of the modes this host cannot run (ipvs) and
+/// of the eBPF mode on a kernel without TCX, the SCTP rows of every mode (this host's
+/// kernel has no SCTP), and the lifecycle test switching to and from ipvs. A filter `lifecycle::<f>` selects from the lifecycle tests, any other from the
+/// conformance suite.
+pub const DEFAULT_FILTERS: &[&str] = &["ebpf::", "ipvs::", "sctp_", "lifecycle::ipvs"];
+
+/// The test binaries the VM can run, by the prefix that routes a filter to them.
+const SUITES: &[&str] = &["conformance", "lifecycle"];
+
+/// `filters` by suite: (suite, its filters), in [`SUITES`] order, only suites with some.
+fn filters_by_suite(filters: &[String]) -> Vec<(&'static str, Vec<String>)> {
+    SUITES
+        .iter()
+        .filter_map(|&suite| {
+            let mine: Vec<String> = filters
+                .iter()
+                .filter_map(|f| match f.split_once("::") {
+                    Some((prefix, rest)) if prefix == suite && suite != "conformance" => {
+                        Some(rest.to_string())
+                    }
+                    _ if suite == "conformance"
+                        && !SUITES[1..].iter().any(|s| f.starts_with(&format!("{s}::"))) =>
+                    {
+                        Some(f.clone())
+                    }
+                    _ => None,
+                })
+                .collect();
+            (!mine.is_empty()).then_some((suite, mine))
+        })
+        .collect()
+}
 
 /// Rows skipped per kernel, with the reason (printed, never silent).
 fn skipped_rows(kernel: &str) -> Vec<(&'static str, &'static str)> {
     match kernel {
-        "debian-6.1" => vec![("ipv6", IPV6_ON_6_1), ("dual_stack", IPV6_ON_6_1)],
+        "debian-6.1" => vec![
+            ("ebpf::ipv6", IPV6_ON_6_1),
+            ("ebpf::dual_stack", IPV6_ON_6_1),
+            ("ebpf::the_node_itself_reaches_ipv6", IPV6_ON_6_1),
+        ],
         _ => Vec::new(),
     }
 }
@@ -90,9 +127,12 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
     let initramfs = build_initramfs(&dir, &unpacked, &release)?;
     let vmlinuz = unpacked.join(format!("boot/vmlinuz-{release}"));
 
-    step("vm-test: building the agent and the conformance suite");
+    step("vm-test: building the agent and the test suites");
     run(&mut cargo(&["build", "--quiet", "-p", "proxy-agent"]))?;
-    let tests = conformance_binary()?;
+    let mut suites = Vec::new();
+    for (suite, filters) in filters_by_suite(&opts.filters) {
+        suites.push((test_binary(suite)?, filters));
+    }
     let skipped = skipped_rows(&opts.kernel);
     for (pattern, reason) in &skipped {
         step(&format!(
@@ -102,12 +142,12 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
     let script = dir.join("run.sh");
     std::fs::write(
         &script,
-        run_script(&tests, &opts.filters, &skipped, agent_args(&opts.kernel)),
+        run_script(&suites, &skipped, agent_args(&opts.kernel)),
     )?;
 
     let accel = probe_kvm(&vmlinuz, &initramfs);
     step(&format!(
-        "vm-test: booting Debian's {release} under qemu ({accel}, {} CPUs, {} MiB): conformance {}",
+        "vm-test: booting Debian's {release} under qemu ({accel}, {} CPUs, {} MiB): {}",
         opts.cpus,
         opts.memory_mb,
         opts.filters.join(" ")
@@ -303,11 +343,12 @@ poweroff -f
     )
 }
 
-/// The script the VM runs in the chroot: the conformance binary, with the kernel tests
-/// required to run.
+/// The script the VM runs in the chroot: each suite's binary with its filters, the kernel
+/// tests required to run; the exit status is the first failure's. Ignored tests run too:
+/// the ipvs tests are ignored on hosts without IPVS and meant for here; a row a mode cannot
+/// run only prints its reason.
 fn run_script(
-    tests: &Path,
-    filters: &[String],
+    suites: &[(PathBuf, Vec<String>)],
     skipped: &[(&str, &str)],
     agent_args: &str,
 ) -> String {
@@ -316,6 +357,22 @@ fn run_script(
         .iter()
         .map(|(pattern, _)| format!(" --skip {pattern}"))
         .collect();
+    // The tests' own output (figures such as the mode-switch gaps) with PROXY_VM_NOCAPTURE=1.
+    let capture = if std::env::var_os("PROXY_VM_NOCAPTURE").is_some() {
+        " --nocapture"
+    } else {
+        ""
+    };
+    let runs: String = suites
+        .iter()
+        .map(|(binary, filters)| {
+            format!(
+                "{} --color never --test-threads 1 --include-ignored{capture} {}{skips} || status=${{status:-$?}}\n",
+                binary.display(),
+                filters.join(" ")
+            )
+        })
+        .collect();
     format!(
         "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/tmp PROXY_REQUIRE_KERNEL_TESTS=1 PROXY_TEST_TIME_SCALE=5
@@ -323,17 +380,15 @@ export PROXY_AGENT_BIN={agent}
 export PROXY_AGENT_ARGS=\"{agent_args}\"
 cd {tests_dir}
 echo \"kernel $(uname -r), $(nproc) CPUs\"
-{binary} --color never --test-threads 1 {filters}{skips}
+{runs}(exit ${{status:-0}})
 ",
         agent = root.join("target/debug/proxy-agent").display(),
         tests_dir = root.join("tests").display(),
-        binary = tests.display(),
-        filters = filters.join(" ")
     )
 }
 
-/// The conformance suite's test binary (built if needed).
-fn conformance_binary() -> Result<PathBuf> {
+/// A test binary of the proxy-tests package (built if needed).
+fn test_binary(suite: &str) -> Result<PathBuf> {
     let out = cargo(&[
         "test",
         "--no-run",
@@ -341,24 +396,25 @@ fn conformance_binary() -> Result<PathBuf> {
         "-p",
         "proxy-tests",
         "--test",
-        "conformance",
+        suite,
         "--message-format=json",
     ])
     .stderr(Stdio::inherit())
     .output()
-    .context("building the conformance suite")?;
+    .with_context(|| format!("building the {suite} tests"))?;
     if !out.status.success() {
-        bail!("building the conformance suite failed");
+        bail!("building the {suite} tests failed");
     }
+    let name = format!("\"name\":\"{suite}\"");
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter(|l| l.contains("\"name\":\"conformance\""))
+        .filter(|l| l.contains(&name))
         .find_map(|l| {
             let start = l.find("\"executable\":\"")? + "\"executable\":\"".len();
             let end = l[start..].find('"')? + start;
             Some(PathBuf::from(&l[start..end]))
         })
-        .context("cargo named no conformance test binary")
+        .with_context(|| format!("cargo named no {suite} test binary"))
 }
 
 fn qemu(vmlinuz: &Path, initramfs: &Path, append: &str, accel: &str, opts: &VmTest) -> Command {

@@ -129,19 +129,57 @@ fn defaults_without_a_file_are_kube_proxys() {
 }
 
 #[test]
-fn a_mode_that_is_not_built_is_refused_by_name() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("c.yaml");
-    std::fs::write(
-        &path,
-        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ipvs\n",
-    )
-    .unwrap();
-    let matches =
-        Cli::command().get_matches_from(["proxy-agent", "--config", path.to_str().unwrap()]);
-    let err = settings(&matches).err().unwrap();
+fn the_ipvs_mode_reads_its_section_and_flags() {
+    let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: ipvs
+syncPeriod: 45s
+iptables: {masqueradeBit: 12}
+ipvs: {scheduler: wlc, excludeCIDRs: [192.0.2.0/24], strictARP: true, tcpTimeout: 15m, tcpFinTimeout: 2m, udpTimeout: 5m, syncPeriod: 20s}
+";
+    let s = with_config(file, &[]);
+    assert_eq!(s.mode, ProxyMode::Ipvs);
+    assert_eq!(s.scheduler, crate::model::Scheduler::Wlc);
+    assert_eq!(s.sync_period, Duration::from_secs(20));
+    // kube-proxy's ipvs mode masquerades with the iptables section's mark.
+    assert_eq!(s.masquerade_bit, 12);
+    assert!(s.ipvs.strict_arp);
+    assert_eq!(
+        s.ipvs.options.exclude_cidrs,
+        vec!["192.0.2.0/24".parse().unwrap()]
+    );
+    assert_eq!(
+        s.ipvs.options.timeouts,
+        crate::ipvs_netlink::IpvsTimeouts {
+            tcp: 900,
+            tcp_fin: 120,
+            udp: 300
+        }
+    );
+    let s = with_config(
+        file,
+        &[
+            "--ipvs-scheduler",
+            "mh",
+            "--ipvs-exclude-cidrs",
+            "198.51.100.0/24,2001:db8::/32",
+            "--ipvs-udp-timeout",
+            "10s",
+        ],
+    );
+    assert_eq!(s.scheduler, crate::model::Scheduler::Mh);
+    assert_eq!(s.ipvs.options.exclude_cidrs.len(), 2);
+    assert_eq!(s.ipvs.options.timeouts.udp, 10);
+    let bad = Cli::command().try_get_matches_from([
+        "proxy-agent",
+        "--proxy-mode",
+        "ipvs",
+        "--ipvs-exclude-cidrs",
+        "10.0.0.0/99",
+    ]);
+    let err = settings(&bad.unwrap()).err().unwrap();
     assert!(
-        format!("{err:#}").contains(r#"proxy mode "ipvs" is not available in this build yet"#),
+        format!("{err:#}").contains("--ipvs-exclude-cidrs"),
         "{err:#}"
     );
 }

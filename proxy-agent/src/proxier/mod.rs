@@ -2,6 +2,7 @@
 
 pub mod ebpf;
 pub mod iptables;
+pub mod ipvs;
 pub mod naming;
 pub mod nftables;
 pub mod userspace;
@@ -18,6 +19,7 @@ use crate::model::{
 pub enum ProxyMode {
     Ebpf,
     Iptables,
+    Ipvs,
     Nftables,
     Userspace,
     /// Resolved at start to the first mode the kernel supports (see `main`); never runs.
@@ -29,6 +31,7 @@ impl ProxyMode {
         match self {
             ProxyMode::Ebpf => "ebpf",
             ProxyMode::Iptables => "iptables",
+            ProxyMode::Ipvs => "ipvs",
             ProxyMode::Nftables => "nftables",
             ProxyMode::Userspace => "userspace",
             ProxyMode::Auto => "auto",
@@ -51,10 +54,8 @@ impl FromStr for ProxyMode {
             "iptables" => Ok(ProxyMode::Iptables),
             "nftables" => Ok(ProxyMode::Nftables),
             "userspace" => Ok(ProxyMode::Userspace),
+            "ipvs" => Ok(ProxyMode::Ipvs),
             "auto" => Ok(ProxyMode::Auto),
-            "ipvs" => Err(format!(
-                "proxy mode {s:?} is not available in this build yet (available: ebpf, iptables, nftables, userspace)"
-            )),
             other => Err(format!(
                 "unknown proxy mode {other:?} (expected auto, ebpf, iptables, ipvs, nftables or userspace)"
             )),
@@ -132,7 +133,7 @@ pub(crate) fn family_index(family: IpFamily) -> usize {
     }
 }
 
-/// What the netfilter proxiers (iptables, nftables) have in common: one set of tables per
+/// What the netfilter proxiers (iptables, nftables, and ipvs with its rules) have in common: one set of tables per
 /// address family, each written whole when it needs to be and otherwise only for the
 /// changed service ports, and the stale flows ended after a sync.
 pub trait FamilyTables {

@@ -1,9 +1,11 @@
 //! Control-plane cost per proxy mode: how long a sync takes for N services × 10 endpoints,
 //! cold (everything written into an empty datapath) and for one changed service (one
 //! endpoint replaced), against the real kernel facility of each mode (eBPF maps,
-//! `iptables-restore`, `nft`, local routes and listening sockets), each in a network namespace of its own.
+//! `iptables-restore`, `nft`, IPVS over generic netlink with `kube-ipvs0` and ipsets, local
+//! routes and listening sockets), each in a network namespace of its own. A mode the kernel
+//! cannot run (ipvs without IPVS) gets a row saying why.
 //!
-//! `syncbench [--modes ebpf,iptables,nftables,userspace] [--services 1000,10000] [--changes 5]`
+//! `syncbench [--modes ebpf,iptables,ipvs,nftables,userspace] [--services 1000,10000] [--changes 5]`
 //! prints a Markdown table; the one-change figure is the median of `--changes` syncs
 //! (min–max beside it). `iptables-legacy` / `iptables-nft` force an iptables backend
 //! (`iptables` is whichever the host's is).
@@ -18,12 +20,19 @@ use anyhow::{bail, Context, Result};
 use proxy_agent::{
     ctnetlink::KernelConntrack,
     datapath::{Datapath, DatapathSizes, LoadOptions},
-    local_routes::KernelLocalRoutes,
+    ipvs_netlink::KernelIpvs,
+    local_routes::{DummyAddresses, KernelLocalRoutes, LocalRoutes},
     model::{diff, DesiredState, ServicePortState},
     proxier::{
-        ebpf::EbpfProxier, iptables::tables::IptablesCommands, iptables::IptablesProxier,
-        nftables::nft::NftCommand, nftables::NftablesProxier, userspace::UserspaceProxier,
-        userspace::DEFAULT_UDP_IDLE_TIMEOUT, Proxier,
+        ebpf::EbpfProxier,
+        iptables::tables::IptablesCommands,
+        iptables::IptablesProxier,
+        ipvs::{ipset::IpsetCommand, IpvsKernel, IpvsOptions, IpvsProxier},
+        nftables::nft::NftCommand,
+        nftables::NftablesProxier,
+        userspace::UserspaceProxier,
+        userspace::DEFAULT_UDP_IDLE_TIMEOUT,
+        Proxier,
     },
 };
 use proxy_tests::lab::{Netns, LAB_COUNTER, PREFIX};
@@ -41,6 +50,7 @@ fn parse_args() -> Result<Args> {
         modes: vec![
             "ebpf".into(),
             "iptables".into(),
+            "ipvs".into(),
             "nftables".into(),
             "userspace".into(),
         ],
@@ -173,6 +183,25 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                 let mut p = NftablesProxier::new(NftCommand, Box::new(KernelConntrack), 14, &[]);
                 measure(&mut p, n, changes)
             }
+            "ipvs" => {
+                let addresses: Box<dyn LocalRoutes> = match DummyAddresses::open() {
+                    Ok(d) => Box::new(d),
+                    Err(_) => Box::new(KernelLocalRoutes::open()?),
+                };
+                let mut p = IpvsProxier::new(
+                    IpvsKernel {
+                        ipvs: Box::new(KernelIpvs::open()?),
+                        addresses,
+                        tables: IptablesCommands::host_default(),
+                        sets: IpsetCommand,
+                        flows: Box::new(KernelConntrack),
+                    },
+                    14,
+                    &[],
+                    IpvsOptions::default(),
+                );
+                measure(&mut p, n, changes)
+            }
             "userspace" => {
                 // Its listeners are tokio sockets: a runtime must be current (they are
                 // bound during the sync; nothing needs to run).
@@ -187,7 +216,7 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                 measure(&mut p, n, changes)
             }
             other => bail!(
-                "no such mode {other} (ebpf, iptables, iptables-legacy, iptables-nft, nftables, userspace)"
+                "no such mode {other} (ebpf, iptables, iptables-legacy, iptables-nft, ipvs, nftables, userspace)"
             ),
         }
     })

@@ -77,8 +77,9 @@ fn jump_target(rule: &str) -> Option<&str> {
 }
 
 /// The restore input that removes our chains from one saved table, or `None` if it has
-/// none; also the number of chains removed.
-pub fn removal(table: &str, saved: &str) -> Option<(String, usize)> {
+/// none; also the number of chains removed. Chains named in `keep` stay (with their
+/// rules and the jumps to them).
+pub fn removal(table: &str, saved: &str, keep: &[&str]) -> Option<(String, usize)> {
     let chains = parse(saved);
     let owned = OWNED
         .iter()
@@ -87,13 +88,14 @@ pub fn removal(table: &str, saved: &str) -> Option<(String, usize)> {
     let mut remove: Vec<&String> = chains
         .keys()
         .filter(|c| owned.contains(&c.as_str()) || OWNED_PREFIXES.iter().any(|p| c.starts_with(p)))
+        .filter(|c| !keep.contains(&c.as_str()))
         .collect();
     for shared in SHARED {
         let used_elsewhere = chains.iter().any(|(chain, rules)| {
             !remove.contains(&chain) && rules.iter().any(|r| jump_target(r) == Some(shared))
         });
         if let Some((name, _)) = chains.get_key_value(*shared) {
-            if !used_elsewhere {
+            if !used_elsewhere && !keep.contains(shared) {
                 remove.push(name);
             }
         }
@@ -124,13 +126,14 @@ pub fn removal(table: &str, saved: &str) -> Option<(String, usize)> {
 }
 
 /// Removes every kube-proxy-style chain and jump from both families' nat, filter and
-/// mangle tables; returns how many chains went.
-pub fn remove_all(tables: &mut impl RuleTables) -> Result<usize> {
+/// mangle tables, except the chains in `keep` (those the running mode writes itself);
+/// returns how many chains went.
+pub fn remove_all(tables: &mut impl RuleTables, keep: &[&str]) -> Result<usize> {
     let mut removed = 0;
     for family in [IpFamily::V4, IpFamily::V6] {
         for (table, _) in OWNED {
             let saved = tables.save(family, table)?;
-            if let Some((input, n)) = removal(table, &saved) {
+            if let Some((input, n)) = removal(table, &saved, keep) {
                 tables.restore(family, &input)?;
                 removed += n;
             }

@@ -266,21 +266,7 @@ fn restore_input(
     }
     if let Some((nat, _)) = saved {
         hooks(&mut out, "nat", nat);
-        let mark = ctx.masquerade_mark;
-        let _ = writeln!(out, "-A KUBE-MARK-MASQ -j MARK --or-mark 0x{mark:x}");
-        let _ = writeln!(
-            out,
-            "-A KUBE-POSTROUTING -m mark ! --mark 0x{mark:x}/0x{mark:x} -j RETURN"
-        );
-        let _ = writeln!(out, "-A KUBE-POSTROUTING -j MARK --xor-mark 0x{mark:x}");
-        let to = match ctx.masquerade_addr {
-            Some(addr) => format!("SNAT --to-source {addr} --random-fully"),
-            None => "MASQUERADE --random-fully".to_string(),
-        };
-        let _ = writeln!(
-            out,
-            "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j {to}"
-        );
+        masquerade_chains(&mut out, ctx, &[]);
     }
     let mut node_addrs = BTreeSet::new();
     for rules in services.values() {
@@ -323,16 +309,7 @@ fn restore_input(
     if let Some((_, filter)) = saved {
         out.push_str(":KUBE-FORWARD - [0:0]\n");
         hooks(&mut out, "filter", filter);
-        // For nodes whose FORWARD policy is DROP: service traffic still flows.
-        let mark = ctx.masquerade_mark;
-        let _ = writeln!(
-            out,
-            "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x{mark:x}/0x{mark:x} -j ACCEPT"
-        );
-        let _ = writeln!(
-            out,
-            "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
-        );
+        forward_chain(&mut out, ctx);
     }
     for rules in services.values() {
         for line in &rules.filter {
@@ -344,8 +321,46 @@ fn restore_input(
     out
 }
 
+/// `KUBE-MARK-MASQ` and `KUBE-POSTROUTING` (nat, declared by the caller): marked packets
+/// are source-NATed to the node's address. `before` are `KUBE-POSTROUTING` rules that may
+/// still mark a packet (the ipvs mode's set matches).
+pub(crate) fn masquerade_chains(out: &mut String, ctx: &RuleContext, before: &[String]) {
+    let mark = ctx.masquerade_mark;
+    let _ = writeln!(out, "-A KUBE-MARK-MASQ -j MARK --or-mark 0x{mark:x}");
+    for line in before {
+        let _ = writeln!(out, "{line}");
+    }
+    let _ = writeln!(
+        out,
+        "-A KUBE-POSTROUTING -m mark ! --mark 0x{mark:x}/0x{mark:x} -j RETURN"
+    );
+    let _ = writeln!(out, "-A KUBE-POSTROUTING -j MARK --xor-mark 0x{mark:x}");
+    let to = match ctx.masquerade_addr {
+        Some(addr) => format!("SNAT --to-source {addr} --random-fully"),
+        None => "MASQUERADE --random-fully".to_string(),
+    };
+    let _ = writeln!(
+        out,
+        "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j {to}"
+    );
+}
+
+/// `KUBE-FORWARD` (filter, declared by the caller): for nodes whose FORWARD policy is
+/// DROP, service traffic still flows.
+pub(crate) fn forward_chain(out: &mut String, ctx: &RuleContext) {
+    let mark = ctx.masquerade_mark;
+    let _ = writeln!(
+        out,
+        "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x{mark:x}/0x{mark:x} -j ACCEPT"
+    );
+    let _ = writeln!(
+        out,
+        "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    );
+}
+
 /// Jump rules from the built-in chains that `saved` (an `iptables-save -t table`) lacks.
-fn hooks(out: &mut String, table: &str, saved: &str) {
+pub(crate) fn hooks(out: &mut String, table: &str, saved: &str) {
     for (t, chain, rule) in HOOKS {
         if *t != table {
             continue;

@@ -384,7 +384,7 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
 /// unreachable when the Service has none (kube-proxy's REJECT; a reset because an ICMP
 /// error meeting a connecting socket's lock is dropped), a silent drop when a Local traffic
 /// policy finds them only on other nodes.
-fn refusal(
+pub(crate) fn refusal(
     state: &ServicePortState,
     kind: FrontendKind,
     frontend: &Frontend,

@@ -342,7 +342,7 @@ fn cleanup_removes_every_chain_and_jump_but_keeps_shared_chains_others_use() {
             "*nat\n:KUBE-MARK-MASQ - [0:0]\n:OTHER - [0:0]\n-A OTHER -j KUBE-MARK-MASQ\nCOMMIT\n",
         )
         .unwrap();
-    let removed = cleanup::remove_all(&mut tables).unwrap();
+    let removed = cleanup::remove_all(&mut tables, &[]).unwrap();
     assert!(removed >= 6, "{removed}");
     for family in [IpFamily::V4, IpFamily::V6] {
         for table in ["nat", "filter"] {
@@ -360,5 +360,35 @@ fn cleanup_removes_every_chain_and_jump_but_keeps_shared_chains_others_use() {
     assert!(tables
         .chain(IpFamily::V6, "nat", "KUBE-MARK-MASQ")
         .is_some());
-    assert_eq!(cleanup::remove_all(&mut tables).unwrap(), 0, "idempotent");
+    assert_eq!(
+        cleanup::remove_all(&mut tables, &[]).unwrap(),
+        0,
+        "idempotent"
+    );
+}
+
+#[test]
+fn cleanup_for_the_ipvs_mode_keeps_the_chains_it_writes_itself() {
+    let (mut p, _) = proxier();
+    let want = desired(&[state("web", "10.96.0.10", &["10.0.0.1:8080"])]);
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    let mut tables = p.tables().clone();
+    let keep = crate::proxier::ipvs::IPTABLES_CHAINS;
+    assert!(cleanup::remove_all(&mut tables, keep).unwrap() > 0);
+    let nat = tables.chains(IpFamily::V4, "nat");
+    for chain in ["KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"] {
+        assert!(nat.iter().any(|c| c == chain), "{chain} kept: {nat:?}");
+    }
+    assert!(
+        !nat.iter()
+            .any(|c| c.starts_with("KUBE-SVC-") || c.starts_with("KUBE-SEP-")),
+        "the iptables mode's service chains go: {nat:?}"
+    );
+    // The hooks into kept chains stay.
+    assert!(tables
+        .chain(IpFamily::V4, "nat", "PREROUTING")
+        .unwrap()
+        .iter()
+        .any(|r| r.ends_with("-j KUBE-SERVICES")));
 }
