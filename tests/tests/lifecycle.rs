@@ -652,3 +652,41 @@ fn switch_modes(lab: &mut Lab, manifests: &Path, modes: &[&str]) {
         );
     }
 }
+
+/// kube-proxy's behaviour on a kernel without IPVS: the ipvs mode does not start, and says
+/// which modules to load. (Where the kernel has IPVS, as in the VM, the mode runs instead:
+/// `switching_to_and_from_ipvs_...` covers it.)
+#[test]
+fn the_ipvs_mode_without_ipvs_in_the_kernel_exits_naming_the_modules() {
+    require_kernel!();
+    if Path::new("/sys/module/ip_vs").exists() {
+        eprintln!("skipped: this kernel has IPVS loaded; the mode runs here");
+        return;
+    }
+    let lab = Lab::new(LabOptions::default()).expect("lab");
+    let manifests = lab.write_manifests(&manifest(&lab)).unwrap();
+    let (ok, out) = lab
+        .run_agent_once(&[
+            "--proxy-mode",
+            "ipvs",
+            "--manifests",
+            manifests.to_str().unwrap(),
+        ])
+        .unwrap();
+    if ok || !out.contains("no \"IPVS\" generic netlink family") {
+        // A kernel that loads ip_vs on demand has IPVS after all.
+        assert!(
+            Path::new("/sys/module/ip_vs").exists(),
+            "the ipvs mode must refuse to start without IPVS: {out}"
+        );
+        return;
+    }
+    assert!(
+        out.contains("load the modules ip_vs, ip_vs_rr, ip_vs_wrr, ip_vs_sh, nf_conntrack"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("panicked") && !out.contains("stack backtrace"),
+        "{out}"
+    );
+}

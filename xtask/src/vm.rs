@@ -514,12 +514,17 @@ fn report(results: &[TestResult]) {
             .filter(|r| r.outcome.starts_with(prefix))
             .count()
     };
+    // A row a mode cannot run prints its SKIP line (uncaptured) where the outcome goes.
     println!(
-        "vm-test results: {} passed, {} failed, {} ignored",
+        "vm-test results: {} passed, {} failed, {} ignored, {} skipped with a reason",
         count("ok"),
         count("FAILED"),
-        count("ignored")
+        count("ignored"),
+        count("SKIP")
     );
+    for r in results.iter().filter(|r| r.outcome.starts_with("SKIP")) {
+        println!("  {}", r.outcome);
+    }
     for r in results.iter().filter(|r| r.outcome.starts_with("FAILED")) {
         println!("  FAILED {}", r.name);
     }

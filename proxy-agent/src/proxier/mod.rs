@@ -5,6 +5,8 @@ pub mod iptables;
 pub mod ipvs;
 pub mod naming;
 pub mod nftables;
+#[cfg(test)]
+pub(crate) mod test_states;
 pub mod userspace;
 
 use std::{fmt, str::FromStr};

@@ -1,44 +1,11 @@
-use std::sync::Arc;
-
 use super::{rules::*, tables::MemoryTables, *};
 use crate::{
-    model::{
-        diff, Frontend, FrontendKind, FrontendState, Protocol, ServicePortState, StaleFlow,
-        WhenEmpty,
+    model::{diff, FrontendKind, Protocol, StaleFlow},
+    proxier::{
+        test_states::{desired, node_port, state},
+        RecordedFlows,
     },
-    proxier::RecordedFlows,
 };
-
-fn state(name: &str, vip: &str, backends: &[&str]) -> ServicePortState {
-    let backends = backends.iter().map(|b| b.parse().unwrap()).collect();
-    ServicePortState::cluster_ip("default", name, "http", vip.parse().unwrap(), backends)
-}
-
-fn node_port(s: &ServicePortState, addr: &str, masquerade: bool) -> FrontendState {
-    FrontendState {
-        frontend: Frontend {
-            addr: addr.parse().unwrap(),
-            port: 30080,
-            protocol: Protocol::Tcp,
-        },
-        kind: FrontendKind::NodePort,
-        backends: s.backends.clone(),
-        draining: Vec::new(),
-        when_empty: WhenEmpty::Refuse,
-        source_ranges: Vec::new(),
-        masquerade,
-        masquerade_all: false,
-    }
-}
-
-fn desired(states: &[ServicePortState]) -> DesiredState {
-    DesiredState {
-        ports: states
-            .iter()
-            .map(|s| (s.name.clone(), Arc::new(s.clone())))
-            .collect(),
-    }
-}
 
 fn proxier() -> (IptablesProxier<MemoryTables>, RecordedFlows) {
     let flows = RecordedFlows::default();

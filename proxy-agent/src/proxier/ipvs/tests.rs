@@ -1,43 +1,16 @@
-use std::{collections::BTreeSet, net::SocketAddr, sync::Arc};
+use std::{collections::BTreeSet, net::SocketAddr};
 
 use super::{ipset::MemorySets, *};
 use crate::{
     ipvs_netlink::MemoryIpvs,
     local_routes::MemoryLocalRoutes,
-    model::{diff, FrontendKind, FrontendState, Protocol, Scheduler, ServicePortState, WhenEmpty},
-    proxier::{iptables::tables::MemoryTables, RecordedFlows},
+    model::{diff, Protocol, Scheduler},
+    proxier::{
+        iptables::tables::MemoryTables,
+        test_states::{desired, node_port, state},
+        RecordedFlows,
+    },
 };
-
-fn state(name: &str, vip: &str, backends: &[&str]) -> ServicePortState {
-    let backends = backends.iter().map(|b| b.parse().unwrap()).collect();
-    ServicePortState::cluster_ip("default", name, "http", vip.parse().unwrap(), backends)
-}
-
-fn node_port(s: &ServicePortState, addr: &str) -> FrontendState {
-    FrontendState {
-        frontend: Frontend {
-            addr: addr.parse().unwrap(),
-            port: 30080,
-            protocol: Protocol::Tcp,
-        },
-        kind: FrontendKind::NodePort,
-        backends: s.backends.clone(),
-        draining: Vec::new(),
-        when_empty: WhenEmpty::Refuse,
-        source_ranges: Vec::new(),
-        masquerade: true,
-        masquerade_all: false,
-    }
-}
-
-fn desired(states: &[ServicePortState]) -> DesiredState {
-    DesiredState {
-        ports: states
-            .iter()
-            .map(|s| (s.name.clone(), Arc::new(s.clone())))
-            .collect(),
-    }
-}
 
 struct Node {
     proxier: IpvsProxier<MemoryTables, MemorySets>,
@@ -105,7 +78,7 @@ fn ep(s: &str) -> SocketAddr {
 fn each_frontend_is_a_virtual_server_with_its_endpoints_and_the_service_addresses_are_local() {
     let mut n = node(IpvsOptions::default());
     let mut web = state("web", "10.96.0.10", &["10.244.1.2:8080", "10.244.2.2:8080"]);
-    web.external.push(node_port(&web, "192.168.1.10"));
+    web.external.push(node_port(&web, "192.168.1.10", true));
     web.remote.insert(ep("10.244.2.2:8080"));
     n.proxier.sync_full(&desired(&[web])).unwrap();
 

@@ -1,24 +1,11 @@
-use std::sync::Arc;
-
 use super::{nft::MemoryNft, rules::*, *};
 use crate::{
-    model::{diff, Frontend, FrontendKind, FrontendState, Protocol, ServicePortState, WhenEmpty},
-    proxier::RecordedFlows,
+    model::{diff, Frontend, FrontendKind, FrontendState, Protocol, WhenEmpty},
+    proxier::{
+        test_states::{desired, state},
+        RecordedFlows,
+    },
 };
-
-fn state(name: &str, vip: &str, backends: &[&str]) -> ServicePortState {
-    let backends = backends.iter().map(|b| b.parse().unwrap()).collect();
-    ServicePortState::cluster_ip("default", name, "http", vip.parse().unwrap(), backends)
-}
-
-fn desired(states: &[ServicePortState]) -> DesiredState {
-    DesiredState {
-        ports: states
-            .iter()
-            .map(|s| (s.name.clone(), Arc::new(s.clone())))
-            .collect(),
-    }
-}
 
 fn proxier() -> NftablesProxier<MemoryNft> {
     NftablesProxier::new(
