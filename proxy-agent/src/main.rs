@@ -478,7 +478,7 @@ fn choose_mode(s: &Settings) -> Result<ProxyMode> {
         Err(e) => reasons.push(format!("iptables: {e:#}")),
     }
     match ipvs_prerequisites() {
-        Ok(()) => {
+        Ok(_) => {
             info!(not_chosen = ?reasons, "auto: choosing ipvs");
             return Ok(ProxyMode::Ipvs);
         }
@@ -573,9 +573,9 @@ async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
 }
 
 /// What the ipvs proxier needs of the node: IPVS in the kernel, ipset, and iptables for
-/// both families (for masquerading around IPVS).
-fn ipvs_prerequisites() -> Result<()> {
-    KernelIpvs::open()?;
+/// both families (for masquerading around IPVS). Returns the IPVS handle it opened.
+fn ipvs_prerequisites() -> Result<KernelIpvs> {
+    let ipvs = KernelIpvs::open()?;
     IpsetCommand
         .probe()
         .context("the ipvs proxier needs the ipset command and ip_set in the kernel")?;
@@ -585,7 +585,7 @@ fn ipvs_prerequisites() -> Result<()> {
             .probe(family)
             .context("the ipvs proxier needs iptables-restore for its masquerade rules")?;
     }
-    Ok(())
+    Ok(ipvs)
 }
 
 /// kube-proxy's ipvs sysctls (in this network namespace): IPVS connections tracked by
@@ -613,8 +613,7 @@ fn ipvs_sysctls(strict_arp: bool) {
 }
 
 fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand>> {
-    let ipvs = KernelIpvs::open().context("the ipvs proxier cannot run")?;
-    ipvs_prerequisites().context("the ipvs proxier cannot run")?;
+    let ipvs = ipvs_prerequisites().context("the ipvs proxier cannot run")?;
     ipvs_sysctls(s.ipvs.strict_arp);
     let addresses: Box<dyn LocalRoutes> = match DummyAddresses::open() {
         Ok(dummy) => Box::new(dummy),
@@ -648,13 +647,10 @@ fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand
 /// Runs after the iptables rules are gone (sets in use cannot be destroyed).
 fn remove_ipvs_mode(s: &Settings) -> Result<(usize, bool, usize)> {
     let mut ipvs = KernelIpvs::open().ok();
-    let mut sets: Box<dyn IpSets> = match IpsetCommand.probe() {
-        Ok(()) => Box::new(IpsetCommand),
-        Err(_) => Box::new(ipvs_mode::ipset::MemorySets::default()),
-    };
+    let mut sets = IpsetCommand.probe().ok().map(|()| IpsetCommand);
     ipvs_mode::remove_all(
         ipvs.as_mut().map(|i| i as &mut dyn Ipvs),
-        sets.as_mut(),
+        sets.as_mut().map(|s| s as &mut dyn IpSets),
         &s.ipvs.options.exclude_cidrs,
     )
 }

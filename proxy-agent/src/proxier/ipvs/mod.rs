@@ -534,10 +534,10 @@ impl<T: RuleTables, S: IpSets> Proxier for IpvsProxier<T, S> {
 /// The node's ipvs-mode state besides the iptables rules (removed with the iptables
 /// mode's): every IPVS virtual server outside `exclude` (kube-proxy's cleanup flushes
 /// IPVS), the `kube-ipvs0` interface, and the `KUBE-` ipsets. Returns (virtual servers,
-/// interface removed, sets).
+/// interface removed, sets). `None`: the node has no IPVS / no ipset.
 pub fn remove_all(
     ipvs: Option<&mut dyn Ipvs>,
-    sets: &mut dyn IpSets,
+    sets: Option<&mut dyn IpSets>,
     exclude: &[Cidr],
 ) -> Result<(usize, bool, usize)> {
     let mut servers = 0;
@@ -551,16 +551,20 @@ pub fn remove_all(
         }
     }
     let interface = crate::local_routes::remove_dummy_interface()?;
-    let names: Vec<String> = sets
-        .names()?
-        .into_iter()
-        .filter(|n| n.starts_with("KUBE-"))
-        .collect();
-    if !names.is_empty() {
-        sets.restore(&ipset::removal_input(&names))
-            .context("destroying the ipvs mode's ipsets")?;
+    let mut destroyed = 0;
+    if let Some(sets) = sets {
+        let names: Vec<String> = sets
+            .names()?
+            .into_iter()
+            .filter(|n| n.starts_with("KUBE-"))
+            .collect();
+        if !names.is_empty() {
+            sets.restore(&ipset::removal_input(&names))
+                .context("destroying the ipvs mode's ipsets")?;
+        }
+        destroyed = names.len();
     }
-    Ok((servers, interface, names.len()))
+    Ok((servers, interface, destroyed))
 }
 
 #[cfg(test)]
