@@ -32,6 +32,7 @@ use proxy_agent::{
         },
         nftables::{
             self,
+            netlink::NftNetlink,
             nft::{Nft, NftCommand},
             NftablesProxier,
         },
@@ -273,7 +274,7 @@ async fn run(mut s: Settings) -> Result<()> {
                 "the nftables proxier needs the nft command and nf_tables in the kernel",
             )?;
             let proxier = NftablesProxier::new(
-                NftCommand,
+                NftNetlink::default(),
                 Box::new(KernelConntrack),
                 s.masquerade_bit,
                 &s.cluster_cidrs,
@@ -660,7 +661,7 @@ enum ActiveProxier {
     Ebpf(Box<EbpfProxier<KernelMaps>>),
     Iptables(Box<IptablesProxier<IptablesCommands>>),
     Ipvs(Box<IpvsProxier<IptablesCommands, IpsetCommand>>),
-    Nftables(Box<NftablesProxier<NftCommand>>),
+    Nftables(Box<NftablesProxier<NftNetlink>>),
     Userspace(Box<UserspaceProxier>),
 }
 
@@ -721,6 +722,16 @@ impl ActiveProxier {
             ActiveProxier::Nftables(p) => {
                 metrics.nftables_rules.set(p.rule_count() as i64);
                 catch_up(&metrics.nftables_sync_failures, p.failures);
+                let nft = p.nft();
+                for (via, total) in [
+                    ("netlink", nft.netlink_transactions),
+                    ("nft", nft.nft_transactions),
+                ] {
+                    catch_up(
+                        &metrics.nftables_transactions.with_label_values(&[via]),
+                        total,
+                    );
+                }
             }
             ActiveProxier::Ipvs(p) => {
                 metrics.ipvs_virtual_servers.set(p.virtual_servers() as i64);

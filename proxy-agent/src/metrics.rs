@@ -39,6 +39,7 @@ pub struct Metrics {
     pub ipvs_virtual_servers: IntGauge,
     pub ipvs_sync_failures: IntCounter,
     pub nftables_sync_failures: IntCounter,
+    pub nftables_transactions: IntCounterVec,
     // This project's own.
     pub programmed_service_ports: IntGaugeVec,
     pub programmed_backends: IntGaugeVec,
@@ -193,6 +194,15 @@ impl Metrics {
                 "Cumulative proxy nftables sync failures",
             )
             .unwrap(),
+            nftables_transactions: IntCounterVec::new(
+                Opts::new(
+                    "proxy_agent_nftables_transactions_total",
+                    "nftables mode transactions, by how they reached the kernel (netlink: \
+                     incremental syncs; nft: full syncs)",
+                ),
+                &["via"],
+            )
+            .unwrap(),
             programmed_service_ports: IntGaugeVec::new(
                 Opts::new(
                     "proxy_agent_service_ports",
@@ -273,6 +283,7 @@ impl Metrics {
         reg(Box::new(m.ipvs_virtual_servers.clone()));
         reg(Box::new(m.ipvs_sync_failures.clone()));
         reg(Box::new(m.nftables_sync_failures.clone()));
+        reg(Box::new(m.nftables_transactions.clone()));
         reg(Box::new(m.programmed_service_ports.clone()));
         reg(Box::new(m.programmed_backends.clone()));
         reg(Box::new(m.unprogrammed_service_ports.clone()));

@@ -14,7 +14,7 @@ pub const NLM_F_CREATE: u16 = 0x400;
 pub const NLM_F_DUMP: u16 = 0x300;
 const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
-const NLA_F_NESTED: u16 = 0x8000;
+pub const NLA_F_NESTED: u16 = 0x8000;
 const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// Appends one attribute (padded to 4 bytes).
@@ -112,6 +112,25 @@ pub fn receive(socket: &Socket, seq: u32, what: &str, mut each: impl FnMut(&[u8]
             }
         }
     }
+}
+
+/// (sequence number, error code) of each acknowledgement in `buf` (0: success, else a
+/// negative errno).
+pub fn acks(mut buf: &[u8]) -> Vec<(u32, i32)> {
+    let mut out = Vec::new();
+    while buf.len() >= 16 {
+        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
+        let kind = u16::from_ne_bytes(buf[4..6].try_into().unwrap());
+        let seq = u32::from_ne_bytes(buf[8..12].try_into().unwrap());
+        if len < 16 || len > buf.len() {
+            break;
+        }
+        if kind == NLMSG_ERROR && len >= 20 {
+            out.push((seq, i32::from_ne_bytes(buf[16..20].try_into().unwrap())));
+        }
+        buf = &buf[len.next_multiple_of(4).min(buf.len())..];
+    }
+    out
 }
 
 /// The errno of a failed request, if that is what `e` is.

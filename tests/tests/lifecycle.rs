@@ -397,6 +397,15 @@ COMMIT
 :KUBE-NODEPORTS - [0:0]
 :KUBE-PROXY-FIREWALL - [0:0]
 :KUBE-SERVICES - [0:0]
+:KUBE-IPVS-FILTER - [0:0]
+:KUBE-IPVS-OUT-FILTER - [0:0]
+:KUBE-NODE-PORT - [0:0]
+:KUBE-SOURCE-RANGES-FIREWALL - [0:0]
+-A INPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-FILTER
+-A OUTPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-OUT-FILTER
+-A INPUT -m comment --comment \"kubernetes health check rules\" -j KUBE-NODE-PORT
+-A KUBE-PROXY-FIREWALL -j KUBE-SOURCE-RANGES-FIREWALL
+-A KUBE-SOURCE-RANGES-FIREWALL -j DROP
 -A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL
 -A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS
 -A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES
@@ -407,6 +416,8 @@ COMMIT
 *nat
 :KUBE-MARK-MASQ - [0:0]
 :KUBE-NODEPORTS - [0:0]
+:KUBE-NODE-PORT - [0:0]
+:KUBE-LOAD-BALANCER - [0:0]
 :KUBE-POSTROUTING - [0:0]
 :KUBE-SEP-IOZ5JIQNHTTBQCVZ - [0:0]
 :KUBE-SERVICES - [0:0]
@@ -422,6 +433,7 @@ COMMIT
 -A KUBE-SEP-IOZ5JIQNHTTBQCVZ -p tcp -m comment --comment \"default/kubernetes:https\" -m tcp -j DNAT --to-destination 10.88.0.2:6443
 -A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m comment --comment \"default/kubernetes:https cluster IP\" -m tcp --dport 443 -j KUBE-SVC-NPX46M4PTMTKRN6Y
 -A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS
+-A KUBE-NODE-PORT -j RETURN
 -A KUBE-SVC-NPX46M4PTMTKRN6Y -m comment --comment \"default/kubernetes:https -> 10.88.0.2:6443\" -j KUBE-SEP-IOZ5JIQNHTTBQCVZ
 COMMIT
 ";
@@ -469,7 +481,8 @@ fn switching_modes_keeps_new_connections_and_leaves_nothing_of_the_old_mode() {
     require_kernel!();
     let mut lab = Lab::new(LabOptions::default()).expect("lab");
     let manifests = lab.write_manifests(&manifest(&lab)).unwrap();
-    // The node ran upstream kube-proxy before (in iptables mode, and once in nftables mode).
+    // The node ran upstream kube-proxy before (in iptables mode, the iptables chains of its
+    // ipvs mode, and once in nftables mode).
     lab.node
         .exec(
             "bash",

@@ -6,6 +6,8 @@
 //! cannot run (ipvs without IPVS) gets a row saying why.
 //!
 //! `syncbench [--modes ebpf,iptables,ipvs,nftables,userspace] [--services 1000,10000] [--changes 5]`
+//! (also `iptables-legacy`, `iptables-nft`, and `nftables-nft`: every nftables transaction
+//! through `nft -f`, for comparison with the netlink path of incremental syncs)
 //! prints a Markdown table; the one-change figure is the median of `--changes` syncs
 //! (min–max beside it). `iptables-legacy` / `iptables-nft` force an iptables backend
 //! (`iptables` is whichever the host's is).
@@ -28,8 +30,8 @@ use proxy_agent::{
         iptables::tables::IptablesCommands,
         iptables::IptablesProxier,
         ipvs::{ipset::IpsetCommand, IpvsKernel, IpvsOptions, IpvsProxier},
-        nftables::nft::NftCommand,
         nftables::NftablesProxier,
+        nftables::{netlink::NftNetlink, nft::NftCommand},
         userspace::UserspaceProxier,
         userspace::DEFAULT_UDP_IDLE_TIMEOUT,
         Proxier,
@@ -180,6 +182,12 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                 measure(&mut p, n, changes)
             }
             "nftables" => {
+                let mut p =
+                    NftablesProxier::new(NftNetlink::default(), Box::new(KernelConntrack), 14, &[]);
+                measure(&mut p, n, changes)
+            }
+            // Every transaction through `nft -f`, as before incremental syncs used netlink.
+            "nftables-nft" => {
                 let mut p = NftablesProxier::new(NftCommand, Box::new(KernelConntrack), 14, &[]);
                 measure(&mut p, n, changes)
             }
@@ -216,7 +224,7 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                 measure(&mut p, n, changes)
             }
             other => bail!(
-                "no such mode {other} (ebpf, iptables, iptables-legacy, iptables-nft, ipvs, nftables, userspace)"
+                "no such mode {other} (ebpf, iptables, iptables-legacy, iptables-nft, ipvs, nftables, nftables-nft, userspace)"
             ),
         }
     })

@@ -20,6 +20,8 @@ const OWNED: &[(&str, &[&str])] = &[
             "KUBE-POSTROUTING",
             "KUBE-LOAD-BALANCER",
             "KUBE-PROXY-CANARY",
+            // kube-proxy's ipvs mode.
+            "KUBE-NODE-PORT",
         ],
     ),
     (
@@ -31,6 +33,11 @@ const OWNED: &[(&str, &[&str])] = &[
             "KUBE-NODEPORTS",
             "KUBE-PROXY-FIREWALL",
             "KUBE-PROXY-CANARY",
+            // kube-proxy's ipvs mode.
+            "KUBE-NODE-PORT",
+            "KUBE-SOURCE-RANGES-FIREWALL",
+            "KUBE-IPVS-FILTER",
+            "KUBE-IPVS-OUT-FILTER",
         ],
     ),
     ("mangle", &["KUBE-PROXY-CANARY"]),

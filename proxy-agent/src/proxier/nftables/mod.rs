@@ -1,5 +1,6 @@
-//! The nftables proxier: kube-proxy's nftables design (see [`rules`]), applied with
-//! `nft -f -`, one transaction per family and sync.
+//! The nftables proxier: kube-proxy's nftables design (see [`rules`]), one transaction per
+//! family and sync, written in nft's language: full syncs go through `nft -f -`,
+//! incremental ones to nf_tables as a netlink batch (see [`netlink`] for why).
 //!
 //! The first sync, every `syncPeriod` and the one after a failed transaction are full: every
 //! chain is flushed and rewritten, the verdict maps are refilled, and chains and sets nobody
@@ -8,6 +9,7 @@
 //! get only the elements that were added or removed, so a change costs the same at 10 000
 //! services as at 10.
 
+pub mod netlink;
 pub mod nft;
 pub mod rules;
 
@@ -75,7 +77,7 @@ const MAPS: [&str; 4] = [
 struct FamilyTable {
     services: BTreeMap<ServicePortName, ServiceRules>,
     /// The elements of each of [`MAPS`] as last written.
-    elements: BTreeMap<&'static str, BTreeMap<String, String>>,
+    elements: Elements,
     needs_full: bool,
 }
 
@@ -88,13 +90,12 @@ pub struct NftablesProxier<N: Nft> {
     pub failures: u64,
 }
 
-/// The elements each map should hold for `services`.
-fn wanted_elements(
-    services: &BTreeMap<ServicePortName, ServiceRules>,
-) -> BTreeMap<&'static str, BTreeMap<String, String>> {
-    let mut maps: BTreeMap<&'static str, BTreeMap<String, String>> =
-        MAPS.iter().map(|m| (*m, BTreeMap::new())).collect();
-    for rules in services.values() {
+type Elements = BTreeMap<&'static str, BTreeMap<String, String>>;
+
+/// The elements `services` put in each map.
+fn wanted_elements<'a>(services: impl IntoIterator<Item = &'a ServiceRules>) -> Elements {
+    let mut maps: Elements = MAPS.iter().map(|m| (*m, BTreeMap::new())).collect();
+    for rules in services {
         let mut put = |map: &'static str, list: &[(String, String)]| {
             let m = maps.get_mut(map).expect("known map");
             for (k, v) in list {
@@ -110,6 +111,84 @@ fn wanted_elements(
         }
     }
     maps
+}
+
+/// What an incremental sync changes in one map: keys to delete (their old value differs or
+/// is gone) and elements to add.
+#[derive(Default)]
+struct MapChanges {
+    removed: Vec<String>,
+    added: Vec<(String, String)>,
+}
+
+/// Brings `maps` (the elements last written) up to date after an incremental sync, and
+/// says what changed: what the rewritten service ports put in a map before (`old`) leaves
+/// it, what they put there now (`new`) enters it. A key another service port also claims
+/// keeps that one's value, and the node addresses (shared by every NodePort) are counted
+/// again. Only the rewritten ports' elements are copied or compared; rebuilding every map
+/// copied each element of 10 000 services for a one-endpoint change.
+fn update_elements(
+    maps: &mut Elements,
+    old: &Elements,
+    new: &Elements,
+    current: &BTreeMap<ServicePortName, ServiceRules>,
+    written: &BTreeSet<&ServicePortName>,
+) -> BTreeMap<&'static str, MapChanges> {
+    let mut changes: BTreeMap<&'static str, MapChanges> = BTreeMap::new();
+    let mut set = |maps: &mut Elements, map: &'static str, key: &str, value: Option<String>| {
+        let target = maps.entry(map).or_default();
+        let before = target.get(key);
+        if before == value.as_ref() {
+            return;
+        }
+        let change = changes.entry(map).or_default();
+        if before.is_some() {
+            change.removed.push(key.to_string());
+            target.remove(key);
+        }
+        if let Some(v) = value {
+            change.added.push((key.to_string(), v.clone()));
+            target.insert(key.to_string(), v);
+        }
+    };
+    let mut node_port_addrs: BTreeMap<String, String> = BTreeMap::new();
+    for r in current.values() {
+        for addr in &r.node_port_addrs {
+            node_port_addrs.insert(addr.to_string(), String::new());
+        }
+    }
+    for map in MAPS {
+        if map == "nodeport-ips" {
+            let now = maps.get(map).cloned().unwrap_or_default();
+            for key in now.keys().filter(|k| !node_port_addrs.contains_key(*k)) {
+                set(maps, map, key, None);
+            }
+            for key in node_port_addrs.keys() {
+                set(maps, map, key, Some(String::new()));
+            }
+            continue;
+        }
+        for key in old[map].keys().filter(|k| !new[map].contains_key(*k)) {
+            // Another service port may claim the same key (a conflict the model allows
+            // through): it keeps its element.
+            let claim = current
+                .iter()
+                .filter(|(name, _)| !written.contains(name))
+                .find_map(|(_, r)| {
+                    let list = match map {
+                        "service-ips" => &r.service_ips,
+                        "service-nodeports" => &r.node_ports,
+                        _ => &r.no_endpoints,
+                    };
+                    list.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+                });
+            set(maps, map, key, claim);
+        }
+        for (k, v) in &new[map] {
+            set(maps, map, k, Some(v.clone()));
+        }
+    }
+    changes
 }
 
 fn element(k: &str, v: &str) -> String {
@@ -275,6 +354,9 @@ impl<N: Nft> NftablesProxier<N> {
             changed,
             |port| service_rules(port, &ctx),
         );
+        // What the rewritten service ports had in the maps (an incremental sync changes
+        // only that).
+        let old_elements = (!full).then(|| wanted_elements(&replaced));
         let mut stale_chains = BTreeSet::new();
         let mut stale_sets = BTreeSet::new();
         for old in replaced {
@@ -298,12 +380,20 @@ impl<N: Nft> NftablesProxier<N> {
                     .cloned(),
             );
         }
-        let wanted_chains: BTreeSet<&String> = current
-            .values()
+        // Chain and set names are the service port's own (its key is in them): an
+        // incremental sync's stale objects can only be wanted again by the ports it writes.
+        let written_names: BTreeSet<&ServicePortName> = write.iter().collect();
+        let wanting: Vec<&ServiceRules> = if full {
+            current.values().collect()
+        } else {
+            write.iter().filter_map(|n| current.get(n)).collect()
+        };
+        let wanted_chains: BTreeSet<&String> = wanting
+            .iter()
             .flat_map(|r| r.chains.iter().map(|(c, _)| c))
             .collect();
-        let wanted_sets: BTreeSet<&String> = current
-            .values()
+        let wanted_sets: BTreeSet<&String> = wanting
+            .iter()
             .flat_map(|r| r.sets.iter().map(|(s, _)| s))
             .collect();
         stale_chains.retain(|c| !wanted_chains.contains(c));
@@ -338,36 +428,38 @@ impl<N: Nft> NftablesProxier<N> {
             }
         }
         // 3. The maps: refilled (full) or changed element by element.
-        let wanted = wanted_elements(&current);
         let state = &mut self.families[i];
-        for map in MAPS {
-            let new = &wanted[map];
-            let kind = if map == "nodeport-ips" { "set" } else { "map" };
-            if full {
-                let _ = writeln!(out, "flush {kind} {t} {map}");
-                let all: Vec<String> = new.iter().map(|(k, v)| element(k, v)).collect();
-                if !all.is_empty() {
-                    let _ = writeln!(out, "add element {t} {map} {{ {} }}", all.join(", "));
+        let mut elements = std::mem::take(&mut state.elements);
+        match &old_elements {
+            None => {
+                elements = wanted_elements(current.values());
+                for map in MAPS {
+                    let kind = if map == "nodeport-ips" { "set" } else { "map" };
+                    let _ = writeln!(out, "flush {kind} {t} {map}");
+                    let all: Vec<String> =
+                        elements[map].iter().map(|(k, v)| element(k, v)).collect();
+                    if !all.is_empty() {
+                        let _ = writeln!(out, "add element {t} {map} {{ {} }}", all.join(", "));
+                    }
                 }
-                continue;
             }
-            let old = state.elements.get(map).cloned().unwrap_or_default();
-            let removed: Vec<&String> = old
-                .iter()
-                .filter(|(k, v)| new.get(*k) != Some(*v))
-                .map(|(k, _)| k)
-                .collect();
-            let added: Vec<String> = new
-                .iter()
-                .filter(|(k, v)| old.get(*k) != Some(*v))
-                .map(|(k, v)| element(k, v))
-                .collect();
-            if !removed.is_empty() {
-                let keys: Vec<&str> = removed.iter().map(|k| k.as_str()).collect();
-                let _ = writeln!(out, "delete element {t} {map} {{ {} }}", keys.join(", "));
-            }
-            if !added.is_empty() {
-                let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
+            Some(old) => {
+                let new = wanted_elements(written.iter().copied());
+                let changes = update_elements(&mut elements, old, &new, &current, &written_names);
+                for (map, change) in changes {
+                    if !change.removed.is_empty() {
+                        let _ = writeln!(
+                            out,
+                            "delete element {t} {map} {{ {} }}",
+                            change.removed.join(", ")
+                        );
+                    }
+                    if !change.added.is_empty() {
+                        let added: Vec<String> =
+                            change.added.iter().map(|(k, v)| element(k, v)).collect();
+                        let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
+                    }
+                }
             }
         }
         // 4. What nobody wants any more: emptied first, as chains may jump to each other.
@@ -384,7 +476,7 @@ impl<N: Nft> NftablesProxier<N> {
         match self.nft.apply(&out) {
             Ok(()) => {
                 let state = &mut self.families[i];
-                state.elements = wanted;
+                state.elements = elements;
                 state.needs_full = false;
                 Ok(write.len())
             }

@@ -298,11 +298,15 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
                 Some((_, chain)) => chain.clone(),
                 None => {
                     let chain = chain_with("firewall", state, firewalls.len());
-                    let ranges: Vec<String> = f.source_ranges.iter().map(cidr).collect();
-                    r.chains.push((
-                        chain.clone(),
-                        vec![format!("{ip} saddr {{ {} }} goto {ext}", ranges.join(", "))],
-                    ));
+                    // A rule per range (kube-proxy writes one anonymous set): the same
+                    // match, and each is a plain prefix compare in an incremental
+                    // transaction (see `netlink`), with no anonymous set to create.
+                    let rules = f
+                        .source_ranges
+                        .iter()
+                        .map(|c| format!("{ip} saddr {} goto {ext}", cidr(c)))
+                        .collect();
+                    r.chains.push((chain.clone(), rules));
                     firewalls.push((fw_key, chain.clone()));
                     chain
                 }

@@ -2,7 +2,7 @@ use super::{nft::MemoryNft, rules::*, *};
 use crate::{
     model::{diff, Frontend, FrontendKind, FrontendState, Protocol, WhenEmpty},
     proxier::{
-        test_states::{desired, state},
+        test_states::{desired, node_port, state},
         RecordedFlows,
     },
 };
@@ -121,7 +121,7 @@ fn refusals_drops_and_source_ranges_go_through_the_no_endpoint_map() {
     let fw = fw.strip_prefix("goto ").unwrap();
     assert!(fw.starts_with("firewall-"));
     let rules = p.nft().chain("ip", TABLE, fw).unwrap();
-    assert!(rules[0].starts_with("ip saddr { 10.250.1.2/32 } goto external-"));
+    assert!(rules[0].starts_with("ip saddr 10.250.1.2/32 goto external-"));
 }
 
 #[test]
@@ -183,4 +183,50 @@ fn a_failed_transaction_makes_the_next_sync_full() {
     assert_eq!(p.failures, 1);
     assert!(p.sync(&next, &[]).unwrap().full);
     assert_eq!(map(&p, "ip", "service-ips").len(), 2);
+}
+
+#[test]
+fn incremental_syncs_keep_elements_other_service_ports_still_claim() {
+    let mut p = proxier();
+    let mut a = state("a", "10.96.0.1", &["10.0.0.1:80"]);
+    a.external = vec![node_port(&a, "192.168.50.2", true)];
+    let mut b = state("b", "10.96.0.2", &["10.0.0.2:80"]);
+    let mut np = node_port(&b, "192.168.50.2", true);
+    np.frontend.port = 30081;
+    b.external = vec![np];
+    let both = desired(&[a.clone(), b.clone()]);
+    p.sync(&both, &diff(&DesiredState::default(), &both))
+        .unwrap();
+    assert_eq!(map(&p, "ip", "nodeport-ips").len(), 1);
+
+    // a goes: its NodePort leaves, the node address stays for b's.
+    let only_b = desired(std::slice::from_ref(&b));
+    assert!(!p.sync(&only_b, &diff(&both, &only_b)).unwrap().full);
+    let script = p.nft().scripts.last().unwrap().clone();
+    assert!(!script.contains("nodeport-ips"), "{script}");
+    assert!(script.contains("delete element ip kube-proxy service-nodeports { tcp . 30080 }"));
+    assert_eq!(
+        map(&p, "ip", "nodeport-ips").keys().collect::<Vec<_>>(),
+        ["192.168.50.2"]
+    );
+
+    // b loses its endpoints: its elements move to the no-endpoint map.
+    let mut b_empty = b.clone();
+    b_empty.backends.clear();
+    b_empty.external[0].backends.clear();
+    let empty = desired(std::slice::from_ref(&b_empty));
+    p.sync(&empty, &diff(&only_b, &empty)).unwrap();
+    assert!(map(&p, "ip", "service-ips").is_empty());
+    assert!(map(&p, "ip", "service-nodeports").is_empty());
+    assert_eq!(
+        map(&p, "ip", "no-endpoint-services").get("10.96.0.2 . tcp . 80"),
+        Some(&"goto reject-chain".to_string())
+    );
+    assert!(map(&p, "ip", "nodeport-ips").is_empty());
+
+    // The incremental result is what a full sync writes.
+    let incremental: Vec<_> = MAPS.iter().map(|m| map(&p, "ip", m)).collect();
+    p.sync_full(&empty).unwrap();
+    let full: Vec<_> = MAPS.iter().map(|m| map(&p, "ip", m)).collect();
+    assert_eq!(incremental, full);
 }

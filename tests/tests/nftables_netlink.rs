@@ -1,0 +1,272 @@
+//! The nftables mode's incremental transactions go to nf_tables over netlink instead of
+//! through `nft`: the same syncs, once with each, must leave the same tables, as `nft list`
+//! prints them (rule by rule, element by element), and a refused transaction must leave
+//! nothing behind and name the line it failed on.
+
+use std::{
+    net::SocketAddr,
+    sync::{atomic::Ordering, Arc},
+};
+
+use proxy_agent::{
+    model::{
+        diff, Cidr, DesiredState, Frontend, FrontendKind, FrontendState, Protocol,
+        ServicePortState, WhenEmpty,
+    },
+    proxier::{
+        nftables::{
+            netlink::NftNetlink,
+            nft::{Nft, NftCommand},
+            NftablesProxier,
+        },
+        Proxier, RecordedFlows,
+    },
+};
+use proxy_tests::{
+    lab::{sh, Netns, LAB_COUNTER, PREFIX},
+    require_kernel,
+};
+
+fn addrs(list: &[&str]) -> Vec<SocketAddr> {
+    let mut v: Vec<SocketAddr> = list.iter().map(|a| a.parse().unwrap()).collect();
+    v.sort();
+    v
+}
+
+fn svc(name: &str, vip: &str, backends: &[&str]) -> ServicePortState {
+    ServicePortState::cluster_ip("lab", name, "p", vip.parse().unwrap(), addrs(backends))
+}
+
+fn external(
+    kind: FrontendKind,
+    addr: &str,
+    port: u16,
+    s: &ServicePortState,
+    ranges: &[(&str, u8)],
+) -> FrontendState {
+    FrontendState {
+        frontend: Frontend {
+            addr: addr.parse().unwrap(),
+            port,
+            protocol: s.frontend.protocol,
+        },
+        kind,
+        backends: s.backends.clone(),
+        draining: Vec::new(),
+        when_empty: WhenEmpty::Refuse,
+        source_ranges: ranges
+            .iter()
+            .map(|(a, p)| Cidr {
+                addr: a.parse().unwrap(),
+                prefix: *p,
+            })
+            .collect(),
+        masquerade: true,
+        masquerade_all: false,
+    }
+}
+
+fn with_protocol(mut s: ServicePortState, protocol: Protocol) -> ServicePortState {
+    s.name.protocol = protocol;
+    s.frontend.protocol = protocol;
+    s
+}
+
+/// Service ports covering every rule shape the nftables mode writes; `generation` moves
+/// endpoints and frontends the way endpoint churn does.
+fn states(generation: u8) -> Vec<ServicePortState> {
+    let g = generation;
+    let mut out = Vec::new();
+
+    let web_backends = [
+        "10.0.0.1:8080".to_string(),
+        format!("10.0.1.{}:8080", 10 + g),
+    ];
+    let web_refs: Vec<&str> = web_backends.iter().map(String::as_str).collect();
+    let mut web = svc("web", "10.96.0.10", &web_refs);
+    web.remote = [web.backends[1]].into_iter().collect();
+    web.external = vec![
+        external(FrontendKind::NodePort, "192.168.50.2", 30080, &web, &[]),
+        external(
+            FrontendKind::LoadBalancer,
+            "10.252.0.5",
+            80,
+            &web,
+            &[("10.250.1.2", 32), ("10.240.0.0", 12), ("172.16.0.0", 16)],
+        ),
+    ];
+    out.push(web);
+
+    let mut sticky = svc("sticky", "10.96.0.11", &["10.0.0.2:80", "10.0.0.3:80"]);
+    if g > 0 {
+        sticky.backends.push("10.0.0.4:80".parse().unwrap());
+    }
+    sticky.affinity_timeout = Some(10800);
+    out.push(sticky);
+
+    let mut all = with_protocol(svc("dns", "10.96.0.12", &["10.0.0.5:53"]), Protocol::Udp);
+    all.masquerade_all = true;
+    out.push(all);
+
+    let empty_backends: &[&str] = if g > 0 { &["10.0.0.6:9090"] } else { &[] };
+    out.push(with_protocol(
+        svc("empty", "10.96.0.13", empty_backends),
+        Protocol::Sctp,
+    ));
+
+    let mut local = svc("local", "10.96.0.14", &["10.0.0.7:80"]);
+    let mut np = external(FrontendKind::NodePort, "192.168.50.2", 30081, &local, &[]);
+    np.masquerade = false;
+    if g > 0 {
+        np.backends.clear();
+        np.when_empty = WhenEmpty::Drop;
+    }
+    local.external = vec![np];
+    out.push(local);
+
+    let v6_backend = format!("[fd00:10::{}]:8080", 1 + g);
+    let mut v6 = svc("web6", "fd00:96::10", &[&v6_backend, "[fd00:10::99]:8080"]);
+    v6.affinity_timeout = Some(60);
+    v6.external = vec![external(
+        FrontendKind::ExternalIp,
+        "fd00:252::5",
+        80,
+        &v6,
+        &[],
+    )];
+    out.push(v6);
+
+    // Churn in every service port, so each of its chains is rewritten incrementally.
+    if g > 0 {
+        for (i, s) in out.iter_mut().enumerate() {
+            let extra: SocketAddr = if s.frontend.addr.is_ipv4() {
+                format!("10.0.{}.{}:7000", 100 + g, i + 1).parse().unwrap()
+            } else {
+                format!("[fd00:10::{}:{}]:7000", 100 + g, i + 1)
+                    .parse()
+                    .unwrap()
+            };
+            s.backends.push(extra);
+            s.backends.sort();
+            for f in s.external.iter_mut().filter(|f| !f.backends.is_empty()) {
+                f.backends = s.backends.clone();
+            }
+        }
+    }
+    if g > 1 {
+        out.retain(|s| s.name.service.name != "web");
+        out.push(svc("late", "10.96.0.20", &["10.0.0.9:80"]));
+    }
+    out
+}
+
+fn desired(states: &[ServicePortState]) -> DesiredState {
+    DesiredState {
+        ports: states
+            .iter()
+            .map(|s| (s.name.clone(), Arc::new(s.clone())))
+            .collect(),
+    }
+}
+
+fn listing(family: &str) -> String {
+    sh("nft", &["list", "table", family, "kube-proxy"]).unwrap_or_default()
+}
+
+/// Every sync's resulting tables (ip, ip6), and whether it was full.
+fn drive<N: Nft>(nft: N, netlink_counts: impl Fn(&N) -> u64) -> (Vec<(bool, String, String)>, u64) {
+    // Cluster CIDRs: a prefix nft masks (/14) and one it compares bytewise (/56).
+    let cluster_cidrs = [
+        Cidr {
+            addr: "10.0.0.0".parse().unwrap(),
+            prefix: 14,
+        },
+        Cidr {
+            addr: "fd00:10::".parse().unwrap(),
+            prefix: 56,
+        },
+    ];
+    let mut p = NftablesProxier::new(nft, Box::new(RecordedFlows::default()), 14, &cluster_cidrs);
+    let mut out = Vec::new();
+    let mut current = DesiredState::default();
+    for generation in 0..3 {
+        let next = desired(&states(generation));
+        let report = p.sync(&next, &diff(&current, &next)).expect("sync");
+        out.push((report.full, listing("ip"), listing("ip6")));
+        current = next;
+    }
+    let report = p.sync_full(&current).expect("full sync");
+    out.push((report.full, listing("ip"), listing("ip6")));
+    (out, netlink_counts(p.nft()))
+}
+
+fn namespace(what: &str) -> Netns {
+    Netns::create(&format!(
+        "{PREFIX}-{}-{}-{what}",
+        std::process::id(),
+        LAB_COUNTER.fetch_add(1, Ordering::SeqCst)
+    ))
+    .expect("namespace")
+}
+
+#[test]
+fn incremental_transactions_over_netlink_leave_the_tables_nft_would() {
+    require_kernel!();
+    let with_nft = namespace("nft")
+        .run(|| drive(NftCommand, |_| 0))
+        .expect("nft namespace");
+    let with_netlink = namespace("nl")
+        .run(|| drive(NftNetlink::default(), |n| n.netlink_transactions))
+        .expect("netlink namespace");
+    let (nft_steps, _) = with_nft;
+    let (netlink_steps, netlink_transactions) = with_netlink;
+    // Two incremental syncs × two families went over netlink; the full ones through nft.
+    assert_eq!(netlink_transactions, 4);
+    let fulls: Vec<bool> = netlink_steps.iter().map(|(full, _, _)| *full).collect();
+    assert_eq!(fulls, [true, false, false, true]);
+    for (step, (a, b)) in nft_steps.iter().zip(&netlink_steps).enumerate() {
+        assert!(a.1.contains("dnat to"), "step {step}: the table is there");
+        assert!(a.2.contains("dnat to [fd00:10::"), "step {step}: ip6 too");
+        assert_eq!(a.1, b.1, "step {step}: ip kube-proxy differs");
+        assert_eq!(a.2, b.2, "step {step}: ip6 kube-proxy differs");
+    }
+    // What the incremental steps changed is there (the netlink path did write).
+    let (_, after_change, after_change6) = &netlink_steps[1];
+    assert!(after_change.contains("10.0.1.11:8080") && !after_change.contains("10.0.1.10:8080"));
+    assert!(after_change6.contains("[fd00:10::2]:8080"));
+    assert!(after_change.contains("sctp . 80 : goto service-"));
+}
+
+#[test]
+fn a_refused_netlink_transaction_names_its_line_and_changes_nothing() {
+    require_kernel!();
+    let (error, tables, table_after) = namespace("nlfail")
+        .run(|| {
+            let mut nft = NftNetlink::default();
+            nft.apply("add table ip kube-proxy\nadd chain ip kube-proxy kept\n")
+                .unwrap();
+            let error = nft
+                .apply(
+                    "add table ip kube-proxy\n\
+                     add chain ip kube-proxy fresh\n\
+                     add rule ip kube-proxy fresh ip saddr 10.0.0.1 goto missing\n",
+                )
+                .unwrap_err();
+            (
+                format!("{error:#}"),
+                sh("nft", &["list", "tables"]).unwrap(),
+                listing("ip"),
+            )
+        })
+        .expect("namespace");
+    assert!(
+        error.contains("add rule ip kube-proxy fresh ip saddr 10.0.0.1 goto missing"),
+        "{error}"
+    );
+    assert!(tables.contains("table ip kube-proxy"), "{tables}");
+    assert!(table_after.contains("chain kept"), "{table_after}");
+    assert!(
+        !table_after.contains("fresh"),
+        "all or nothing:\n{table_after}"
+    );
+}
