@@ -52,8 +52,8 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// Whether this entry belongs to `flow`.
-    pub fn is(&self, flow: &StaleFlow) -> bool {
+    /// What an entry of `flow` has: (protocol, original destination, reply source).
+    pub fn key_of(flow: &StaleFlow) -> (u8, SocketAddr, SocketAddr) {
         let f = &flow.frontend;
         let protocol = match f.protocol {
             Protocol::Tcp => proxy_common::IPPROTO_TCP,
@@ -61,9 +61,11 @@ impl Entry {
             Protocol::Sctp => proxy_common::IPPROTO_SCTP,
         };
         let frontend = SocketAddr::new(f.addr, f.port);
-        self.original.protocol == protocol
-            && self.original.dst == frontend
-            && self.reply.src == flow.endpoint.unwrap_or(frontend)
+        (protocol, frontend, flow.endpoint.unwrap_or(frontend))
+    }
+
+    fn key(&self) -> (u8, SocketAddr, SocketAddr) {
+        (self.original.protocol, self.original.dst, self.reply.src)
     }
 }
 
@@ -231,15 +233,18 @@ impl FlowCleaner for KernelConntrack {
         let socket = open()?;
         let mut seq = 100;
         for (family, v4) in [(AF_INET, true), (AF_INET6, false)] {
-            let wanted: Vec<&StaleFlow> = flows
+            // (protocol, frontend, where the reply comes from): one lookup per entry, as a
+            // cold start asks for every frontend.
+            let wanted: std::collections::HashSet<(u8, SocketAddr, SocketAddr)> = flows
                 .iter()
                 .filter(|f| f.frontend.addr.is_ipv4() == v4)
+                .map(Entry::key_of)
                 .collect();
             if wanted.is_empty() {
                 continue;
             }
             for entry in self.list(family)? {
-                if wanted.iter().any(|f| entry.is(f)) {
+                if wanted.contains(&entry.key()) {
                     seq += 1;
                     deleted += self.remove(&socket, seq, &entry)? as usize;
                 }

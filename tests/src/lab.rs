@@ -263,6 +263,8 @@ impl Default for LabOptions {
 pub const NODE_EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 1);
 pub const EXTERNAL_CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 2);
 pub const TCP_PORT: u16 = 8080;
+/// The counting sink for bulk transfers (see [`count_and_report`]).
+pub const BULK_PORT: u16 = 8081;
 pub const UDP_PORT: u16 = 5353;
 
 /// A backend pod's server loop: stops when its flag is set.
@@ -402,8 +404,8 @@ impl Lab {
         })
     }
 
-    /// TCP :8080 answers each connection with the pod's name, then echoes; UDP :5353
-    /// answers each datagram with the pod's name.
+    /// TCP :8080 answers each connection with the pod's name, then echoes; TCP :8081
+    /// counts what arrives; UDP :5353 answers each datagram with the pod's name.
     fn start_servers(&mut self, index: usize) -> Result<()> {
         let pod = &self.backends[index];
         let name = pod.name.clone();
@@ -413,6 +415,8 @@ impl Lab {
         let handle = pod.ns.spawn(move || -> Result<()> {
             let tcp = TcpListener::bind(("0.0.0.0", TCP_PORT))?;
             tcp.set_nonblocking(true)?;
+            let bulk = TcpListener::bind(("0.0.0.0", BULK_PORT))?;
+            bulk.set_nonblocking(true)?;
             let udp = UdpSocket::bind(("0.0.0.0", UDP_PORT))?;
             udp.set_nonblocking(true)?;
             ready_tx.send(()).ok();
@@ -429,15 +433,23 @@ impl Lab {
                     events: libc::POLLIN,
                     revents: 0,
                 },
+                libc::pollfd {
+                    fd: bulk.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
             ];
             while !stop2.load(Ordering::Relaxed) {
                 // SAFETY: two valid pollfd entries.
-                if unsafe { libc::poll(fds.as_mut_ptr(), 2, 50) } <= 0 {
+                if unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 50) } <= 0 {
                     continue;
                 }
                 while let Ok((stream, _)) = tcp.accept() {
                     let name = name.clone();
-                    std::thread::spawn(move || serve_tcp(stream, &name));
+                    std::thread::spawn(move || serve_greeting_then_echo(stream, &name));
+                }
+                while let Ok((stream, _)) = bulk.accept() {
+                    std::thread::spawn(move || count_and_report(stream));
                 }
                 while let Ok((_, from)) = udp.recv_from(&mut buf) {
                     let _ = udp.send_to(name.as_bytes(), from);
@@ -515,6 +527,17 @@ impl Lab {
         Ok(agent)
     }
 
+    /// Starts the agent without waiting for it (the benchmark times how long it takes to
+    /// serve).
+    pub fn spawn_agent(&mut self, manifests: &Path, extra: &[&str]) -> Result<&mut Agent> {
+        let root = self.bpffs.root();
+        let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let log = self.next_log();
+        self.agent = Some(Agent::start(&self.node, Some(manifests), &log, &args)?);
+        Ok(self.agent.as_mut().unwrap())
+    }
+
     fn next_log(&self) -> PathBuf {
         let n = std::fs::read_dir(self.dir.path())
             .map(|d| {
@@ -558,13 +581,31 @@ impl Lab {
     }
 }
 
-fn serve_tcp(mut stream: TcpStream, name: &str) {
+/// TCP :8080 of a backend pod: the pod's name as a greeting line, then an echo.
+pub fn serve_greeting_then_echo(mut stream: TcpStream, name: &str) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
     if stream.write_all(format!("{name}\n").as_bytes()).is_err() {
         return;
     }
     echo(&mut stream);
+}
+
+/// TCP :8081 of a backend pod (the benchmark's bulk transfers): reads until the peer
+/// half-closes, then answers with the number of bytes it received.
+pub fn count_and_report(mut stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total: u64 = 0;
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => total += n as u64,
+            Err(_) => return,
+        }
+    }
+    let _ = stream.write_all(format!("{total}\n").as_bytes());
 }
 
 /// Sends back whatever arrives until the peer closes (or 30 s of silence).
@@ -658,6 +699,16 @@ impl Agent {
             child,
             log: log.to_path_buf(),
         })
+    }
+
+    /// The agent's process id (`ip netns exec` execs it: the child is the agent).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the agent is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     pub fn log_text(&self) -> String {

@@ -1,5 +1,6 @@
 //! Test support: packet crafting, the in-kernel test harness, the one-node lab and the
 //! two-node cluster lab.
+pub mod bench;
 pub mod cluster;
 pub mod kernel;
 pub mod lab;

@@ -34,6 +34,8 @@ const APT_PACKAGES: &[&str] = &[
     // the ipvs mode's tools (its checks, and its masquerade sets)
     "ipvsadm",
     "ipset",
+    // the benchmark's PNG plots (their text)
+    "fonts-dejavu-core",
 ];
 /// What `vm-test` needs besides (installed without recommends: qemu's would bring a GUI).
 const VM_APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "kmod"];
@@ -63,9 +65,11 @@ enum Task {
     },
     /// Run the agent on the demo manifests and show where traffic goes.
     Demo,
-    /// Datapath benchmarks (ns/packet via BPF_PROG_TEST_RUN); prints a report.
+    /// Every mode side by side (modebench: data plane, control plane, plots in
+    /// target/modebench), then eBPF ns/packet and sync time per mode; `--quick`: a short
+    /// modebench only. Other flags go to modebench (--modes, --services, --rounds, ...).
     Bench {
-        #[arg(trailing_var_arg = true)]
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
     /// The conformance suite in a VM running another kernel (Debian's, under qemu).
@@ -359,20 +363,6 @@ fn demo() -> Result<()> {
 
 fn bench(extra: &[String]) -> Result<()> {
     build_ebpf()?;
-    step("bench: datapath ns/packet (BPF_PROG_TEST_RUN)");
-    let mut cmd = cargo(&[
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "proxy-tests",
-        "--bin",
-        "bench",
-        "--",
-    ]);
-    cmd.args(extra);
-    run(&mut cmd)?;
-    step("bench: new connections per second, ClusterIP vs direct (namespace lab)");
     run(&mut cargo(&[
         "build",
         "--release",
@@ -380,6 +370,22 @@ fn bench(extra: &[String]) -> Result<()> {
         "-p",
         "proxy-agent",
     ]))?;
+    step("bench: every mode side by side (modebench; target/modebench/results.md)");
+    run(cargo(&[
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "proxy-tests",
+        "--bin",
+        "modebench",
+        "--",
+    ])
+    .args(extra))?;
+    if extra.iter().any(|a| a == "--quick") {
+        return Ok(());
+    }
+    step("bench: datapath ns/packet (BPF_PROG_TEST_RUN)");
     run(&mut cargo(&[
         "run",
         "--release",
@@ -387,7 +393,7 @@ fn bench(extra: &[String]) -> Result<()> {
         "-p",
         "proxy-tests",
         "--bin",
-        "connbench",
+        "bench",
     ]))?;
     step("bench: sync time per mode, 1 000 and 10 000 services x 10 endpoints");
     run(&mut cargo(&[

@@ -733,7 +733,11 @@ pub struct StaleFlow {
 /// flows to an endpoint that neither serves nor drains it any more (the endpoint is gone:
 /// TCP gets a reset from wherever the next packet lands instead of hanging, and UDP moves
 /// to a live endpoint instead of being black-holed, kubernetes#59368), and the
-/// untranslated UDP entries of frontends that had no endpoint and now have one.
+/// untranslated entries of frontends that had no endpoint (or were not programmed yet, as
+/// at start-up) and now have one: a UDP client's or a connecting TCP client's packets made
+/// an entry without translation while nothing served the address, and would keep matching
+/// it (a SYN retransmitted, a client port reused within the entry's lifetime) instead of
+/// being translated now.
 pub fn stale_flows(changes: &[ServiceChange], desired: &DesiredState) -> Vec<StaleFlow> {
     let pairs = |state: &ServicePortState| -> BTreeSet<(Frontend, SocketAddr)> {
         state
@@ -771,12 +775,10 @@ pub fn stale_flows(changes: &[ServiceChange], desired: &DesiredState) -> Vec<Sta
             });
         }
         for frontend in new_served.difference(&old_served) {
-            if frontend.protocol == Protocol::Udp {
-                stale.insert(StaleFlow {
-                    frontend: *frontend,
-                    endpoint: None,
-                });
-            }
+            stale.insert(StaleFlow {
+                frontend: *frontend,
+                endpoint: None,
+            });
         }
     }
     stale.into_iter().collect()

@@ -172,6 +172,14 @@ fn later_syncs_rewrite_only_the_changed_service_ports_chains() {
     let before = desired(&[a.clone(), b.clone()]);
     p.sync(&before, &diff(&DesiredState::default(), &before))
         .unwrap();
+    // Newly served frontends: what the kernel tracked for them untranslated goes.
+    assert_eq!(
+        std::mem::take(&mut *flows.0.lock().unwrap()),
+        [a.frontend, b.frontend].map(|frontend| StaleFlow {
+            frontend,
+            endpoint: None
+        })
+    );
     let b2 = state("b", "10.96.0.2", &["10.0.0.2:80"]);
     let after = desired(&[a.clone(), b2.clone()]);
     let report = p.sync(&after, &diff(&before, &after)).unwrap();

@@ -1,0 +1,347 @@
+//! What the mode comparison measured, as raw samples, and the Markdown table made from
+//! them: medians with min–max over the rounds, and ratios to the no-proxy baseline at the
+//! same service count.
+
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use serde::{Deserialize, Serialize};
+
+use super::load::median_min_max;
+
+/// The target every ratio is taken against: the client straight to a backend pod.
+pub const BASELINE: &str = "none";
+
+/// What one data-plane sample measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Workload {
+    /// Connect-request-close, new connections per second.
+    ConnectionsPerSecond,
+    /// Connect time of those connections, median, microseconds.
+    ConnectP50Us,
+    /// Connect time, 99th percentile, microseconds.
+    ConnectP99Us,
+    /// Request/response transactions per second on one connection.
+    TransactionsPerSecond,
+    /// Bulk TCP, bytes per second received by the sink.
+    BulkBytesPerSecond,
+}
+
+impl Workload {
+    pub const ALL: [Workload; 5] = [
+        Workload::ConnectionsPerSecond,
+        Workload::ConnectP50Us,
+        Workload::ConnectP99Us,
+        Workload::TransactionsPerSecond,
+        Workload::BulkBytesPerSecond,
+    ];
+}
+
+/// One measurement of one workload through one target in one round.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Services programmed (the measured one included).
+    pub services: usize,
+    /// A proxy mode, or [`BASELINE`].
+    pub target: String,
+    pub round: usize,
+    pub workload: Workload,
+    pub value: f64,
+    /// How many operations the value is made of (connections, transactions, bytes).
+    pub operations: u64,
+}
+
+/// A mode's control plane at one service count.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ControlSample {
+    pub services: usize,
+    pub mode: String,
+    /// From starting the agent until the measured ClusterIP served a connection.
+    pub cold_start_ms: Option<f64>,
+    /// From writing the manifests with one more endpoint until a connection reached it.
+    pub one_change_ms: Option<f64>,
+    /// The agent's peak resident set (VmHWM), KiB.
+    pub peak_rss_kib: Option<u64>,
+    /// What the mode programmed, by its own metric: (metric, value).
+    pub datapath_objects: Option<(String, f64)>,
+    /// Why a figure is missing.
+    pub note: Option<String>,
+}
+
+/// Everything one run measured.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Run {
+    pub command: String,
+    pub date: String,
+    pub kernel: String,
+    pub cpus: usize,
+    /// Where it ran: `host`, or the VM runner's kernel.
+    pub environment: String,
+    pub rounds: usize,
+    pub seconds_per_workload: f64,
+    pub samples: Vec<Sample>,
+    pub control: Vec<ControlSample>,
+    /// Modes not run, with the reason.
+    pub skipped: Vec<(String, String)>,
+    pub duration_s: f64,
+}
+
+impl Run {
+    /// Values of one (services, target, workload) across rounds.
+    pub fn values(&self, services: usize, target: &str, workload: Workload) -> Vec<f64> {
+        self.samples
+            .iter()
+            .filter(|s| s.services == services && s.target == target && s.workload == workload)
+            .map(|s| s.value)
+            .collect()
+    }
+
+    /// The targets measured, baseline first, then in the order they were run.
+    pub fn targets(&self) -> Vec<String> {
+        let mut out: Vec<String> = vec![BASELINE.to_string()];
+        for s in &self.samples {
+            if !out.contains(&s.target) {
+                out.push(s.target.clone());
+            }
+        }
+        for c in &self.control {
+            if !out.contains(&c.mode) {
+                out.push(c.mode.clone());
+            }
+        }
+        out
+    }
+
+    pub fn service_counts(&self) -> Vec<usize> {
+        let mut n: Vec<usize> = self
+            .samples
+            .iter()
+            .map(|s| s.services)
+            .chain(self.control.iter().map(|c| c.services))
+            .collect();
+        n.sort_unstable();
+        n.dedup();
+        n
+    }
+
+    pub fn control(&self, services: usize, mode: &str) -> Option<&ControlSample> {
+        self.control
+            .iter()
+            .find(|c| c.services == services && c.mode == mode)
+    }
+}
+
+fn figure(value: f64, digits: usize) -> String {
+    if value.is_nan() {
+        return "—".into();
+    }
+    if value >= 1000.0 {
+        // Thousands separated by thin spaces, as the README's tables.
+        let s = format!("{value:.0}");
+        let mut out = String::new();
+        for (i, c) in s.chars().enumerate() {
+            if i > 0 && (s.len() - i) % 3 == 0 {
+                out.push(' ');
+            }
+            out.push(c);
+        }
+        out
+    } else {
+        format!("{value:.digits$}")
+    }
+}
+
+/// `median (min–max)` and the ratio of the median to the baseline's, scaled by `scale`.
+fn cell(values: &[f64], baseline: &[f64], scale: f64, digits: usize, ratio: bool) -> String {
+    if values.is_empty() {
+        return "—".into();
+    }
+    let (med, min, max) = median_min_max(values);
+    let mut out = format!(
+        "{} ({}–{})",
+        figure(med * scale, digits),
+        figure(min * scale, digits),
+        figure(max * scale, digits)
+    );
+    if ratio && !baseline.is_empty() {
+        let (base, _, _) = median_min_max(baseline);
+        if base > 0.0 {
+            let _ = write!(out, " ×{:.2}", med / base);
+        }
+    }
+    out
+}
+
+/// The Markdown table: one row per mode × service count (baseline rows included).
+pub fn markdown(run: &Run) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} · kernel {} · {} CPUs · {} · {} rounds × {:.1} s per workload · run took {:.0} s\n",
+        run.environment,
+        run.kernel,
+        run.cpus,
+        run.date,
+        run.rounds,
+        run.seconds_per_workload,
+        run.duration_s
+    );
+    let _ = writeln!(out, "`{}`\n", run.command);
+    out.push_str(
+        "| mode | services | new connections/s | transactions/s | bulk MB/s | connect p50 µs | connect p99 µs | cold start ms | one change ms | peak RSS MiB | programmed |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for n in run.service_counts() {
+        for target in run.targets() {
+            let v = |w| run.values(n, &target, w);
+            let b = |w| run.values(n, BASELINE, w);
+            let control = run.control(n, &target);
+            if v(Workload::ConnectionsPerSecond).is_empty() && control.is_none() {
+                continue;
+            }
+            let ms = |x: Option<f64>| x.map_or("—".to_string(), |x| figure(x, 1));
+            let rss = control
+                .and_then(|c| c.peak_rss_kib)
+                .map_or("—".to_string(), |k| format!("{:.1}", k as f64 / 1024.0));
+            let objects = control
+                .and_then(|c| c.datapath_objects.clone())
+                .map_or("—".to_string(), |(m, v)| {
+                    format!("{} `{m}`", figure(v, 0))
+                });
+            let mut row = format!(
+                "| {} | {n} | {} | {} | {} | {} | {} | {} | {} | {rss} | {objects} |",
+                if target == BASELINE {
+                    "none (straight to a pod)"
+                } else {
+                    &target
+                },
+                cell(
+                    &v(Workload::ConnectionsPerSecond),
+                    &b(Workload::ConnectionsPerSecond),
+                    1.0,
+                    0,
+                    true
+                ),
+                cell(
+                    &v(Workload::TransactionsPerSecond),
+                    &b(Workload::TransactionsPerSecond),
+                    1.0,
+                    0,
+                    true
+                ),
+                cell(
+                    &v(Workload::BulkBytesPerSecond),
+                    &b(Workload::BulkBytesPerSecond),
+                    1e-6,
+                    0,
+                    true
+                ),
+                cell(&v(Workload::ConnectP50Us), &[], 1.0, 0, false),
+                cell(&v(Workload::ConnectP99Us), &[], 1.0, 0, false),
+                ms(control.and_then(|c| c.cold_start_ms)),
+                ms(control.and_then(|c| c.one_change_ms)),
+            );
+            if let Some(note) = control.and_then(|c| c.note.as_deref()) {
+                let _ = write!(row, " {note}");
+            }
+            out.push_str(&row);
+            out.push('\n');
+        }
+    }
+    if !run.skipped.is_empty() {
+        out.push_str("\nNot run here:\n");
+        for (mode, why) in &run.skipped {
+            let _ = writeln!(out, "- {mode}: {why}");
+        }
+    }
+    out
+}
+
+/// Checks a run against what every report must satisfy: each data-plane figure comes from
+/// measured operations, every mode at every count has its control-plane record, the
+/// baseline was measured at every count. Returns the problems found.
+pub fn problems(run: &Run) -> Vec<String> {
+    let mut out = Vec::new();
+    for s in &run.samples {
+        if !s.value.is_finite() || s.value <= 0.0 || s.operations == 0 {
+            out.push(format!(
+                "{} at {} services, round {}: {:?} = {} from {} operations",
+                s.target, s.services, s.round, s.workload, s.value, s.operations
+            ));
+        }
+    }
+    let mut per_target: BTreeMap<(usize, &str), usize> = BTreeMap::new();
+    for s in &run.samples {
+        *per_target.entry((s.services, &s.target)).or_default() += 1;
+    }
+    for n in run.service_counts() {
+        if !per_target.contains_key(&(n, BASELINE)) {
+            out.push(format!("no baseline at {n} services"));
+        }
+    }
+    for ((n, target), count) in &per_target {
+        let want = run.rounds * Workload::ALL.len();
+        if *count != want {
+            out.push(format!(
+                "{target} at {n} services: {count} samples, {want} expected"
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run() -> Run {
+        let mut r = Run {
+            rounds: 2,
+            ..Default::default()
+        };
+        for (target, scale) in [(BASELINE, 1.0), ("ebpf", 0.5)] {
+            for round in 0..2 {
+                for w in Workload::ALL {
+                    r.samples.push(Sample {
+                        services: 10,
+                        target: target.into(),
+                        round,
+                        workload: w,
+                        value: 1000.0 * scale * (round + 1) as f64,
+                        operations: 5,
+                    });
+                }
+            }
+        }
+        r.control.push(ControlSample {
+            services: 10,
+            mode: "ebpf".into(),
+            cold_start_ms: Some(12.5),
+            ..Default::default()
+        });
+        r
+    }
+
+    #[test]
+    fn rows_carry_medians_ranges_and_ratios_to_the_baseline() {
+        let table = markdown(&run());
+        let ebpf = table
+            .lines()
+            .find(|l| l.starts_with("| ebpf | 10 |"))
+            .unwrap();
+        // Rounds 500 and 1000: median 750, half the baseline's (1500).
+        assert!(ebpf.contains("| 750 (500–1 000) ×0.50 |"), "{ebpf}");
+        assert!(ebpf.contains("| 12.5 |"), "{ebpf}");
+        assert!(table.contains("| none (straight to a pod) | 10 |"));
+        assert!(problems(&run()).is_empty());
+    }
+
+    #[test]
+    fn placeholders_and_missing_rounds_are_problems() {
+        let mut r = run();
+        r.samples[0].operations = 0;
+        r.samples.pop();
+        let p = problems(&r);
+        assert_eq!(p.len(), 2, "{p:?}");
+    }
+}

@@ -1,0 +1,67 @@
+//! The mode comparison benchmark, run small: every output file is produced and well
+//! formed, and every figure in the table is computed from the raw samples the run
+//! recorded (each made of measured operations), not written by hand.
+
+use std::process::Command;
+
+use proxy_tests::{
+    bench::report::{self, Run, Workload, BASELINE},
+    require_kernel,
+};
+
+#[test]
+fn a_small_run_writes_the_table_the_samples_and_the_plots() {
+    require_kernel!();
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_modebench"))
+        .args(["--services", "1,3", "--rounds", "2", "--seconds", "0.2"])
+        .args(["--serve-timeout", "60", "--out"])
+        .arg(out.path())
+        .status()
+        .expect("running modebench");
+    assert!(status.success(), "modebench failed");
+
+    let json = std::fs::read_to_string(out.path().join("results.json")).unwrap();
+    let run: Run = serde_json::from_str(&json).expect("results.json is a run");
+    assert_eq!(report::problems(&run), Vec::<String>::new());
+    assert_eq!(run.service_counts(), [1, 3]);
+    // Every mode this kernel has ran at both counts, beside the baseline; ipvs (not in
+    // this kernel) is listed with its reason instead.
+    let targets = run.targets();
+    assert_eq!(targets[0], BASELINE);
+    for mode in ["ebpf", "iptables", "nftables", "userspace"] {
+        assert!(
+            targets.iter().any(|t| t == mode),
+            "{mode} missing: {targets:?}"
+        );
+        for n in [1, 3] {
+            let c = run.control(n, mode).unwrap();
+            assert!(c.note.is_none(), "{mode} at {n}: {:?}", c.note);
+            assert!(c.cold_start_ms.unwrap() > 0.0 && c.one_change_ms.unwrap() > 0.0);
+            assert!(c.peak_rss_kib.unwrap() > 1024, "{mode}: an agent's RSS");
+            assert!(
+                c.datapath_objects.as_ref().unwrap().1 > 0.0,
+                "{mode}: {c:?}"
+            );
+            assert_eq!(run.values(n, mode, Workload::BulkBytesPerSecond).len(), 2);
+        }
+    }
+    // The table is the samples': rebuilt from the JSON it is the same text.
+    let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
+    assert!(md.starts_with(&report::markdown(&run)), "{md}");
+    assert!(md.contains("| none (straight to a pod) | 3 |"));
+    for stem in ["connections", "connect-p99", "sync"] {
+        let svg = std::fs::read_to_string(out.path().join(format!("{stem}.svg"))).unwrap();
+        assert!(
+            svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+            "{stem}.svg"
+        );
+        assert!(svg.contains("ebpf"), "{stem}.svg has a line per mode");
+        let png = std::fs::read(out.path().join(format!("{stem}.png"))).unwrap();
+        assert!(
+            png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 1_000,
+            "{stem}.png"
+        );
+        assert!(md.contains(&format!("]({stem}.svg)")));
+    }
+}
