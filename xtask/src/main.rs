@@ -361,6 +361,20 @@ fn demo() -> Result<()> {
     ]))
 }
 
+/// `cargo run --release` of one of proxy-tests' binaries.
+fn release_bin(name: &str) -> Command {
+    cargo(&[
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "proxy-tests",
+        "--bin",
+        name,
+        "--",
+    ])
+}
+
 fn bench(extra: &[String]) -> Result<()> {
     build_ebpf()?;
     run(&mut cargo(&[
@@ -371,38 +385,12 @@ fn bench(extra: &[String]) -> Result<()> {
         "proxy-agent",
     ]))?;
     step("bench: every mode side by side (modebench; target/modebench/results.md)");
-    run(cargo(&[
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "proxy-tests",
-        "--bin",
-        "modebench",
-        "--",
-    ])
-    .args(extra))?;
+    run(release_bin("modebench").args(extra))?;
     if extra.iter().any(|a| a == "--quick") {
         return Ok(());
     }
     step("bench: datapath ns/packet (BPF_PROG_TEST_RUN)");
-    run(&mut cargo(&[
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "proxy-tests",
-        "--bin",
-        "bench",
-    ]))?;
+    run(&mut release_bin("bench"))?;
     step("bench: sync time per mode, 1 000 and 10 000 services x 10 endpoints");
-    run(&mut cargo(&[
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "proxy-tests",
-        "--bin",
-        "syncbench",
-    ]))
+    run(&mut release_bin("syncbench"))
 }
