@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use netlink_sys::{protocols::NETLINK_NETFILTER, Socket};
 
 use crate::{
-    model::{Protocol, StaleFlow},
+    model::StaleFlow,
     nlattr::{self, attr, attrs, nested, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST},
     proxier::FlowCleaner,
 };
@@ -55,13 +55,12 @@ impl Entry {
     /// What an entry of `flow` has: (protocol, original destination, reply source).
     pub fn key_of(flow: &StaleFlow) -> (u8, SocketAddr, SocketAddr) {
         let f = &flow.frontend;
-        let protocol = match f.protocol {
-            Protocol::Tcp => proxy_common::IPPROTO_TCP,
-            Protocol::Udp => proxy_common::IPPROTO_UDP,
-            Protocol::Sctp => proxy_common::IPPROTO_SCTP,
-        };
         let frontend = SocketAddr::new(f.addr, f.port);
-        (protocol, frontend, flow.endpoint.unwrap_or(frontend))
+        (
+            f.protocol.number(),
+            frontend,
+            flow.endpoint.unwrap_or(frontend),
+        )
     }
 
     fn key(&self) -> (u8, SocketAddr, SocketAddr) {

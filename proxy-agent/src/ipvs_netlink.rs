@@ -20,8 +20,8 @@ use netlink_sys::{protocols::NETLINK_GENERIC, Socket};
 use crate::{
     model::{Frontend, Protocol},
     nlattr::{
-        self, attr, attrs, errno, nested, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL,
-        NLM_F_REQUEST,
+        self, attr, attr_str, attrs, errno, nested, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP,
+        NLM_F_EXCL, NLM_F_REQUEST,
     },
 };
 
@@ -190,9 +190,7 @@ fn service_key(buf: &mut Vec<u8>, f: &Frontend) {
 pub fn encode_virtual_server(buf: &mut Vec<u8>, vs: &VirtualServer) {
     nested(buf, IPVS_CMD_ATTR_SERVICE, |b| {
         service_key(b, &vs.frontend);
-        let mut name = vs.scheduler.as_bytes().to_vec();
-        name.push(0);
-        attr(b, IPVS_SVC_ATTR_SCHED_NAME, &name);
+        attr_str(b, IPVS_SVC_ATTR_SCHED_NAME, &vs.scheduler);
         let flags = if vs.persistence.is_some() {
             SVC_F_PERSISTENT
         } else {
@@ -292,10 +290,8 @@ impl KernelIpvs {
     /// The IPVS family of this kernel; an error naming the modules to load if it has none.
     pub fn open() -> Result<Self> {
         let socket = nlattr::open(NETLINK_GENERIC, "generic netlink")?;
-        let mut name = b"IPVS".to_vec();
-        name.push(0);
         let mut body = Vec::new();
-        attr(&mut body, CTRL_ATTR_FAMILY_NAME, &name);
+        attr_str(&mut body, CTRL_ATTR_FAMILY_NAME, "IPVS");
         // Acknowledged, so the reply is followed by an end the reader waits for.
         let request = nlattr::message(
             GENL_ID_CTRL,

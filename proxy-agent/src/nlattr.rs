@@ -26,6 +26,15 @@ pub fn attr(buf: &mut Vec<u8>, kind: u16, payload: &[u8]) {
     buf.resize(buf.len().next_multiple_of(4), 0);
 }
 
+/// Appends a string attribute (NUL-terminated, as the kernel's NLA_STRING/NLA_NUL_STRING
+/// policies take names).
+pub fn attr_str(buf: &mut Vec<u8>, kind: u16, value: &str) {
+    let mut payload = Vec::with_capacity(value.len() + 1);
+    payload.extend_from_slice(value.as_bytes());
+    payload.push(0);
+    attr(buf, kind, &payload);
+}
+
 /// Appends a nested attribute whose payload `fill` writes.
 pub fn nested(buf: &mut Vec<u8>, kind: u16, fill: impl FnOnce(&mut Vec<u8>)) {
     let mut inner = Vec::new();

@@ -440,7 +440,7 @@ impl Lab {
                 },
             ];
             while !stop2.load(Ordering::Relaxed) {
-                // SAFETY: two valid pollfd entries.
+                // SAFETY: `fds` holds valid pollfd entries, `fds.len()` of them.
                 if unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 50) } <= 0 {
                     continue;
                 }
@@ -512,14 +512,8 @@ impl Lab {
         extra: &[&str],
     ) -> Result<&mut Agent> {
         let pods = 1 + self.backends.len();
-        let root = self.bpffs.root();
-        let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
-        args.extend_from_slice(extra);
-        let log = self.next_log();
-        let agent = Agent::start(&self.node, manifests, &log, &args)?;
-        self.agent = Some(agent);
-        let attaches = attaches_interfaces(&args);
-        let agent = self.agent.as_mut().unwrap();
+        let attaches = attaches_interfaces(extra);
+        let agent = self.spawn_agent_from(manifests, extra)?;
         agent.wait_for_log(|log| {
             (!attaches || log.matches("attached interface=").count() >= pods)
                 && log.contains("synced")
@@ -530,12 +524,17 @@ impl Lab {
     /// Starts the agent without waiting for it (the benchmark times how long it takes to
     /// serve).
     pub fn spawn_agent(&mut self, manifests: &Path, extra: &[&str]) -> Result<&mut Agent> {
+        self.spawn_agent_from(Some(manifests), extra)
+    }
+
+    fn spawn_agent_from(&mut self, manifests: Option<&Path>, extra: &[&str]) -> Result<&mut Agent> {
         let root = self.bpffs.root();
         let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
         args.extend_from_slice(extra);
         let log = self.next_log();
-        self.agent = Some(Agent::start(&self.node, Some(manifests), &log, &args)?);
-        Ok(self.agent.as_mut().unwrap())
+        Ok(self
+            .agent
+            .insert(Agent::start(&self.node, manifests, &log, &args)?))
     }
 
     fn next_log(&self) -> PathBuf {
@@ -706,11 +705,6 @@ impl Agent {
         self.child.id()
     }
 
-    /// Whether the agent is still running.
-    pub fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -764,8 +758,17 @@ pub mod client {
 
     /// Connects, reads the backend's greeting line (its pod name).
     pub fn tcp_hello(to: SocketAddrV4, timeout: Duration) -> std::io::Result<String> {
-        let mut s = TcpStream::connect_timeout(&to.into(), timeout)?;
-        s.set_read_timeout(Some(timeout))?;
+        tcp_hello_within(to, timeout, timeout)
+    }
+
+    /// [`tcp_hello`] with separate bounds on the connect and on the greeting.
+    pub fn tcp_hello_within(
+        to: SocketAddrV4,
+        connect: Duration,
+        read: Duration,
+    ) -> std::io::Result<String> {
+        let mut s = TcpStream::connect_timeout(&to.into(), connect)?;
+        s.set_read_timeout(Some(read))?;
         let mut line = String::new();
         BufReader::new(&mut s).read_line(&mut line)?;
         Ok(line.trim().to_string())

@@ -40,14 +40,17 @@ impl ConnectRate {
     }
 }
 
+fn connect(to: SocketAddr) -> Result<TcpStream> {
+    TcpStream::connect_timeout(&to, IO_TIMEOUT).with_context(|| format!("connecting to {to}"))
+}
+
 /// For `duration`: connect, read the greeting line, close.
 pub fn connect_rate(to: SocketAddr, duration: Duration) -> Result<ConnectRate> {
     let mut out = ConnectRate::default();
     let started = Instant::now();
     while started.elapsed() < duration {
         let t = Instant::now();
-        let stream = TcpStream::connect_timeout(&to, IO_TIMEOUT)
-            .with_context(|| format!("connecting to {to}"))?;
+        let stream = connect(to)?;
         out.connect_us.push(t.elapsed().as_secs_f64() * 1e6);
         stream.set_read_timeout(Some(IO_TIMEOUT))?;
         let mut line = String::new();
@@ -66,8 +69,7 @@ pub fn connect_rate(to: SocketAddr, duration: Duration) -> Result<ConnectRate> {
 /// Transactions per second on one kept-open connection (TCP_RR-like): write
 /// [`RR_BYTES`], read them back from the echo, repeat for `duration`.
 pub fn transaction_rate(to: SocketAddr, duration: Duration) -> Result<f64> {
-    let stream = TcpStream::connect_timeout(&to, IO_TIMEOUT)
-        .with_context(|| format!("connecting to {to}"))?;
+    let stream = connect(to)?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     let mut reader = BufReader::new(stream.try_clone()?);
@@ -92,8 +94,7 @@ pub fn transaction_rate(to: SocketAddr, duration: Duration) -> Result<f64> {
 /// half-closes, and divides the byte count the sink reports (what arrived) by the time
 /// until that report.
 pub fn bulk_throughput(to: SocketAddr, duration: Duration) -> Result<f64> {
-    let mut stream = TcpStream::connect_timeout(&to, IO_TIMEOUT)
-        .with_context(|| format!("connecting to {to}"))?;
+    let mut stream = connect(to)?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     let chunk = vec![0x5au8; BULK_CHUNK];

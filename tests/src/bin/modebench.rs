@@ -15,7 +15,7 @@
 //! `DIR/{connections,connect-p99,sync}.{svg,png}`.
 
 use std::{
-    io::{BufRead, Read, Write},
+    io::{Read, Write},
     net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream},
     path::{Path, PathBuf},
     process::Command,
@@ -31,7 +31,7 @@ use proxy_tests::{
         report::{self, ControlSample, Run, Sample, Workload, BASELINE},
     },
     kernel::kernel_tests_unavailable,
-    lab::{manifest::service, Lab, LabOptions, BULK_PORT, TCP_PORT},
+    lab::{client, manifest::service, Lab, LabOptions, BULK_PORT, TCP_PORT},
 };
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -165,8 +165,10 @@ fn wait_served(
             // A short connect timeout: until the datapath serves, a SYN may vanish, and
             // the probe's resolution is this timeout (a served connect here takes well
             // under a millisecond).
-            if let Ok(name) = greeting(to) {
-                if by.as_deref().is_none_or(|b| name.trim() == b) {
+            if let Ok(name) =
+                client::tcp_hello_within(to, Duration::from_millis(20), Duration::from_secs(1))
+            {
+                if by.as_deref().is_none_or(|b| name == b) {
                     return Ok(started.elapsed());
                 }
             }
@@ -176,15 +178,6 @@ fn wait_served(
             std::thread::sleep(Duration::from_millis(2));
         }
     })?
-}
-
-/// The greeting (pod name) of one connection to `to`.
-fn greeting(to: SocketAddrV4) -> std::io::Result<String> {
-    let stream = TcpStream::connect_timeout(&to.into(), Duration::from_millis(20))?;
-    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
-    let mut line = String::new();
-    std::io::BufReader::new(stream).read_line(&mut line)?;
-    Ok(line)
 }
 
 fn peak_rss_kib(pid: u32) -> Option<u64> {

@@ -64,12 +64,15 @@ const BASE_CHAINS: &[(&str, &str)] = &[
     ("service-endpoints-check", ""),
 ];
 
+/// The set of node addresses NodePorts are served on (every NodePort shares them).
+const NODE_PORT_IPS: &str = "nodeport-ips";
+
 /// The verdict maps and sets every sync fills from the service ports' rules.
 const MAPS: [&str; 4] = [
     "service-ips",
     "service-nodeports",
     "no-endpoint-services",
-    "nodeport-ips",
+    NODE_PORT_IPS,
 ];
 
 /// One family's table, as last written.
@@ -92,25 +95,44 @@ pub struct NftablesProxier<N: Nft> {
 
 type Elements = BTreeMap<&'static str, BTreeMap<String, String>>;
 
-/// The elements `services` put in each map.
-fn wanted_elements<'a>(services: impl IntoIterator<Item = &'a ServiceRules>) -> Elements {
-    let mut maps: Elements = MAPS.iter().map(|m| (*m, BTreeMap::new())).collect();
-    for rules in services {
-        let mut put = |map: &'static str, list: &[(String, String)]| {
-            let m = maps.get_mut(map).expect("known map");
-            for (k, v) in list {
-                m.insert(k.clone(), v.clone());
-            }
-        };
-        put("service-ips", &rules.service_ips);
-        put("service-nodeports", &rules.node_ports);
-        put("no-endpoint-services", &rules.no_endpoints);
-        let ips = maps.get_mut("nodeport-ips").expect("known set");
-        for addr in &rules.node_port_addrs {
-            ips.insert(addr.to_string(), String::new());
-        }
+/// A service port's elements of verdict map `map` (one of [`MAPS`] but [`NODE_PORT_IPS`]).
+fn verdict_elements<'a>(rules: &'a ServiceRules, map: &str) -> &'a [(String, String)] {
+    match map {
+        "service-ips" => &rules.service_ips,
+        "service-nodeports" => &rules.node_ports,
+        "no-endpoint-services" => &rules.no_endpoints,
+        other => unreachable!("{other} is not a verdict map"),
     }
-    maps
+}
+
+/// The [`NODE_PORT_IPS`] elements of `services`.
+fn node_port_ips<'a>(
+    services: impl IntoIterator<Item = &'a ServiceRules>,
+) -> BTreeMap<String, String> {
+    services
+        .into_iter()
+        .flat_map(|r| &r.node_port_addrs)
+        .map(|addr| (addr.to_string(), String::new()))
+        .collect()
+}
+
+/// The elements `services` put in each map.
+fn wanted_elements<'a>(services: impl IntoIterator<Item = &'a ServiceRules> + Clone) -> Elements {
+    MAPS.iter()
+        .map(|&map| {
+            let elements = if map == NODE_PORT_IPS {
+                node_port_ips(services.clone())
+            } else {
+                services
+                    .clone()
+                    .into_iter()
+                    .flat_map(|r| verdict_elements(r, map))
+                    .cloned()
+                    .collect()
+            };
+            (map, elements)
+        })
+        .collect()
 }
 
 /// What an incremental sync changes in one map: keys to delete (their old value differs or
@@ -151,14 +173,9 @@ fn update_elements(
             target.insert(key.to_string(), v);
         }
     };
-    let mut node_port_addrs: BTreeMap<String, String> = BTreeMap::new();
-    for r in current.values() {
-        for addr in &r.node_port_addrs {
-            node_port_addrs.insert(addr.to_string(), String::new());
-        }
-    }
+    let node_port_addrs = node_port_ips(current.values());
     for map in MAPS {
-        if map == "nodeport-ips" {
+        if map == NODE_PORT_IPS {
             let now = maps.get(map).cloned().unwrap_or_default();
             for key in now.keys().filter(|k| !node_port_addrs.contains_key(*k)) {
                 set(maps, map, key, None);
@@ -175,12 +192,10 @@ fn update_elements(
                 .iter()
                 .filter(|(name, _)| !written.contains(name))
                 .find_map(|(_, r)| {
-                    let list = match map {
-                        "service-ips" => &r.service_ips,
-                        "service-nodeports" => &r.node_ports,
-                        _ => &r.no_endpoints,
-                    };
-                    list.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+                    verdict_elements(r, map)
+                        .iter()
+                        .find(|(k, _)| k == key)
+                        .map(|(_, v)| v.clone())
                 });
             set(maps, map, key, claim);
         }
@@ -260,7 +275,7 @@ impl<N: Nft> NftablesProxier<N> {
                 "service-nodeports",
                 "map { type inet_proto . inet_service : verdict ; }".to_string(),
             ),
-            ("nodeport-ips", format!("set {{ type {addr} ; }}")),
+            (NODE_PORT_IPS, format!("set {{ type {addr} ; }}")),
         ] {
             let (kind, body) = spec.split_once(' ').expect("kind and body");
             let _ = writeln!(out, "add {kind} {t} {map} {body}");
@@ -383,10 +398,11 @@ impl<N: Nft> NftablesProxier<N> {
         // Chain and set names are the service port's own (its key is in them): an
         // incremental sync's stale objects can only be wanted again by the ports it writes.
         let written_names: BTreeSet<&ServicePortName> = write.iter().collect();
+        let written: Vec<&ServiceRules> = write.iter().filter_map(|n| current.get(n)).collect();
         let wanting: Vec<&ServiceRules> = if full {
             current.values().collect()
         } else {
-            write.iter().filter_map(|n| current.get(n)).collect()
+            written.clone()
         };
         let wanted_chains: BTreeSet<&String> = wanting
             .iter()
@@ -404,7 +420,6 @@ impl<N: Nft> NftablesProxier<N> {
         if full {
             self.static_part(&ctx, &mut out);
         }
-        let written: Vec<&ServiceRules> = write.iter().filter_map(|n| current.get(n)).collect();
         // 1. Every new object first, so rules and elements can name them.
         for rules in &written {
             for (set, timeout) in &rules.sets {
@@ -434,7 +449,7 @@ impl<N: Nft> NftablesProxier<N> {
             None => {
                 elements = wanted_elements(current.values());
                 for map in MAPS {
-                    let kind = if map == "nodeport-ips" { "set" } else { "map" };
+                    let kind = if map == NODE_PORT_IPS { "set" } else { "map" };
                     let _ = writeln!(out, "flush {kind} {t} {map}");
                     let all: Vec<String> =
                         elements[map].iter().map(|(k, v)| element(k, v)).collect();

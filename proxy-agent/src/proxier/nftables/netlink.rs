@@ -22,7 +22,10 @@ use anyhow::{bail, Context, Result};
 use netlink_sys::protocols::NETLINK_NETFILTER;
 
 use super::nft::{Nft, NftCommand, TableObjects};
-use crate::nlattr::{self, attr, nested, NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST};
+use crate::nlattr::{
+    self, attr, attr_str, nested, NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST,
+};
+use crate::{model::Protocol, proxier::naming::protocol};
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -123,29 +126,29 @@ fn addr_bytes(addr: IpAddr) -> Vec<u8> {
     }
 }
 
+/// The protocol number of nft's name for it (the names the rules are written with).
 fn l4proto(name: &str) -> Option<u8> {
-    match name {
-        "tcp" => Some(6),
-        "udp" => Some(17),
-        "sctp" => Some(132),
-        _ => None,
-    }
+    [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+        .into_iter()
+        .find(|p| protocol(*p) == name)
+        .map(Protocol::number)
 }
 
 fn be32(v: u32) -> [u8; 4] {
     v.to_be_bytes()
 }
 
-fn cstr(s: &str) -> Vec<u8> {
-    let mut v = s.as_bytes().to_vec();
-    v.push(0);
-    v
+/// The table a message is about and the object in it (chain, rule's chain, set):
+/// attribute 1 of every nf_tables message kind is the table.
+fn table_and(buf: &mut Vec<u8>, table: &str, kind: u16, name: &str) {
+    attr_str(buf, 1, table);
+    attr_str(buf, kind, name);
 }
 
 /// One expression: its name and attributes.
 fn expr(list: &mut Vec<u8>, name: &str, fill: impl FnOnce(&mut Vec<u8>)) {
     nested(list, 1 /* NFTA_LIST_ELEM */, |e| {
-        attr(e, 1 /* NFTA_EXPR_NAME */, &cstr(name));
+        attr_str(e, 1 /* NFTA_EXPR_NAME */, name);
         nested(e, 2 /* NFTA_EXPR_DATA */, fill);
     });
 }
@@ -193,7 +196,7 @@ fn verdict(buf: &mut Vec<u8>, kind: u16, code: i32, chain: Option<&str>) {
         nested(d, 2 /* NFTA_DATA_VERDICT */, |v| {
             attr(v, 1 /* CODE */, &code.to_be_bytes());
             if let Some(chain) = chain {
-                attr(v, 2 /* CHAIN */, &cstr(chain));
+                attr_str(v, 2 /* CHAIN */, chain);
             }
         })
     });
@@ -278,7 +281,7 @@ fn rule_expressions(family: Family, rule: &str) -> Option<Vec<u8>> {
                     }
                     payload(&mut list, PAYLOAD_NETWORK, offset, family.addr_len() as u32);
                     expr(&mut list, "lookup", |e| {
-                        attr(e, 1 /* SET */, &cstr(set));
+                        attr_str(e, 1 /* SET */, set);
                         attr(e, 2 /* SREG */, &be32(REG_1));
                     });
                 } else {
@@ -352,7 +355,7 @@ fn rule_expressions(family: Family, rule: &str) -> Option<Vec<u8>> {
                     family.addr_len() as u32,
                 );
                 expr(&mut list, "dynset", |e| {
-                    attr(e, 1 /* SET_NAME */, &cstr(set));
+                    attr_str(e, 1 /* SET_NAME */, set);
                     attr(e, 3 /* OP */, &be32(1 /* NFT_DYNSET_OP_UPDATE */));
                     attr(e, 4 /* SREG_KEY */, &be32(REG_1));
                 });
@@ -474,12 +477,11 @@ impl Batch {
         let mut a = Vec::new();
         match (*verb, *kind) {
             ("add", "table") if rest.is_empty() => {
-                attr(&mut a, 1 /* NFTA_TABLE_NAME */, &cstr(table));
+                attr_str(&mut a, 1 /* NFTA_TABLE_NAME */, table);
                 self.push(line, family, NEWTABLE, NLM_F_CREATE, &a);
             }
             ("add" | "delete", "chain") if !name.is_empty() && body.is_empty() => {
-                attr(&mut a, 1 /* NFTA_CHAIN_TABLE */, &cstr(table));
-                attr(&mut a, 3 /* NFTA_CHAIN_NAME */, &cstr(name));
+                table_and(&mut a, table, 3 /* NFTA_CHAIN_NAME */, name);
                 if *verb == "add" {
                     self.push(line, family, NEWCHAIN, NLM_F_CREATE, &a);
                 } else {
@@ -487,14 +489,12 @@ impl Batch {
                 }
             }
             ("flush", "chain") if !name.is_empty() && body.is_empty() => {
-                attr(&mut a, 1 /* NFTA_RULE_TABLE */, &cstr(table));
-                attr(&mut a, 2 /* NFTA_RULE_CHAIN */, &cstr(name));
+                table_and(&mut a, table, 2 /* NFTA_RULE_CHAIN */, name);
                 self.push(line, family, DELRULE, 0, &a);
             }
             ("add", "rule") => {
                 let expressions = rule_expressions(family, body)?;
-                attr(&mut a, 1 /* NFTA_RULE_TABLE */, &cstr(table));
-                attr(&mut a, 2 /* NFTA_RULE_CHAIN */, &cstr(name));
+                table_and(&mut a, table, 2 /* NFTA_RULE_CHAIN */, name);
                 attr(
                     &mut a,
                     4 /* NFTA_RULE_EXPRESSIONS */ | NLA_F_NESTED,
@@ -517,8 +517,7 @@ impl Batch {
                 };
                 let seconds: u64 = timeout.strip_suffix('s')?.parse().ok()?;
                 self.next_set_id += 1;
-                attr(&mut a, 1 /* NFTA_SET_TABLE */, &cstr(table));
-                attr(&mut a, 2 /* NFTA_SET_NAME */, &cstr(name));
+                table_and(&mut a, table, 2 /* NFTA_SET_NAME */, name);
                 attr(
                     &mut a,
                     3, /* NFTA_SET_FLAGS */
@@ -539,8 +538,7 @@ impl Batch {
                 self.push(line, family, NEWSET, NLM_F_CREATE, &a);
             }
             ("delete", "set") if !name.is_empty() && body.is_empty() => {
-                attr(&mut a, 1 /* NFTA_SET_TABLE */, &cstr(table));
-                attr(&mut a, 2 /* NFTA_SET_NAME */, &cstr(name));
+                table_and(&mut a, table, 2 /* NFTA_SET_NAME */, name);
                 self.push(line, family, DELSET, 0, &a);
             }
             (verb @ ("add" | "delete"), "element") => {
@@ -562,8 +560,7 @@ impl Batch {
                         }
                     });
                 }
-                attr(&mut a, 1 /* NFTA_SET_ELEM_LIST_TABLE */, &cstr(table));
-                attr(&mut a, 2 /* NFTA_SET_ELEM_LIST_SET */, &cstr(name));
+                table_and(&mut a, table, 2 /* NFTA_SET_ELEM_LIST_SET */, name);
                 attr(
                     &mut a,
                     3 /* NFTA_SET_ELEM_LIST_ELEMENTS */ | NLA_F_NESTED,
@@ -685,12 +682,6 @@ pub struct NftNetlink {
     /// Transactions sent over netlink, and those handed to `nft`.
     pub netlink_transactions: u64,
     pub nft_transactions: u64,
-}
-
-impl NftNetlink {
-    pub fn probe(&self) -> Result<()> {
-        self.fallback.probe()
-    }
 }
 
 impl Nft for NftNetlink {
