@@ -148,6 +148,11 @@ const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
 
 /// How often the datapath's counters are read into the metrics.
 const STATS_INTERVAL: Duration = Duration::from_secs(10);
+/// The longest time between full syncs, kube-proxy's `FullSyncPeriod`: a full sync rewrites
+/// (or, in eBPF mode, re-reads) the whole datapath, which at 10 000 services takes seconds
+/// of CPU in the netfilter modes, so the periodic syncs in between are partial, as
+/// kube-proxy's are. The first sync and the one after a failure are full whatever this says.
+const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 
 /// A client for the API server: from --kubeconfig (or clientConnection.kubeconfig), else
 /// in-cluster configuration, else $KUBECONFIG / ~/.kube/config.
@@ -188,13 +193,15 @@ async fn run(mut s: Settings) -> Result<()> {
             maps = report.maps_unpinned,
             "eBPF mode cleaned up"
         );
-        match remove_iptables_rules(&[])? {
-            Some(chains) => info!(chains, "iptables mode cleaned up"),
-            None => info!("no iptables here: no iptables rules to clean up"),
-        }
+        // nftables first: iptables-nft reads the whole nf_tables ruleset, which a large
+        // kube-proxy table makes slow (minutes at 100 000 services).
         match remove_nftables_tables()? {
             Some(tables) => info!(tables, "nftables mode cleaned up"),
             None => info!("no nftables here: no nftables tables to clean up"),
+        }
+        match remove_iptables_rules(&[])? {
+            Some(chains) => info!(chains, "iptables mode cleaned up"),
+            None => info!("no iptables here: no iptables rules to clean up"),
         }
         let routes = local_routes::remove_all()?;
         info!(routes, "userspace mode cleaned up");
@@ -317,8 +324,8 @@ async fn run(mut s: Settings) -> Result<()> {
         .context("installing the SIGTERM handler")?;
     let mut stats_tick = tokio::time::interval(STATS_INTERVAL);
     let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
-    let mut full_sync_tick = tokio::time::interval(s.sync_period);
-    full_sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
+    let mut sync_tick = tokio::time::interval(s.sync_period);
+    sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
     let mut config_sync_tick = tokio::time::interval(s.config_sync_period);
     config_sync_tick.tick().await;
 
@@ -335,6 +342,7 @@ async fn run(mut s: Settings) -> Result<()> {
         pending_since: None,
         reported: Vec::new(),
         last_sync: None,
+        last_full_sync: None,
         min_sync_period: s.min_sync_period,
         service_health: ServiceHealthServers::new(health.clone()),
         health,
@@ -352,6 +360,8 @@ async fn run(mut s: Settings) -> Result<()> {
         e.follow_masquerade_address(&loop_state);
     }
     loop_state.sync(&mut proxier, false);
+    // The start-up sync wrote everything (the periodic full one comes an hour later).
+    loop_state.last_full_sync = Some(Instant::now());
     // Only now that this mode serves: what the other modes left (ours or upstream
     // kube-proxy's) goes, so switching modes by restarting leaves no gap.
     remove_other_modes(s.mode, &s).await;
@@ -383,8 +393,11 @@ async fn run(mut s: Settings) -> Result<()> {
             _ = tokio::time::sleep(wait.unwrap_or(Duration::from_secs(3600))), if wait.is_some() => {
                 deferred = loop_state.sync_or_defer(&mut proxier);
             }
-            _ = full_sync_tick.tick() => {
-                loop_state.sync(&mut proxier, true);
+            _ = sync_tick.tick() => {
+                let full = loop_state
+                    .last_full_sync
+                    .is_none_or(|t| t.elapsed() >= FULL_SYNC_PERIOD);
+                loop_state.sync(&mut proxier, full);
             }
             _ = config_sync_tick.tick() => {
                 // A periodic re-read of the manifests, as kube-proxy's configSyncPeriod
@@ -501,11 +514,37 @@ fn choose_mode(s: &Settings) -> Result<ProxyMode> {
 /// Removes every kube-proxy-style iptables chain (ours and upstream kube-proxy's) but
 /// those in `keep`; `None` when this node has no iptables to hold any.
 fn remove_iptables_rules(keep: &[&str]) -> Result<Option<usize>> {
+    // Asked before the probe, which is an `iptables-save` itself.
+    if !iptables_tables_present() {
+        return Ok(Some(0));
+    }
     let mut commands = IptablesCommands::host_default();
     if commands.probe(IpFamily::V4).is_err() {
         return Ok(None);
     }
     iptables_cleanup::remove_all(&mut commands, keep).map(Some)
+}
+
+/// Whether this network namespace has any iptables table, of either backend, to look in.
+/// Asked cheaply first because `iptables-save` of the nft backend reads the whole nf_tables
+/// ruleset, which a large `kube-proxy` nftables table makes a minutes-long wait.
+fn iptables_tables_present() -> bool {
+    // The legacy backend's tables in use here.
+    let legacy = ["/proc/net/ip_tables_names", "/proc/net/ip6_tables_names"]
+        .iter()
+        .any(|p| std::fs::read_to_string(p).is_ok_and(|t| !t.trim().is_empty()));
+    if legacy {
+        return true;
+    }
+    // The nft backend's are nf_tables tables named as iptables' (`table ip nat`).
+    ["ip", "ip6"].iter().any(|family| {
+        ["nat", "filter", "mangle", "raw", "security"]
+            .iter()
+            .any(|table| {
+                // Unknown (no nf_tables here, say): look.
+                nftables::netlink::table_exists(family, table).unwrap_or(true)
+            })
+    })
 }
 
 /// Removes the `kube-proxy` nftables tables (ours and upstream kube-proxy's); `None` when
@@ -520,6 +559,15 @@ fn remove_nftables_tables() -> Result<Option<usize>> {
 /// Removes what the other modes left on this node (ours or upstream kube-proxy's), as
 /// kube-proxy does when it starts: best effort, each failure a warning.
 async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
+    // nftables first: iptables-nft reads the whole nf_tables ruleset (slow behind a large
+    // kube-proxy table).
+    if mode != ProxyMode::Nftables {
+        match remove_nftables_tables() {
+            Ok(None | Some(0)) => {}
+            Ok(Some(n)) => info!(tables = n, "removed the nftables mode's tables"),
+            Err(e) => warn!("removing the nftables mode's tables: {e:#}"),
+        }
+    }
     if mode != ProxyMode::Iptables {
         // The ipvs mode writes a few of the same chains itself (already, by now).
         let keep = if mode == ProxyMode::Ipvs {
@@ -531,13 +579,6 @@ async fn remove_other_modes(mode: ProxyMode, s: &Settings) {
             Ok(None | Some(0)) => {}
             Ok(Some(n)) => info!(chains = n, "removed the iptables mode's rules"),
             Err(e) => warn!("removing the iptables mode's rules: {e:#}"),
-        }
-    }
-    if mode != ProxyMode::Nftables {
-        match remove_nftables_tables() {
-            Ok(None | Some(0)) => {}
-            Ok(Some(n)) => info!(tables = n, "removed the nftables mode's tables"),
-            Err(e) => warn!("removing the nftables mode's tables: {e:#}"),
         }
     }
     if mode != ProxyMode::Ipvs {
@@ -1000,6 +1041,8 @@ struct SyncLoop {
     pending_since: Option<SystemTime>,
     reported: Vec<String>,
     last_sync: Option<Instant>,
+    /// When a full sync last succeeded (see [`FULL_SYNC_PERIOD`]).
+    last_full_sync: Option<Instant>,
     min_sync_period: Duration,
     health: Health,
     metrics: Arc<Metrics>,
@@ -1099,6 +1142,9 @@ impl SyncLoop {
         self.metrics.sync_duration.observe(elapsed);
         let full = full || result.as_ref().is_ok_and(|r| r.full);
         if full {
+            if result.is_ok() {
+                self.last_full_sync = Some(Instant::now());
+            }
             self.metrics.sync_full_duration.observe(elapsed);
         } else {
             self.metrics.sync_partial_duration.observe(elapsed);

@@ -167,12 +167,14 @@ pub struct Cluster {
     pub id: String,
     /// A cgroup2 mount of the lab's own (visible to `ip netns exec`, which remounts /sys).
     cgroup_mount: PathBuf,
-    pub dir: tempfile::TempDir,
     pub pods: Vec<ClusterPod>,
     pub external: Netns,
     servers: Vec<(Arc<AtomicBool>, ServerThread)>,
-    // Dropped last: deleting them removes every veth of the lab.
+    // Dropped after the rest but the directory: deleting them removes every veth of the lab.
     pub nodes: Vec<ClusterNode>,
+    /// After the nodes, whose bpffs mounts are inside it (a mounted directory cannot be
+    /// removed: every cluster lab left its directory behind).
+    pub dir: tempfile::TempDir,
 }
 
 /// The pods every cluster has: a client pod on each node, one backend on node-1, two on

@@ -38,6 +38,12 @@ fn a_small_run_writes_the_table_the_samples_and_the_plots() {
             let c = run.control(n, mode).unwrap();
             assert!(c.note.is_none(), "{mode} at {n}: {:?}", c.note);
             assert!(c.cold_start_ms.unwrap() > 0.0 && c.one_change_ms.unwrap() > 0.0);
+            // The agent's own sync of the change is part of the end-to-end time.
+            let sync = c.one_change_sync_ms.unwrap();
+            assert!(
+                sync > 0.0 && sync < c.one_change_ms.unwrap(),
+                "{mode}: {c:?}"
+            );
             assert!(c.peak_rss_kib.unwrap() > 1024, "{mode}: an agent's RSS");
             assert!(
                 c.datapath_objects.as_ref().unwrap().1 > 0.0,

@@ -270,3 +270,26 @@ fn a_refused_netlink_transaction_names_its_line_and_changes_nothing() {
         "all or nothing:\n{table_after}"
     );
 }
+
+#[test]
+fn a_table_is_found_by_name_without_listing_the_ruleset() {
+    require_kernel!();
+    let (before, after, other_family, other_name) = namespace("nlhas")
+        .run(|| {
+            let mut nft = NftNetlink::default();
+            let before = nft.has_table("ip", "kube-proxy").unwrap();
+            nft.apply("add table ip kube-proxy\n").unwrap();
+            (
+                before,
+                nft.has_table("ip", "kube-proxy").unwrap(),
+                nft.has_table("ip6", "kube-proxy").unwrap(),
+                NftCommand.has_table("ip", "kube-proxy-other").unwrap(),
+            )
+        })
+        .expect("namespace");
+    assert!(!before && after, "the table is found once it exists");
+    assert!(
+        !other_family && !other_name,
+        "only that family's, by that name"
+    );
+}

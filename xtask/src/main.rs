@@ -103,11 +103,11 @@ fn main() {
         } => vm_setup().and_then(|()| {
             vm::vm_test(&vm::VmTest {
                 kernel,
-                filters: if filters.is_empty() {
+                payload: vm::Payload::Tests(if filters.is_empty() {
                     vm::DEFAULT_FILTERS.iter().map(|f| f.to_string()).collect()
                 } else {
                     filters
-                },
+                }),
                 memory_mb,
                 cpus,
             })
@@ -332,7 +332,56 @@ fn test(extra: &[String]) -> Result<()> {
     vm_setup()?;
     vm::vm_test(&vm::VmTest {
         kernel: "debian-6.1".into(),
-        filters: vm::DEFAULT_FILTERS.iter().map(|f| f.to_string()).collect(),
+        payload: vm::Payload::Tests(vm::DEFAULT_FILTERS.iter().map(|f| f.to_string()).collect()),
+        memory_mb: 2048,
+        cpus: 2,
+    })?;
+    step("test: the benchmark in the VM, small (ipvs beside the baseline, drawn on this host)");
+    let out = root().join("target/vm-bench-smoke");
+    let _ = std::fs::remove_dir_all(&out);
+    bench_in_vm(
+        &[
+            "--modes",
+            "ipvs",
+            "--services",
+            "1",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.2",
+            "--serve-timeout",
+            "120",
+        ],
+        &out,
+        false,
+    )?;
+    for file in [
+        "results.json",
+        "results.md",
+        "connections.svg",
+        "connections.png",
+    ] {
+        if !out.join(file).is_file() {
+            bail!("the VM benchmark wrote no {file}");
+        }
+    }
+    let table = std::fs::read_to_string(out.join("results.md"))?;
+    if !table.lines().any(|l| l.starts_with("| ipvs | 1 |")) {
+        bail!("the VM benchmark's table has no ipvs row:\n{table}");
+    }
+    Ok(())
+}
+
+/// modebench in the VM runner (Debian's 6.1: the host's modes and ipvs), into `out`.
+fn bench_in_vm(args: &[&str], out: &Path, release: bool) -> Result<()> {
+    vm_setup()?;
+    vm::vm_test(&vm::VmTest {
+        kernel: "debian-6.1".into(),
+        payload: vm::Payload::Bench {
+            args: args.iter().map(|a| a.to_string()).collect(),
+            out: out.to_path_buf(),
+            release,
+        },
         memory_mb: 2048,
         cpus: 2,
     })
@@ -375,7 +424,21 @@ fn release_bin(name: &str) -> Command {
     ])
 }
 
+/// `cargo xtask bench [--quick | --host | --vm] [modebench flags]`.
 fn bench(extra: &[String]) -> Result<()> {
+    let has = |flag: &str| extra.iter().any(|a| a == flag);
+    let (host, in_vm) = match (has("--host"), has("--vm"), has("--quick")) {
+        (true, true, _) => bail!("bench: --host and --vm together are the default (neither)"),
+        (_, _, true) => (true, false),
+        (true, false, _) => (true, false),
+        (false, true, _) => (false, true),
+        (false, false, _) => (true, true),
+    };
+    let flags: Vec<&str> = extra
+        .iter()
+        .map(String::as_str)
+        .filter(|a| !matches!(*a, "--host" | "--vm"))
+        .collect();
     build_ebpf()?;
     run(&mut cargo(&[
         "build",
@@ -384,13 +447,32 @@ fn bench(extra: &[String]) -> Result<()> {
         "-p",
         "proxy-agent",
     ]))?;
-    step("bench: every mode side by side (modebench; target/modebench/results.md)");
-    run(release_bin("modebench").args(extra))?;
-    if extra.iter().any(|a| a == "--quick") {
-        return Ok(());
+    if host {
+        step("bench: every mode side by side (modebench; target/modebench/results.md)");
+        run(release_bin("modebench").args(&flags))?;
+        if has("--quick") {
+            return Ok(());
+        }
+        step("bench: datapath ns/packet (BPF_PROG_TEST_RUN; target/modebench/per-packet.md)");
+        run(release_bin("bench").args(["--out", "target/modebench/per-packet.md"]))?;
     }
-    step("bench: datapath ns/packet (BPF_PROG_TEST_RUN)");
-    run(&mut release_bin("bench"))?;
-    step("bench: sync time per mode, 1 000 and 10 000 services x 10 endpoints");
-    run(&mut release_bin("syncbench"))
+    if in_vm {
+        step("bench: every mode again, ipvs included, in the VM (target/modebench/vm/results.md)");
+        // Software emulation: fewer services by default (flags given here replace them).
+        let mut vm_flags = if has("--services") {
+            vec![]
+        } else {
+            vec!["--services", "1,100,1000"]
+        };
+        let mut it = flags.iter().copied();
+        while let Some(flag) = it.next() {
+            if flag == "--out" {
+                it.next(); // the VM's results go to target/modebench/vm
+            } else {
+                vm_flags.push(flag);
+            }
+        }
+        bench_in_vm(&vm_flags, &root().join("target/modebench/vm"), true)?;
+    }
+    Ok(())
 }

@@ -26,6 +26,9 @@ use crate::{cargo, root, run, step};
 const BOOTED: &str = "VMTEST-BOOTED";
 /// What the init prints after the tests, with their exit code.
 const EXIT: &str = "VMTEST-EXIT=";
+/// Around the benchmark's results.json on the console (the host's root is read-only).
+const RESULTS_BEGIN: &str = "VMBENCH-RESULTS-BEGIN";
+const RESULTS_END: &str = "VMBENCH-RESULTS-END";
 
 /// Modules the tests need before anything asks for them (the rest load on demand through
 /// the kernel's modprobe helper).
@@ -108,9 +111,24 @@ fn agent_args(kernel: &str) -> &'static str {
 
 const IPV6_ON_6_1: &str = "6.1's verifier gives up on the eBPF IPv6 programs (over 1M instructions processed; 6.6 and later load them): the agent serves IPv4 only there, and runs with --ebpf-ipv6=false";
 
+/// What the VM runs.
+pub enum Payload {
+    /// Test name filters of the conformance and lifecycle suites.
+    Tests(Vec<String>),
+    /// modebench with these flags (the host's modes' comparison, with ipvs); its
+    /// results.json comes back over the console into `out`, where the host draws the table
+    /// and plots. `release`: the optimised agent and benchmark (a full run), else the
+    /// debug builds the tests already made (a smoke run).
+    Bench {
+        args: Vec<String>,
+        out: PathBuf,
+        release: bool,
+    },
+}
+
 pub struct VmTest {
     pub kernel: String,
-    pub filters: Vec<String>,
+    pub payload: Payload,
     pub memory_mb: u32,
     pub cpus: u32,
 }
@@ -127,30 +145,59 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
     let initramfs = build_initramfs(&dir, &unpacked, &release)?;
     let vmlinuz = unpacked.join(format!("boot/vmlinuz-{release}"));
 
-    step("vm-test: building the agent and the test suites");
-    run(&mut cargo(&["build", "--quiet", "-p", "proxy-agent"]))?;
-    let mut suites = Vec::new();
-    for (suite, filters) in filters_by_suite(&opts.filters) {
-        suites.push((test_binary(suite)?, filters));
-    }
-    let skipped = skipped_rows(&opts.kernel);
-    for (pattern, reason) in &skipped {
-        step(&format!(
-            "vm-test: skipping rows matching {pattern:?}: {reason}"
-        ));
-    }
-    let script = dir.join("run.sh");
-    std::fs::write(
-        &script,
-        run_script(&suites, &skipped, agent_args(&opts.kernel)),
-    )?;
-
     let accel = probe_kvm(&vmlinuz, &initramfs);
+    let skipped = skipped_rows(&opts.kernel);
+    let (script_text, what) = match &opts.payload {
+        Payload::Tests(filters) => {
+            step("vm-test: building the agent and the test suites");
+            run(&mut cargo(&["build", "--quiet", "-p", "proxy-agent"]))?;
+            let mut suites = Vec::new();
+            for (suite, filters) in filters_by_suite(filters) {
+                suites.push((test_binary(suite)?, filters));
+            }
+            for (pattern, reason) in &skipped {
+                step(&format!(
+                    "vm-test: skipping rows matching {pattern:?}: {reason}"
+                ));
+            }
+            (
+                run_script(&suites, &skipped, agent_args(&opts.kernel)),
+                filters.join(" "),
+            )
+        }
+        Payload::Bench {
+            args,
+            release: optimised,
+            ..
+        } => {
+            step("vm-bench: building the agent and modebench");
+            let profile: &[&str] = if *optimised { &["--release"] } else { &[] };
+            run(cargo(&["build", "--quiet", "-p", "proxy-agent"]).args(profile))?;
+            run(cargo(&[
+                "build",
+                "--quiet",
+                "-p",
+                "proxy-tests",
+                "--bin",
+                "modebench",
+            ])
+            .args(profile))?;
+            let environment = format!(
+                "VM: Debian {release} under qemu ({accel}, {} CPUs)",
+                opts.cpus
+            );
+            (
+                bench_script(args, *optimised, &environment, agent_args(&opts.kernel)),
+                format!("modebench {}", args.join(" ")),
+            )
+        }
+    };
+    let script = dir.join("run.sh");
+    std::fs::write(&script, script_text)?;
+
     step(&format!(
-        "vm-test: booting Debian's {release} under qemu ({accel}, {} CPUs, {} MiB): {}",
-        opts.cpus,
-        opts.memory_mb,
-        opts.filters.join(" ")
+        "vm: booting Debian's {release} under qemu ({accel}, {} CPUs, {} MiB): {}",
+        opts.cpus, opts.memory_mb, what
     ));
     let append = format!(
         "console=ttyS0 panic=-1 quiet loglevel=3 vmtest.script={} vmtest.modroot={} vmtest.workspace={}",
@@ -166,12 +213,30 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
     let mut results = Vec::new();
     let mut exit = None;
     let mut booted = false;
+    let mut results_json: Option<String> = None;
+    let mut in_results = false;
     let out = std::io::stdout();
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line.unwrap_or_default();
         let line = line.trim_end_matches('\r');
         if line.contains(BOOTED) {
             booted = true;
+        }
+        if line == RESULTS_BEGIN {
+            in_results = true;
+            results_json = Some(String::new());
+            continue;
+        }
+        if line == RESULTS_END {
+            in_results = false;
+            continue;
+        }
+        if in_results {
+            if let Some(json) = &mut results_json {
+                json.push_str(line);
+                json.push('\n');
+            }
+            continue;
         }
         if let Some(code) = line.split(EXIT).nth(1) {
             exit = code.trim().parse::<i32>().ok();
@@ -182,13 +247,33 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
         let _ = writeln!(out.lock(), "vm | {line}");
     }
     let status = child.wait()?;
-    report(&results);
+    if let Payload::Bench { out, release, .. } = &opts.payload {
+        // The table and plots are drawn here from the samples, whatever the exit code:
+        // what was measured is kept.
+        if let Some(json) = results_json.filter(|j| !j.trim().is_empty()) {
+            std::fs::create_dir_all(out)?;
+            std::fs::write(out.join("results.json"), json)?;
+            let profile = if *release { "release" } else { "debug" };
+            run(
+                Command::new(root().join("target").join(profile).join("modebench"))
+                    .arg("--render")
+                    .arg("--out")
+                    .arg(out),
+            )
+            .context("drawing the VM run's table and plots")?;
+            step(&format!("vm-bench: {}", out.join("results.md").display()));
+        } else if booted {
+            bail!("vm-bench: the VM returned no results (see modebench's output above)");
+        }
+    } else {
+        report(&results);
+    }
     match exit {
         Some(0) => {
-            step(&format!("vm-test: {}: passed", opts.kernel));
+            step(&format!("vm: {}: passed", opts.kernel));
             Ok(())
         }
-        Some(code) => bail!("vm-test: {}: the suite failed (exit {code})", opts.kernel),
+        Some(code) => bail!("vm: {}: the run failed (exit {code})", opts.kernel),
         None if !booted => bail!("vm-test: the VM did not boot (qemu: {status})"),
         None => bail!("vm-test: the VM stopped before the suite finished (qemu: {status})"),
     }
@@ -387,6 +472,36 @@ echo \"kernel $(uname -r), $(nproc) CPUs\"
     )
 }
 
+/// The script the VM runs for the benchmark: modebench on this kernel, its results.json
+/// printed between markers for the host to keep.
+fn bench_script(args: &[String], release: bool, environment: &str, agent_args: &str) -> String {
+    let target = root()
+        .join("target")
+        .join(if release { "release" } else { "debug" });
+    let args: String = args.iter().map(|a| format!(" '{a}'")).collect();
+    format!(
+        "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export HOME=/tmp PROXY_REQUIRE_KERNEL_TESTS=1 PROXY_TEST_TIME_SCALE=5 PROXY_BENCH_PLAIN=1
+export PROXY_AGENT_BIN={agent}
+export PROXY_AGENT_ARGS=\"{agent_args}\"
+export PROXY_BENCH_ENVIRONMENT=\"{environment}\"
+cd /tmp
+echo \"kernel $(uname -r), $(nproc) CPUs\"
+{modebench}{args} --out /tmp/modebench
+status=$?
+if [ -f /tmp/modebench/results.json ]; then
+  echo {RESULTS_BEGIN}
+  cat /tmp/modebench/results.json
+  echo
+  echo {RESULTS_END}
+fi
+(exit $status)
+",
+        agent = target.join("proxy-agent").display(),
+        modebench = target.join("modebench").display(),
+    )
+}
+
 /// A test binary of the proxy-tests package (built if needed).
 fn test_binary(suite: &str) -> Result<PathBuf> {
     let out = cargo(&[
@@ -448,7 +563,7 @@ fn probe_kvm(vmlinuz: &Path, initramfs: &Path) -> &'static str {
     }
     let opts = VmTest {
         kernel: String::new(),
-        filters: Vec::new(),
+        payload: Payload::Tests(Vec::new()),
         memory_mb: 256,
         cpus: 1,
     };

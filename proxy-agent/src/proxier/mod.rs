@@ -106,8 +106,8 @@ pub trait Proxier {
     /// record can write only those; `desired` is the whole state for full resyncs.
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport>;
 
-    /// Reconciles the whole datapath with `desired` (periodically, as kube-proxy's
-    /// syncPeriod): corrects anything that drifted, still writing only differences.
+    /// Reconciles the whole datapath with `desired` (hourly, as kube-proxy's
+    /// `FullSyncPeriod`): corrects anything that drifted, still writing only differences.
     fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport>;
 
     /// (service ports, backends) programmed.

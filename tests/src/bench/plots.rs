@@ -77,7 +77,13 @@ where
         .x_desc("services programmed")
         .y_desc(y_desc)
         .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| format!("{y:.0}"))
+        .y_label_formatter(&|y| {
+            if *y >= 1.0 {
+                format!("{y:.0}")
+            } else {
+                format!("{y}")
+            }
+        })
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(err)?;
@@ -168,7 +174,7 @@ fn control_plane(run: &Run) -> Vec<Series> {
                 "cold start",
                 (|c: &super::report::ControlSample| c.cold_start_ms) as fn(&_) -> _,
             ),
-            ("one change", |c| c.one_change_ms),
+            ("one change, its sync", |c| c.one_change_sync_ms),
         ] {
             let points: Vec<(f64, f64)> = run
                 .control
@@ -207,7 +213,7 @@ pub fn write_all(run: &Run, dir: &Path) -> Result<Vec<PathBuf>> {
         files.extend(plot(
             dir,
             "sync",
-            "From manifest to served: agent start, one more endpoint",
+            "Agent start until served; the agent's sync of one more endpoint",
             "ms",
             &control,
         )?);

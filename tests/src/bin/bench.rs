@@ -33,6 +33,8 @@ struct Args {
     /// IPv6 services, clients and backends (the IPv4 program's tail call into the IPv6 one
     /// is then on every packet's path).
     ipv6: bool,
+    /// Where the table is also written (Markdown), besides standard output.
+    out: Option<std::path::PathBuf>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -43,6 +45,7 @@ fn parse_args() -> Result<Args> {
         backends: 2,
         all_features: false,
         ipv6: false,
+        out: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -65,8 +68,9 @@ fn parse_args() -> Result<Args> {
             "--flows" => args.flows = value.parse()?,
             "--rounds" => args.rounds = value.parse()?,
             "--backends" => args.backends = value.parse()?,
+            "--out" => args.out = Some(value.into()),
             other => {
-                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N --all-features --ipv6)")
+                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N --all-features --ipv6 --out FILE)")
             }
         }
     }
@@ -303,8 +307,9 @@ fn main() -> Result<()> {
         return maglev_memory(n);
     }
     let args = parse_args()?;
-    println!(
-        "BPF_PROG_TEST_RUN, tc ingress, {} TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}",
+    use std::fmt::Write as _;
+    let mut text = format!(
+        "BPF_PROG_TEST_RUN, tc ingress, {} TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}, kernel {}\n\n",
         if args.ipv6 { "IPv6" } else { "IPv4" },
         args.backends,
         args.flows,
@@ -313,8 +318,10 @@ fn main() -> Result<()> {
             "; every service with ClientIP affinity, source ranges and masquerading"
         } else {
             ""
-        }
+        },
+        std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()
     );
+    print!("{text}");
     let mut forward = Vec::new();
     for &n in &args.services {
         forward.push(measure(n, &args)?);
@@ -324,15 +331,16 @@ fn main() -> Result<()> {
         backward.push(measure(n, &args)?);
     }
     backward.reverse();
-    println!(
-        "| services | not a service p50 (mean) ns | new flow p50 (mean) ns | established p50 (mean) ns | established vs first row (p50) | programming the maps |"
+    text.push_str(
+        "| services | not a service p50 (mean) ns | new flow p50 (mean) ns | established p50 (mean) ns | established vs first row (p50) | programming the maps |\n\
+         |---:|---:|---:|---:|---:|---:|\n",
     );
-    println!("|---:|---:|---:|---:|---:|---:|");
     let mut baseline = None;
     for (i, &n) in args.services.iter().enumerate() {
         let m = average(&forward[i], &backward[i]);
         let base = *baseline.get_or_insert(m.established.p50);
-        println!(
+        let _ = writeln!(
+            text,
             "| {n} | {:.0} ({:.0}) | {:.0} ({:.0}) | {:.0} ({:.0}) | {:.2}x | {:.0} ms |",
             m.other.p50,
             m.other.mean,
@@ -343,6 +351,14 @@ fn main() -> Result<()> {
             m.established.p50 / base,
             m.program_ms
         );
+    }
+    let table = &text[text.find("| services").unwrap_or(0)..];
+    print!("{table}");
+    if let Some(path) = &args.out {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, &text)?;
     }
     Ok(())
 }

@@ -15,7 +15,7 @@
 //! `DIR/{connections,connect-p99,sync}.{svg,png}`.
 
 use std::{
-    io::{Read, Write},
+    io::{IsTerminal, Read, Write},
     net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream},
     path::{Path, PathBuf},
     process::Command,
@@ -40,10 +40,23 @@ const BULK: u16 = 81;
 /// Endpoints of every other service (addresses nothing answers on: they are only programmed).
 const FILLER_ENDPOINTS: usize = 10;
 const ALL_MODES: [&str; 5] = ["ebpf", "iptables", "ipvs", "nftables", "userspace"];
+/// The largest service count each mode runs at by default: 100 000 services are asked of
+/// the modes built for it (ebpf, nftables); iptables needs minutes per sync well before
+/// that, IPVS and the userspace proxy a kernel object or a socket per service port.
+const DEFAULT_LIMITS: [(&str, usize); 3] = [
+    ("iptables", 10_000),
+    ("ipvs", 10_000),
+    ("userspace", 10_000),
+];
 
 struct Args {
     modes: Option<Vec<String>>,
     services: Vec<usize>,
+    /// The largest service count each mode is run at (modes not listed: any).
+    limits: Vec<(String, usize)>,
+    /// Only rebuild the table and plots from `DIR/results.json` (a run made elsewhere, such
+    /// as in the VM runner).
+    render: bool,
     rounds: usize,
     seconds: f64,
     serve_timeout: Duration,
@@ -53,7 +66,12 @@ struct Args {
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         modes: None,
-        services: vec![1, 100, 1000, 10_000],
+        services: vec![1, 100, 1000, 10_000, 100_000],
+        limits: DEFAULT_LIMITS
+            .iter()
+            .map(|(m, n)| (m.to_string(), *n))
+            .collect(),
+        render: false,
         rounds: 3,
         seconds: 2.0,
         serve_timeout: Duration::from_secs(300),
@@ -68,6 +86,10 @@ fn parse_args() -> Result<Args> {
             args.serve_timeout = Duration::from_secs(60);
             continue;
         }
+        if flag == "--render" {
+            args.render = true;
+            continue;
+        }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--modes" => args.modes = Some(value.split(',').map(String::from).collect()),
@@ -78,12 +100,13 @@ fn parse_args() -> Result<Args> {
                     .collect::<Result<_, _>>()
                     .context("--services: a comma-separated list of counts")?
             }
+            "--limit" => args.limits = parse_limits(&value)?,
             "--rounds" => args.rounds = value.parse()?,
             "--seconds" => args.seconds = value.parse()?,
             "--serve-timeout" => args.serve_timeout = Duration::from_secs(value.parse()?),
             "--out" => args.out = PathBuf::from(value),
             other => bail!(
-                "unknown flag {other} (--quick --modes a,b --services 1,100 --rounds N --seconds S --serve-timeout S --out DIR)"
+                "unknown flag {other} (--quick --modes a,b --services 1,100 --limit mode=N,.. --rounds N --seconds S --serve-timeout S --out DIR --render)"
             ),
         }
     }
@@ -91,6 +114,26 @@ fn parse_args() -> Result<Args> {
         bail!("--services counts and --rounds must be at least 1");
     }
     Ok(args)
+}
+
+/// `mode=N,mode=N` (or `none`): the largest service count per mode.
+fn parse_limits(value: &str) -> Result<Vec<(String, usize)>> {
+    if value == "none" {
+        return Ok(Vec::new());
+    }
+    value
+        .split(',')
+        .map(|pair| {
+            let (mode, n) = pair
+                .split_once('=')
+                .with_context(|| format!("--limit {pair}: expected mode=N"))?;
+            let n = n
+                .replace('_', "")
+                .parse()
+                .with_context(|| format!("--limit {pair}: N is a service count"))?;
+            Ok((mode.to_string(), n))
+        })
+        .collect()
 }
 
 fn tool_runs(program: &str, args: &[&str]) -> bool {
@@ -112,7 +155,8 @@ fn unsupported(mode: &str) -> Option<String> {
         "ipvs" => proxy_agent::ipvs_netlink::KernelIpvs::open()
             .err()
             .map(|_| {
-                "this kernel has no IPVS: run it in the VM runner (cargo xtask vm-test)".into()
+                "this kernel has no IPVS: `cargo xtask bench --vm` runs every mode with it in a VM"
+                    .into()
             }),
         "userspace" => None,
         other => Some(format!("no such mode {other}")),
@@ -160,14 +204,13 @@ fn wait_served(
     timeout: Duration,
 ) -> Result<Duration> {
     let started = Instant::now();
+    let connect = proxy_tests::scaled(Duration::from_millis(20));
     lab.client.ns.run(move || -> Result<Duration> {
         loop {
             // A short connect timeout: until the datapath serves, a SYN may vanish, and
             // the probe's resolution is this timeout (a served connect here takes well
             // under a millisecond).
-            if let Ok(name) =
-                client::tcp_hello_within(to, Duration::from_millis(20), Duration::from_secs(1))
-            {
+            if let Ok(name) = client::tcp_hello_within(to, connect, Duration::from_secs(1)) {
                 if by.as_deref().is_none_or(|b| name == b) {
                     return Ok(started.elapsed());
                 }
@@ -188,18 +231,9 @@ fn peak_rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
-/// The mode's own count of what it programmed, from its metrics endpoint.
-fn programmed(lab: &Lab, mode: &str) -> Option<(String, f64)> {
-    let metric = match mode {
-        "ebpf" => "proxy_agent_ebpf_map_entries",
-        "iptables" => "kubeproxy_sync_proxy_rules_iptables_total",
-        "nftables" => "proxy_agent_nftables_rules",
-        "ipvs" => "proxy_agent_ipvs_virtual_servers",
-        "userspace" => "proxy_agent_userspace_listeners",
-        _ => return None,
-    };
-    let text = lab
-        .node
+/// The agent's metrics page (served in the node namespace).
+fn metrics_text(lab: &Lab) -> Option<String> {
+    lab.node
         .run(|| -> std::io::Result<String> {
             let mut s = TcpStream::connect_timeout(
                 &SocketAddr::from((Ipv4Addr::LOCALHOST, 10249)),
@@ -212,14 +246,47 @@ fn programmed(lab: &Lab, mode: &str) -> Option<(String, f64)> {
             Ok(body)
         })
         .ok()?
-        .ok()?;
-    // The eBPF mode's figure is its service and backend entries (not tracked flows).
-    let total: f64 = text
+        .ok()
+}
+
+/// The sum of every sample of `metric` (all label sets), if it has any.
+fn metric_sum(text: &str, metric: &str, keep: impl Fn(&str) -> bool) -> Option<f64> {
+    let values: Vec<f64> = text
         .lines()
-        .filter(|l| l.starts_with(metric) && !l.to_ascii_lowercase().contains("conntrack"))
+        .filter(|l| {
+            l.strip_prefix(metric)
+                .is_some_and(|rest| rest.starts_with([' ', '{']))
+                && keep(l)
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
+/// The mode's own count of what it programmed, from its metrics.
+fn programmed(text: &str, mode: &str) -> Option<(String, f64)> {
+    let metric = match mode {
+        "ebpf" => "proxy_agent_ebpf_map_entries",
+        "iptables" => "kubeproxy_sync_proxy_rules_iptables_total",
+        "nftables" => "proxy_agent_nftables_rules",
+        "ipvs" => "proxy_agent_ipvs_virtual_servers",
+        "userspace" => "proxy_agent_userspace_listeners",
+        _ => return None,
+    };
+    // The eBPF mode's figure is its service and backend entries (not tracked flows).
+    let total = metric_sum(text, metric, |l| {
+        !l.to_ascii_lowercase().contains("conntrack")
+    })?;
     Some((metric.to_string(), total))
+}
+
+/// The agent's sync histogram so far: (seconds summed, syncs).
+fn sync_totals(text: &str) -> Option<(f64, f64)> {
+    const SYNC: &str = "kubeproxy_sync_proxy_rules_duration_seconds";
+    Some((
+        metric_sum(text, &format!("{SYNC}_sum"), |_| true)?,
+        metric_sum(text, &format!("{SYNC}_count"), |_| true)?,
+    ))
 }
 
 /// A lab with `mode`'s agent serving `n` services (or none: the baseline).
@@ -275,10 +342,19 @@ fn start_mode(mode: &str, n: usize, args: &Args, control: &mut ControlSample) ->
     })
 }
 
-/// One endpoint more for the measured service: how long until a connection reaches it.
-fn one_change(target: &mut Target, n: usize, args: &Args) -> Result<Duration> {
+/// What one more endpoint for the measured service cost.
+struct OneChange {
+    /// From writing the manifests until a connection reached the new endpoint.
+    served: Duration,
+    /// The agent's own syncs in that time (its sync histogram's mean over them): the
+    /// datapath's share, without the manifest source's reading and settling.
+    sync: Option<Duration>,
+}
+
+fn one_change(target: &mut Target, n: usize, args: &Args) -> Result<OneChange> {
     let newcomer = target.lab.backends[3].name.clone();
     let yaml = manifests(&target.lab, n, 4);
+    let before = metrics_text(&target.lab).and_then(|t| sync_totals(&t));
     let started = Instant::now();
     target.lab.write_manifests(&yaml)?;
     wait_served(
@@ -287,7 +363,23 @@ fn one_change(target: &mut Target, n: usize, args: &Args) -> Result<Duration> {
         Some(newcomer),
         args.serve_timeout,
     )?;
-    Ok(started.elapsed())
+    let served = started.elapsed();
+    // A datapath may serve before its sync returns and is recorded: wait for the record.
+    let mut sync = None;
+    let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
+    while let Some((sum0, count0)) = before {
+        if let Some((sum, count)) = metrics_text(&target.lab).and_then(|t| sync_totals(&t)) {
+            if count > count0 {
+                sync = Some(Duration::from_secs_f64((sum - sum0) / (count - count0)));
+                break;
+            }
+        }
+        if Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(OneChange { served, sync })
 }
 
 fn measure(
@@ -351,6 +443,14 @@ fn kernel() -> String {
 
 fn main() -> Result<()> {
     let args = parse_args()?;
+    if args.render {
+        let path = args.out.join("results.json");
+        let json = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let run: Run = serde_json::from_str(&json)
+            .with_context(|| format!("{} is not a modebench run", path.display()))?;
+        return write_outputs(&run, &args.out);
+    }
     let started = Instant::now();
     let mut run = Run {
         command: std::iter::once("modebench".to_string())
@@ -383,14 +483,45 @@ fn main() -> Result<()> {
             Some(why) => run.skipped.push((mode, why)),
         }
     }
+    let limit = |mode: &str| {
+        args.limits
+            .iter()
+            .find(|(m, _)| m == mode)
+            .map_or(usize::MAX, |(_, n)| *n)
+    };
+    for mode in &modes {
+        let above: Vec<String> = args
+            .services
+            .iter()
+            .filter(|&&n| n > limit(mode))
+            .map(|n| n.to_string())
+            .collect();
+        if !above.is_empty() {
+            run.skipped.push((
+                mode.clone(),
+                format!(
+                    "not at {} services: above its --limit ({mode}={}; `--limit none` lifts every limit)",
+                    above.join(", "),
+                    limit(mode)
+                ),
+            ));
+        }
+    }
+    let modes_at =
+        |n: usize| -> Vec<String> { modes.iter().filter(|m| n <= limit(m)).cloned().collect() };
 
     // Steps: per count, each mode's start and change, and every target's rounds.
-    let steps = args.services.len() * (2 * modes.len() + args.rounds * (modes.len() + 1));
-    let bar = ProgressBar::new(steps as u64).with_style(
-        ProgressStyle::with_template("[{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
-            .expect("a valid template"),
-    );
+    let steps: usize = args
+        .services
+        .iter()
+        .map(|&n| {
+            let k = modes_at(n).len();
+            2 * k + args.rounds * (k + 1)
+        })
+        .sum();
+    let mut bar = Progress::new(steps);
     for &n in &args.services {
+        let modes = modes_at(n);
         let baseline_lab = Lab::new(lab_options())?;
         let pod = baseline_lab.backends[0].ip;
         let mut targets = vec![Target {
@@ -421,8 +552,26 @@ fn main() -> Result<()> {
                     args.rounds,
                     target.name
                 ));
-                measure(target, n, round, args.seconds, &mut run.samples)
-                    .with_context(|| format!("{} at {n} services", target.name))?;
+                let measured = measure(target, n, round, args.seconds, &mut run.samples)
+                    .with_context(|| format!("{} at {n} services", target.name));
+                match measured {
+                    // Every ratio is taken against the baseline: without it there is no run.
+                    Err(e) if target.name == BASELINE => return Err(e),
+                    // A mode that fails a workload keeps its place; the table says why.
+                    Err(e) => {
+                        let control = run
+                            .control
+                            .iter_mut()
+                            .find(|c| c.services == n && c.mode == target.name)
+                            .expect("a control record per started mode");
+                        let why = format!("round {}: {e:#}", round + 1);
+                        control.note = Some(match control.note.take() {
+                            Some(earlier) => format!("{earlier}; {why}"),
+                            None => why,
+                        });
+                    }
+                    Ok(()) => {}
+                }
                 bar.inc(1);
             }
             // A mode that failed to start still takes its place in the count.
@@ -432,14 +581,17 @@ fn main() -> Result<()> {
             bar.set_message(format!("{n} services: one change, {}", target.name));
             let changed = one_change(target, n, &args);
             let pid = target.lab.agent().map(|a| a.pid());
-            let objects = programmed(&target.lab, &target.name);
+            let objects = metrics_text(&target.lab).and_then(|t| programmed(&t, &target.name));
             let control = run
                 .control
                 .iter_mut()
                 .find(|c| c.services == n && c.mode == target.name)
                 .expect("a control record per started mode");
             match changed {
-                Ok(t) => control.one_change_ms = Some(t.as_secs_f64() * 1e3),
+                Ok(c) => {
+                    control.one_change_ms = Some(c.served.as_secs_f64() * 1e3);
+                    control.one_change_sync_ms = c.sync.map(|d| d.as_secs_f64() * 1e3);
+                }
                 Err(e) => control.note = Some(format!("one change: {e:#}")),
             }
             control.peak_rss_kib = pid.and_then(peak_rss_kib);
@@ -449,28 +601,85 @@ fn main() -> Result<()> {
         bar.inc((modes.len() + 1 - targets.len()) as u64);
         drop(targets);
     }
-    bar.finish_and_clear();
+    bar.finish();
     run.duration_s = started.elapsed().as_secs_f64();
+    write_outputs(&run, &args.out)
+}
 
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
+/// A progress bar on a terminal; on a serial console (the VM runner) or in a log, one line
+/// per step (`PROXY_BENCH_PLAIN=1` asks for lines).
+struct Progress {
+    bar: Option<ProgressBar>,
+    pos: u64,
+    len: u64,
+    started: Instant,
+}
+
+impl Progress {
+    fn new(len: usize) -> Self {
+        let plain =
+            std::env::var_os("PROXY_BENCH_PLAIN").is_some() || !std::io::stderr().is_terminal();
+        let bar = (!plain).then(|| {
+            ProgressBar::new(len as u64).with_style(
+                ProgressStyle::with_template("[{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+                    .expect("a valid template"),
+            )
+        });
+        Progress {
+            bar,
+            pos: 0,
+            len: len as u64,
+            started: Instant::now(),
+        }
+    }
+
+    fn set_message(&self, msg: String) {
+        match &self.bar {
+            Some(bar) => bar.set_message(msg),
+            None => eprintln!(
+                "[{:>5.0} s] {}/{} {msg}",
+                self.started.elapsed().as_secs_f64(),
+                self.pos,
+                self.len
+            ),
+        }
+    }
+
+    fn inc(&mut self, n: u64) {
+        self.pos += n;
+        if let Some(bar) = &self.bar {
+            bar.inc(n);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
+
+/// results.json (every raw sample), results.md (the table, linking the plots) and the
+/// plots, into `out`; fails listing what the run lacks.
+fn write_outputs(run: &Run, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     // The raw samples first: they stay even if a plot cannot be drawn.
     write(
-        &args.out.join("results.json"),
-        &serde_json::to_string_pretty(&run)?,
+        &out.join("results.json"),
+        &serde_json::to_string_pretty(run)?,
     )?;
-    let mut table = report::markdown(&run);
+    let mut table = report::markdown(run);
     table.push('\n');
-    for file in plots::write_all(&run, &args.out)? {
+    for file in plots::write_all(run, out)? {
         if file.extension().is_some_and(|e| e == "svg") {
             let name = file.file_name().unwrap_or_default().to_string_lossy();
             table.push_str(&format!("![{name}]({name})\n"));
         }
     }
-    write(&args.out.join("results.md"), &table)?;
+    write(&out.join("results.md"), &table)?;
     print!("{table}");
-    eprintln!("raw samples: {}", args.out.join("results.json").display());
-    let problems = report::problems(&run);
+    eprintln!("raw samples: {}", out.join("results.json").display());
+    let problems = report::problems(run);
     if !problems.is_empty() {
         bail!("the run is incomplete: {}", problems.join("; "));
     }
@@ -479,4 +688,42 @@ fn main() -> Result<()> {
 
 fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const METRICS: &str = "\
+# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram
+kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 3
+kubeproxy_sync_proxy_rules_duration_seconds_sum 0.25
+kubeproxy_sync_proxy_rules_duration_seconds_count 4
+proxy_agent_ebpf_map_entries{map=\"services\"} 12
+proxy_agent_ebpf_map_entries{map=\"backends\"} 30
+proxy_agent_ebpf_map_entries{map=\"conntrack\"} 900
+proxy_agent_ebpf_map_entries_limit{map=\"services\"} 4096
+";
+
+    #[test]
+    fn figures_come_from_the_named_metric_only() {
+        assert_eq!(sync_totals(METRICS), Some((0.25, 4.0)));
+        // Tracked flows and the `_limit` metric sharing the prefix are not programmed objects.
+        assert_eq!(
+            programmed(METRICS, "ebpf"),
+            Some(("proxy_agent_ebpf_map_entries".into(), 42.0))
+        );
+        assert_eq!(programmed(METRICS, "nftables"), None);
+    }
+
+    #[test]
+    fn limits_name_a_mode_and_a_count() {
+        assert_eq!(
+            parse_limits("iptables=10_000,ipvs=100").unwrap(),
+            [("iptables".to_string(), 10_000), ("ipvs".to_string(), 100)]
+        );
+        assert!(parse_limits("none").unwrap().is_empty());
+        let err = parse_limits("iptables").unwrap_err().to_string();
+        assert!(err.contains("--limit iptables"), "{err}");
+    }
 }

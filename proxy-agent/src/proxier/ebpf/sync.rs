@@ -339,6 +339,12 @@ impl<M: ServiceMaps> MapSync<M> {
         for (id, addr, prefix) in &contents.source_ranges {
             ranges.entry(*id).or_default().insert((*addr, *prefix));
         }
+        // Each service's backends, found once (a scan of every backend per frontend was
+        // quadratic: minutes at 100 000 services).
+        let mut backends_of: HashMap<u32, Vec<&Backend>> = HashMap::new();
+        for b in backends.values() {
+            backends_of.entry(b.service_id).or_default().push(b);
+        }
         let mut referenced = HashSet::new();
         for (frontend, header) in headers {
             let mut found = slots.remove(&frontend).unwrap_or_default();
@@ -359,9 +365,11 @@ impl<M: ServiceMaps> MapSync<M> {
                 Some(list) if list.iter().all(|(id, _)| self.backend_ids.mark_used(*id)) => {
                     referenced.extend(list.iter().map(|s| s.0));
                     let in_slots: HashSet<u32> = list.iter().map(|s| s.0).collect();
-                    let mut draining: Vec<(u32, SocketAddr)> = backends
-                        .values()
-                        .filter(|b| b.service_id == header.service_id && !in_slots.contains(&b.id))
+                    let mut draining: Vec<(u32, SocketAddr)> = backends_of
+                        .get(&header.service_id)
+                        .into_iter()
+                        .flatten()
+                        .filter(|b| !in_slots.contains(&b.id))
                         .filter_map(|b| Some((b.id, backend_addr(b, &contents.backend_addrs6)?)))
                         .filter(|(id, _)| self.backend_ids.mark_used(*id))
                         .collect();

@@ -1,7 +1,7 @@
 //! The iptables proxier: kube-proxy's `nat`/`filter` chains (see [`rules`]), applied
 //! atomically with `iptables-restore --noflush` and `ip6tables-restore`.
 //!
-//! The first sync, every `syncPeriod`, and the sync after a failed restore write the whole
+//! The first sync, the hourly one, and the sync after a failed restore write the whole
 //! ruleset and delete any `KUBE-` service chain nobody wants (including a previous agent's or
 //! kube-proxy's). Other syncs are partial, as kube-proxy's since 1.26: the dispatch chains
 //! (`KUBE-SERVICES`, `KUBE-NODEPORTS`, filter `KUBE-SERVICES`) are rewritten, but of the

@@ -2,7 +2,7 @@
 //! family and sync, written in nft's language: full syncs go through `nft -f -`,
 //! incremental ones to nf_tables as a netlink batch (see [`netlink`] for why).
 //!
-//! The first sync, every `syncPeriod` and the one after a failed transaction are full: every
+//! The first sync, the hourly one and the one after a failed transaction are full: every
 //! chain is flushed and rewritten, the verdict maps are refilled, and chains and sets nobody
 //! wants are deleted (affinity sets that are still wanted keep their clients). The others
 //! are incremental: the changed service ports' chains are rewritten, and the verdict maps
@@ -351,10 +351,15 @@ impl<N: Nft> NftablesProxier<N> {
         let ctx = self.contexts[i].clone();
         let ip = ctx.ip();
         let t = format!("{ip} {TABLE}");
-        let existing = if full {
+        // A table that is not there is not listed: nft lists one table by fetching the
+        // whole ruleset first, which the other family's table can make a minutes-long wait
+        // at 100 000 services.
+        let existing = if !full {
+            None
+        } else if self.nft.has_table(ip, TABLE)? {
             Some(self.nft.objects(ip, TABLE)?)
         } else {
-            None
+            Some(nft::TableObjects::default())
         };
         let state = &mut self.families[i];
         let Regenerated {
@@ -512,7 +517,7 @@ impl<N: Nft> NftablesProxier<N> {
 pub fn remove_all(nft: &mut impl Nft) -> Result<usize> {
     let mut removed = 0;
     for ip in ["ip", "ip6"] {
-        let had = nft.objects(ip, TABLE)? != Default::default();
+        let had = nft.has_table(ip, TABLE)?;
         // Adding first makes the delete succeed whether or not the table was there.
         nft.apply(&format!(
             "add table {ip} {TABLE}\ndelete table {ip} {TABLE}\n"

@@ -22,6 +22,12 @@ pub trait Nft {
 
     /// What `family`'s (`ip` / `ip6`) table `table` holds; empty if there is no such table.
     fn objects(&mut self, family: &str, table: &str) -> Result<TableObjects>;
+
+    /// Whether `family` has a table `table` (without listing what it holds: a listing of
+    /// 100 000 services' chains takes nft minutes).
+    fn has_table(&mut self, family: &str, table: &str) -> Result<bool> {
+        Ok(self.objects(family, table)? != TableObjects::default())
+    }
 }
 
 /// The `nft` command.
@@ -46,6 +52,10 @@ impl NftCommand {
 }
 
 impl Nft for NftCommand {
+    fn has_table(&mut self, family: &str, table: &str) -> Result<bool> {
+        super::netlink::table_exists(family, table)
+    }
+
     fn apply(&mut self, script: &str) -> Result<()> {
         let mut child = Command::new("nft")
             .args(["-f", "-"])
