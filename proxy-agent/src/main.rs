@@ -231,6 +231,7 @@ async fn run(mut s: Settings) -> Result<()> {
     }
     info!("Using {} Proxier", s.mode);
     tune_kernel_conntrack(&s);
+    raise_open_files_limit();
     // The source first: a missing API server or manifest path fails before the node is touched.
     // The source: manifest files (re-read on change) or the API server (snapshots).
     let (reload_tx, mut reload_rx) = mpsc::channel(1);
@@ -511,6 +512,35 @@ fn choose_mode(s: &Settings) -> Result<ProxyMode> {
     }
 }
 
+/// Raises the soft limit on open files to the hard one, as Go programs such as kube-proxy
+/// do at start: the userspace mode holds a listener per service port and two sockets per
+/// proxied connection, and a shell's default soft limit (1024) ran out at 1 000 services
+/// (every new connection reset).
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= limit.rlim_max
+        {
+            return;
+        }
+        let wanted = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            ..limit
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) == 0 {
+            debug!(
+                from = limit.rlim_cur,
+                to = limit.rlim_max,
+                "open files limit raised"
+            );
+        }
+    }
+}
+
 /// Removes every kube-proxy-style iptables chain (ours and upstream kube-proxy's) but
 /// those in `keep`; `None` when this node has no iptables to hold any.
 fn remove_iptables_rules(keep: &[&str]) -> Result<Option<usize>> {
@@ -553,7 +583,9 @@ fn remove_nftables_tables() -> Result<Option<usize>> {
     if NftCommand.probe().is_err() {
         return Ok(None);
     }
-    nftables::remove_all(&mut NftCommand).map(Some)
+    // Over netlink: nft would fetch the whole ruleset first (minutes behind a table of
+    // 100 000 services).
+    nftables::remove_all(&mut NftNetlink::default()).map(Some)
 }
 
 /// Removes what the other modes left on this node (ours or upstream kube-proxy's), as

@@ -274,22 +274,28 @@ fn a_refused_netlink_transaction_names_its_line_and_changes_nothing() {
 #[test]
 fn a_table_is_found_by_name_without_listing_the_ruleset() {
     require_kernel!();
-    let (before, after, other_family, other_name) = namespace("nlhas")
+    let (before, found, removed, gone, over_netlink) = namespace("nlhas")
         .run(|| {
             let mut nft = NftNetlink::default();
             let before = nft.has_table("ip", "kube-proxy").unwrap();
-            nft.apply("add table ip kube-proxy\n").unwrap();
-            (
-                before,
+            nft.apply(
+                "add table ip kube-proxy\nadd chain ip kube-proxy a\n\
+                 add chain ip kube-proxy b\nadd rule ip kube-proxy a jump b\n",
+            )
+            .unwrap();
+            let found = (
                 nft.has_table("ip", "kube-proxy").unwrap(),
                 nft.has_table("ip6", "kube-proxy").unwrap(),
                 NftCommand.has_table("ip", "kube-proxy-other").unwrap(),
-            )
+            );
+            // Removal (cleanup, mode switches) goes over netlink too, chains and all.
+            let removed = proxy_agent::proxier::nftables::remove_all(&mut nft).unwrap();
+            let gone = !nft.has_table("ip", "kube-proxy").unwrap();
+            (before, found, removed, gone, nft.nft_transactions == 0)
         })
         .expect("namespace");
-    assert!(!before && after, "the table is found once it exists");
-    assert!(
-        !other_family && !other_name,
-        "only that family's, by that name"
-    );
+    assert!(!before && found.0, "the table is found once it exists");
+    assert!(!found.1 && !found.2, "only that family's, by that name");
+    assert_eq!(removed, 1, "one table removed (ip6 had none)");
+    assert!(gone && over_netlink, "deleted, without nft");
 }

@@ -35,6 +35,7 @@ const NLM_F_APPEND: u16 = 0x800;
 // nf_tables message types (enum nf_tables_msg_types).
 const NEWTABLE: u16 = 0;
 const GETTABLE: u16 = 1;
+const DELTABLE: u16 = 2;
 const NEWCHAIN: u16 = 3;
 const DELCHAIN: u16 = 5;
 const NEWRULE: u16 = 6;
@@ -477,9 +478,14 @@ impl Batch {
         let (name, body) = rest.split_once(' ').unwrap_or((rest, ""));
         let mut a = Vec::new();
         match (*verb, *kind) {
-            ("add", "table") if rest.is_empty() => {
+            ("add" | "delete", "table") if rest.is_empty() => {
                 attr_str(&mut a, 1 /* NFTA_TABLE_NAME */, table);
-                self.push(line, family, NEWTABLE, NLM_F_CREATE, &a);
+                if *verb == "add" {
+                    self.push(line, family, NEWTABLE, NLM_F_CREATE, &a);
+                } else {
+                    // The kernel empties the table (rules, maps, chains) itself.
+                    self.push(line, family, DELTABLE, 0, &a);
+                }
             }
             ("add" | "delete", "chain") if !name.is_empty() && body.is_empty() => {
                 table_and(&mut a, table, 3 /* NFTA_CHAIN_NAME */, name);
