@@ -8,12 +8,14 @@ use clap::{parser::ValueSource, ArgMatches, FromArgMatches, Parser};
 use proxy_common::DatapathConfig;
 
 use crate::{
-    attach::{AttachMode, InterfacePatterns},
     config::{self, FileSettings},
-    datapath::DatapathSizes,
-    health,
+    datapath::{
+        attach::{AttachMode, InterfacePatterns},
+        pins::DEFAULT_BPFFS_ROOT,
+        DatapathSizes,
+    },
+    health::proxy as health,
     model::NodePortAddress,
-    pins::DEFAULT_BPFFS_ROOT,
     proxier::ProxyMode,
 };
 
@@ -167,7 +169,7 @@ pub struct Cli {
     pub scheduler: crate::model::Scheduler,
 
     /// Entries of each Maglev (mh) lookup table: a prime. Each entry of each mh service port
-    /// costs about 100 bytes of kernel memory (hash-map entries; see the README).
+    /// costs about 100 bytes of kernel memory (hash-map entries; see docs/benchmarks.md).
     #[arg(long, default_value_t = 16381)]
     pub maglev_table_size: u32,
 
@@ -374,7 +376,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
     let ipvs = IpvsModeSettings {
         options: crate::proxier::ipvs::IpvsOptions {
             exclude_cidrs,
-            timeouts: crate::ipvs_netlink::IpvsTimeouts {
+            timeouts: crate::proxier::ipvs::netlink::IpvsTimeouts {
                 tcp: seconds(cli.ipvs_tcp_timeout, ipvs_file.tcp_timeout),
                 tcp_fin: seconds(cli.ipvs_tcpfin_timeout, ipvs_file.tcp_fin_timeout),
                 udp: seconds(cli.ipvs_udp_timeout, ipvs_file.udp_timeout),

@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use serde_yaml::Value;
 
-use crate::kernel_conntrack::KernelConntrackTuning;
+use crate::kernel::conntrack::sysctls::ConntrackSysctls;
 
 pub const KUBE_PROXY_API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const AGENT_API_VERSION: &str = "proxy-agent.io/v1alpha1";
@@ -305,7 +305,7 @@ pub struct ConntrackSettings {
     pub udp_stream_timeout: Option<Duration>,
     /// The same section as the kernel conntrack tuning: unset means kube-proxy's default,
     /// zero means "leave the kernel's value".
-    pub kernel: KernelConntrackTuning,
+    pub kernel: ConntrackSysctls,
 }
 
 pub const MODES: &[&str] = &[
@@ -589,9 +589,9 @@ fn settings(
         udp_timeout: duration("conntrack.udpTimeout", ct.udp_timeout)?,
         udp_stream_timeout: duration("conntrack.udpStreamTimeout", ct.udp_stream_timeout)?,
         kernel: {
-            let d = KernelConntrackTuning::default();
+            let d = ConntrackSysctls::default();
             let raw = |g: &Option<GoDuration>, default| g.as_ref().map_or(default, |g| g.0);
-            KernelConntrackTuning {
+            ConntrackSysctls {
                 max_per_core: non_negative("conntrack.maxPerCore", ct.max_per_core)?
                     .unwrap_or(d.max_per_core),
                 min: non_negative("conntrack.min", ct.min)?.unwrap_or(d.min),
@@ -617,7 +617,7 @@ fn settings(
         }
     }
     if let Some(i) = &e.interfaces {
-        i.parse::<crate::attach::InterfacePatterns>()
+        i.parse::<crate::datapath::attach::InterfacePatterns>()
             .map_err(|m| bad("ebpf.interfaces", m))?;
     }
     // The eBPF mode's own sync periods, else the top-level ones kube-proxy 1.33 added.

@@ -1,21 +1,41 @@
-//! The proxy agent: sources (manifests, later the API server) feed one service model, which
-//! drives one proxier per mode.
-pub mod attach;
-pub mod cgroup;
-pub mod cleanup;
+//! The proxy agent: sources feed one service model, which drives the proxier of the mode
+//! the agent runs. `main.rs` only parses settings and calls [`agent::run`].
+//!
+//! # Crate map
+//! | module | owns |
+//! |---|---|
+//! | [`agent`] | start-up order and the event loop; the sync loop ([`agent::sync_loop`]); starting a mode and `auto` ([`agent::modes`]); removing other modes' state ([`agent::cleanup`]); logging |
+//! | [`cli`], [`config`] | flags; the `--config` file (KubeProxyConfiguration and our fields); precedence into `Settings` |
+//! | [`source`] | where objects come from: `--manifests` files or the API server, handed over as a [`source::Snapshot`] |
+//! | [`model`] | one decision per semantic: validated objects, the desired state per service port, changes, stale flows |
+//! | [`proxier`] | the [`proxier::Proxier`] trait and one proxier per mode (ebpf, iptables, nftables, ipvs, userspace) |
+//! | [`datapath`] | the eBPF datapath's life cycle: loading, pins, tc attach, cgroup hooks, removal, its runtime |
+//! | [`kernel`] | kernel interfaces shared by modes: netlink framing, conntrack flows and sysctls, local routes, host facts, privileges |
+//! | [`health`] | `/healthz` and `/livez` ([`health::proxy`]); health-check node ports ([`health::services`]) |
+//! | [`metrics`] | every Prometheus metric |
+//!
+//! # Where is X
+//! | what | where |
+//! |---|---|
+//! | a Service change, to a map write | [`source`] → [`agent::sync_loop::SyncLoop::ingest`] → [`model::DesiredState::build`] and [`model::ChangeTracker::update`] → [`agent::sync_loop::SyncLoop::sync`] → [`proxier::Proxier::sync`] → [`proxier::ebpf::sync::MapSync`] → [`proxier::ebpf::maps::ServiceMaps`] ([`proxier::ebpf::maps::KernelMaps`] in production) |
+//! | which endpoints serve, affinity, traffic policy | [`model`] (`ServicePortState`: decided once for every mode) |
+//! | NodePort | eBPF: the classifier's service lookup in `proxy-ebpf/src/main.rs` on `SERVICES` entries written per node address ([`model::NodeContext`]); iptables: `KUBE-NODEPORTS` ([`proxier::iptables::rules`]); nftables: the `service-nodeports` map ([`proxier::nftables::rules`]); ipvs: one virtual server per node address ([`proxier::ipvs`]); userspace: a listener per node port ([`proxier::userspace`]) |
+//! | refusal (no endpoints) | eBPF: `proxy-ebpf/src/refuse.rs` (TCP reset, ICMP); iptables and nftables: REJECT rules; ipvs: the refusal ipset rules; userspace: not listening. Decided in [`model::WhenEmpty`] |
+//! | ClientIP affinity | [`model`] (timeout); eBPF: the `AFFINITY` map in `proxy-ebpf`; iptables: `recent`; nftables: per-endpoint sets; ipvs: persistence; userspace: [`proxier::userspace`] balancer |
+//! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername programs |
+//! | stale conntrack flows | [`model::stale_flows`] decides; [`kernel::conntrack::flows`] deletes over ctnetlink |
+//! | cleanup and mode switches | [`agent::cleanup::remove_modes`]; the eBPF part in [`datapath::cleanup`] |
+//! | mode selection (`auto`) | [`agent::modes::choose`] |
+//! | health-check node ports | [`health::services`] |
+//!
+//! The same table, with the docs' view of it, is in `docs/architecture.md`.
+pub mod agent;
 pub mod cli;
 pub mod config;
-pub mod ctnetlink;
 pub mod datapath;
 pub mod health;
-pub mod ipvs_netlink;
-pub mod kernel_conntrack;
-pub mod local_routes;
+pub mod kernel;
 pub mod metrics;
 pub mod model;
-pub mod nlattr;
-pub mod pins;
-pub mod privileges;
 pub mod proxier;
-pub mod service_health;
 pub mod source;

@@ -353,6 +353,13 @@ impl TrafficMetrics {
 }
 
 /// The label values of a service port.
+/// Seconds since the Unix epoch, as kube-proxy's timestamp gauges report them.
+pub fn unix_seconds(t: std::time::SystemTime) -> f64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
 pub fn service_labels(name: &ServicePortName) -> Vec<String> {
     vec![
         name.service.namespace.clone(),

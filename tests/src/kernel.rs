@@ -81,7 +81,7 @@ impl TestDatapath {
 
     pub fn load_with(sizes: DatapathSizes, options: LoadOptions) -> Result<Self> {
         let mut datapath = Datapath::load_with(sizes, None, options)?;
-        let maps = datapath.take_service_maps()?;
+        let maps = KernelMaps::take(&mut datapath)?;
         Ok(Self {
             datapath,
             sync: MapSync::new(maps),

@@ -162,7 +162,7 @@ fn the_daemonset_matches_the_agents_defaults() {
     );
     assert_eq!(caps.drop.clone().unwrap(), vec!["ALL".to_string()]);
     // The bpffs default root lives on the mounted host bpffs.
-    assert!(proxy_agent::pins::DEFAULT_BPFFS_ROOT.starts_with("/sys/fs/bpf/"));
+    assert!(proxy_agent::datapath::pins::DEFAULT_BPFFS_ROOT.starts_with("/sys/fs/bpf/"));
 }
 
 #[test]

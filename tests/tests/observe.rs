@@ -320,6 +320,23 @@ fn verbosity_4_logs_each_new_flow_from_the_datapath() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    // What `kubectl logs` shows: plain text (stderr is a file here, not a terminal), and
+    // debug lines from this agent and its datapath only, not its dependencies' polling.
+    let log = lab.agent().unwrap().log_text();
+    assert!(!log.contains('\u{1b}'), "ANSI escape codes in:\n{log}");
+    let foreign: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" DEBUG ") || l.contains(" TRACE "))
+        .filter(|l| {
+            let target = l.split_whitespace().nth(2).unwrap_or("");
+            !(target.starts_with("proxy_agent") || target.starts_with("proxy_ebpf"))
+        })
+        .collect();
+    assert!(
+        foreign.is_empty(),
+        "-v 4 printed other crates' debug output: {:?}",
+        &foreign[..foreign.len().min(5)]
+    );
 }
 
 #[test]

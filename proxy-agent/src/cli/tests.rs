@@ -150,7 +150,7 @@ ipvs: {scheduler: wlc, excludeCIDRs: [192.0.2.0/24], strictARP: true, tcpTimeout
     );
     assert_eq!(
         s.ipvs.options.timeouts,
-        crate::ipvs_netlink::IpvsTimeouts {
+        crate::proxier::ipvs::netlink::IpvsTimeouts {
             tcp: 900,
             tcp_fin: 120,
             udp: 300

@@ -28,7 +28,7 @@ fn kubeadm_config_loads_unchanged_and_reports_what_it_ignores() {
     // The kernel's conntrack gets kube-proxy's defaults for the nulls; 0s leaves UDP alone.
     assert_eq!(
         s.conntrack.kernel,
-        crate::kernel_conntrack::KernelConntrackTuning::default()
+        crate::kernel::conntrack::sysctls::ConntrackSysctls::default()
     );
     for field in [
         "bindAddressHardFail",

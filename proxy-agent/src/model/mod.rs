@@ -201,35 +201,6 @@ impl NodeContext {
     }
 }
 
-/// The IPv4 and IPv6 addresses of this network namespace's interfaces.
-pub fn local_addresses() -> Vec<IpAddr> {
-    let mut found = Vec::new();
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `list` with a linked list that freeifaddrs releases; each
-    // ifa_addr is checked for null and for AF_INET before being read as a sockaddr_in.
-    unsafe {
-        if libc::getifaddrs(&mut list) != 0 {
-            return found;
-        }
-        let mut cur = list;
-        while !cur.is_null() {
-            let addr = (*cur).ifa_addr;
-            if !addr.is_null() && (*addr).sa_family as i32 == libc::AF_INET {
-                let sin = &*(addr as *const libc::sockaddr_in);
-                found.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
-                    sin.sin_addr.s_addr,
-                ))));
-            } else if !addr.is_null() && (*addr).sa_family as i32 == libc::AF_INET6 {
-                let sin6 = &*(addr as *const libc::sockaddr_in6);
-                found.push(IpAddr::V6(sin6.sin6_addr.s6_addr.into()));
-            }
-            cur = (*cur).ifa_next;
-        }
-        libc::freeifaddrs(list);
-    }
-    found
-}
-
 /// How clients reach a frontend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FrontendKind {

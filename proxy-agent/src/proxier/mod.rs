@@ -24,7 +24,7 @@ pub enum ProxyMode {
     Ipvs,
     Nftables,
     Userspace,
-    /// Resolved at start to the first mode the kernel supports (see `main`); never runs.
+    /// Resolved at start to the first mode the kernel supports (see `agent::modes::choose`); never runs.
     Auto,
 }
 

@@ -23,7 +23,7 @@ use kube::{
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use super::manifests::ManifestSet;
+use super::Snapshot;
 use crate::model::{
     objects::{display_name, NodeInfo, Validated},
     ObjectName, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
@@ -162,7 +162,7 @@ enum Update {
 
 /// Watches the API server through `client` and sends a snapshot after every consistent
 /// change, until `tx` is closed. Watch errors are logged and retried with backoff.
-pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<ManifestSet>) {
+pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Snapshot>) {
     let services = watcher::watcher(
         Api::<Service>::all(client.clone()),
         watcher::Config::default()
@@ -206,7 +206,7 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<ManifestSet
         if !consistent || svc.relist.is_some() || sl.relist.is_some() {
             continue;
         }
-        let snapshot = ManifestSet {
+        let snapshot = Snapshot {
             store: ObjectStore {
                 services: svc.live.clone(),
                 slices: sl.live.clone(),
@@ -222,3 +222,51 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<ManifestSet
 
 #[cfg(test)]
 mod tests;
+
+/// A client for the API server: from --kubeconfig (or clientConnection.kubeconfig), else
+/// in-cluster configuration, else $KUBECONFIG / ~/.kube/config.
+pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
+    use anyhow::Context;
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer().await.context(
+            "no API server: not in a cluster and no kubeconfig (pass --kubeconfig, or --manifests PATH to run without a cluster)",
+        )?,
+    };
+    Client::try_from(config).context("creating the API client")
+}
+
+/// Records a `Starting` event on this node's Node object, as kube-proxy does; best effort.
+pub async fn announce_start(client: Client, node: String, mode: &'static str) {
+    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+    let recorder = Recorder::new(
+        client,
+        Reporter {
+            controller: "proxy-agent".into(),
+            instance: Some(node.clone()),
+        },
+    );
+    let regarding = k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some(node.clone()),
+        uid: Some(node.clone()),
+        ..Default::default()
+    };
+    let event = Event {
+        type_: EventType::Normal,
+        reason: "Starting".into(),
+        note: Some(format!("Using {mode} Proxier")),
+        action: "StartProxyAgent".into(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&event, &regarding).await {
+        warn!(%node, "recording the Starting event: {e}");
+    }
+}

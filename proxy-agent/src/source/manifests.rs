@@ -17,27 +17,18 @@ use notify::{RecursiveMode, Watcher};
 use serde_yaml::Value;
 use tokio::sync::mpsc;
 
+use super::Snapshot;
 use crate::model::{
     objects::{display_name, NodeInfo, Validated},
-    ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
+    Origin, Problem, ServiceInfo, SliceInfo,
 };
 use k8s_openapi::api::core::v1::Node;
-
-/// Everything read from the manifests: the objects that passed validation and the problems
-/// with the rest.
-#[derive(Debug, Default)]
-pub struct ManifestSet {
-    pub store: ObjectStore,
-    pub problems: Vec<Problem>,
-    /// `v1/Node` objects seen (the agent's own is picked by name).
-    pub nodes: Vec<NodeInfo>,
-}
 
 /// Reads a file, or every `.yaml`/`.yml`/`.json` file under a directory (recursively; names
 /// starting with `.` are skipped, which also skips the `..data` bookkeeping of a mounted
 /// ConfigMap while its symlinked files are read).
-pub fn load(path: &Path) -> Result<ManifestSet> {
-    let mut set = ManifestSet::default();
+pub fn load(path: &Path) -> Result<Snapshot> {
+    let mut set = Snapshot::default();
     let files = manifest_files(path)?;
     for file in files {
         let text = match fs::read_to_string(&file) {
@@ -132,7 +123,7 @@ fn split_documents(text: &str) -> Vec<(usize, String)> {
 }
 
 /// Parses one file's text into `set`.
-pub fn parse_into(text: &str, file: &str, set: &mut ManifestSet) {
+pub fn parse_into(text: &str, file: &str, set: &mut Snapshot) {
     for (index, (line, doc)) in split_documents(text).into_iter().enumerate() {
         let origin: Origin = format!("{file} document {} (line {line})", index + 1).into();
         match serde_yaml::from_str::<Value>(&doc) {
@@ -150,7 +141,7 @@ fn str_field<'a>(value: &'a Value, key: &str) -> Option<&'a str> {
     value.get(key).and_then(Value::as_str)
 }
 
-fn add_object(value: Value, origin: &Origin, set: &mut ManifestSet) {
+fn add_object(value: Value, origin: &Origin, set: &mut Snapshot) {
     let api_version = str_field(&value, "apiVersion").unwrap_or("").to_string();
     let kind = str_field(&value, "kind").unwrap_or("").to_string();
     let name = value

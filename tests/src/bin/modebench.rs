@@ -152,7 +152,7 @@ fn unsupported(mode: &str) -> Option<String> {
         "nftables" => {
             (!tool_runs("nft", &["--version"])).then(|| "no nft command (install nftables)".into())
         }
-        "ipvs" => proxy_agent::ipvs_netlink::KernelIpvs::open()
+        "ipvs" => proxy_agent::proxier::ipvs::netlink::KernelIpvs::open()
             .err()
             .map(|_| {
                 "this kernel has no IPVS: `cargo xtask bench --vm` runs every mode with it in a VM"

@@ -20,16 +20,17 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use proxy_agent::{
-    ctnetlink::KernelConntrack,
     datapath::{Datapath, DatapathSizes, LoadOptions},
-    ipvs_netlink::KernelIpvs,
-    local_routes::{DummyAddresses, KernelLocalRoutes, LocalRoutes},
+    kernel::{
+        conntrack::flows::ConntrackFlows,
+        local_routes::{DummyAddresses, KernelLocalRoutes, LocalRoutes},
+    },
     model::{diff, DesiredState, ServicePortState},
     proxier::{
-        ebpf::EbpfProxier,
+        ebpf::{maps::KernelMaps, EbpfProxier},
         iptables::tables::IptablesCommands,
         iptables::IptablesProxier,
-        ipvs::{ipset::IpsetCommand, IpvsKernel, IpvsOptions, IpvsProxier},
+        ipvs::{ipset::IpsetCommand, netlink::KernelIpvs, IpvsKernel, IpvsOptions, IpvsProxier},
         nftables::NftablesProxier,
         nftables::{netlink::NftNetlink, nft::NftCommand},
         userspace::UserspaceProxier,
@@ -164,7 +165,7 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                     maglev: 1,
                 };
                 let mut datapath = Datapath::load_with(sizes, None, LoadOptions::default())?;
-                let mut p = EbpfProxier::new(datapath.take_service_maps()?);
+                let mut p = EbpfProxier::new(KernelMaps::take(&mut datapath)?);
                 measure(&mut p, n, changes)
             }
             "iptables" | "iptables-legacy" | "iptables-nft" => {
@@ -175,7 +176,7 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                     .to_string();
                 let mut p = IptablesProxier::new(
                     IptablesCommands { variant },
-                    Box::new(KernelConntrack),
+                    Box::new(ConntrackFlows),
                     14,
                     &[],
                 );
@@ -183,12 +184,12 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
             }
             "nftables" => {
                 let mut p =
-                    NftablesProxier::new(NftNetlink::default(), Box::new(KernelConntrack), 14, &[]);
+                    NftablesProxier::new(NftNetlink::default(), Box::new(ConntrackFlows), 14, &[]);
                 measure(&mut p, n, changes)
             }
             // Every transaction through `nft -f`, as before incremental syncs used netlink.
             "nftables-nft" => {
-                let mut p = NftablesProxier::new(NftCommand, Box::new(KernelConntrack), 14, &[]);
+                let mut p = NftablesProxier::new(NftCommand, Box::new(ConntrackFlows), 14, &[]);
                 measure(&mut p, n, changes)
             }
             "ipvs" => {
@@ -202,7 +203,7 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                         addresses,
                         tables: IptablesCommands::host_default(),
                         sets: IpsetCommand,
-                        flows: Box::new(KernelConntrack),
+                        flows: Box::new(ConntrackFlows),
                     },
                     14,
                     &[],

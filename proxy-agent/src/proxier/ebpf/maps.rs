@@ -2,18 +2,21 @@
 //! logic is tested against [`InMemoryMaps`] without a kernel and runs against [`KernelMaps`]
 //! in production.
 
-use std::collections::BTreeMap;
-
-use std::{collections::BTreeSet, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use aya::maps::{
     lpm_trie::{Key as LpmKey, LpmTrie},
     Array, HashMap as BpfHashMap, MapData, MapError as AyaMapError,
 };
 use proxy_common::{
-    Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue, SourceRangeKey,
-    SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
+    map_names, Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue,
+    SourceRangeKey, SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
 };
+
+use crate::datapath::Datapath;
 
 /// A key of `SERVICES` (IPv4 frontends) or `SERVICES6` (IPv6 frontends): the two maps share
 /// their values, service ids and backend ids, so the sync logic writes them alike.
@@ -244,6 +247,29 @@ pub struct KernelMaps {
     pub backend_conns: Array<MapData, u64>,
     pub backend_released: Array<MapData, u64>,
     pub services_capacity: u32,
+}
+
+impl KernelMaps {
+    /// Takes the maps the service sync writes out of the loaded datapath. Call once.
+    pub fn take(datapath: &mut Datapath) -> anyhow::Result<Self> {
+        Ok(Self {
+            services: BpfHashMap::try_from(datapath.take_map(map_names::SERVICES)?)?,
+            services6: BpfHashMap::try_from(datapath.take_map(map_names::SERVICES6)?)?,
+            backends: Array::try_from(datapath.take_map(map_names::BACKENDS)?)?,
+            backend_addrs6: Array::try_from(datapath.take_map(map_names::BACKEND_ADDRS6)?)?,
+            source_ranges: LpmTrie::try_from(datapath.take_map(map_names::SOURCE_RANGES)?)?,
+            source_ranges6: LpmTrie::try_from(datapath.take_map(map_names::SOURCE_RANGES6)?)?,
+            maglev: BpfHashMap::try_from(datapath.take_map(map_names::MAGLEV)?)?,
+            maglev_capacity: datapath.sizes.maglev,
+            // Second handles: the garbage collector keeps using these maps through the
+            // datapath.
+            backend_conns: Array::try_from(datapath.second_handle(map_names::BACKEND_CONNS)?)?,
+            backend_released: Array::try_from(
+                datapath.second_handle(map_names::BACKEND_RELEASED)?,
+            )?,
+            services_capacity: datapath.sizes.services,
+        })
+    }
 }
 
 fn classify(map: &'static str, capacity: u32, err: AyaMapError) -> MapError {

@@ -1,7 +1,7 @@
 //! The ipvs proxier, as kube-proxy's ipvs mode: service addresses on the dummy interface
 //! `kube-ipvs0` (local routes on `lo` where the kernel has no dummy driver), one IPVS
 //! virtual server per frontend with its endpoints as NAT real servers (programmed over
-//! generic netlink, [`crate::ipvs_netlink`]; `ipvsadm -Ln` shows them), and the few
+//! generic netlink, [`crate::proxier::ipvs::netlink`]; `ipvsadm -Ln` shows them), and the few
 //! iptables rules IPVS needs around it, which match ipsets ([`ipset`]) rather than growing
 //! with the services:
 //!
@@ -23,6 +23,7 @@
 //! holds and correct it.
 
 pub mod ipset;
+pub mod netlink;
 pub mod plan;
 
 use std::{
@@ -44,10 +45,10 @@ use super::{
     Proxier, ProxyMode, Regenerated, SyncReport, FAMILIES,
 };
 use crate::{
-    ipvs_netlink::{Ipvs, IpvsTimeouts, RealServer, VirtualServer},
-    local_routes::LocalRoutes,
+    kernel::local_routes::LocalRoutes,
+    kernel::nlattr::errno,
     model::{Cidr, DesiredState, Frontend, IpFamily, ServiceChange, ServicePortName},
-    nlattr::errno,
+    proxier::ipvs::netlink::{Ipvs, IpvsTimeouts, RealServer, VirtualServer},
 };
 
 /// The iptables chains the ipvs mode writes (nat and filter); other kube-proxy-style
@@ -550,7 +551,7 @@ pub fn remove_all(
             servers += 1;
         }
     }
-    let interface = crate::local_routes::remove_dummy_interface()?;
+    let interface = crate::kernel::local_routes::remove_dummy_interface()?;
     let mut destroyed = 0;
     if let Some(sets) = sets {
         let names: Vec<String> = sets

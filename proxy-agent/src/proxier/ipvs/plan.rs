@@ -7,8 +7,8 @@ use std::{fmt::Write as _, net::IpAddr};
 
 use super::ipset::SetKind;
 use crate::{
-    ipvs_netlink::{RealServer, VirtualServer},
     model::{FrontendKind, FrontendState, Scheduler, ServicePortState},
+    proxier::ipvs::netlink::{RealServer, VirtualServer},
     proxier::{iptables::rules::refusal, naming::protocol},
 };
 

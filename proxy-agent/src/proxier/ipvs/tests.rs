@@ -2,9 +2,9 @@ use std::{collections::BTreeSet, net::SocketAddr};
 
 use super::{ipset::MemorySets, *};
 use crate::{
-    ipvs_netlink::MemoryIpvs,
-    local_routes::MemoryLocalRoutes,
+    kernel::local_routes::MemoryLocalRoutes,
     model::{diff, Protocol, Scheduler},
+    proxier::ipvs::netlink::MemoryIpvs,
     proxier::{
         iptables::tables::MemoryTables,
         test_states::{desired, node_port, state},

@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use netlink_sys::protocols::NETLINK_NETFILTER;
 
 use super::nft::{Nft, NftCommand, TableObjects};
-use crate::nlattr::{
+use crate::kernel::nlattr::{
     self, attr, attr_str, nested, NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST,
 };
 use crate::{model::Protocol, proxier::naming::protocol};

@@ -1,6 +1,6 @@
 //! The userspace proxier: this process owns the service addresses and relays each flow
 //! itself. Cluster, external and load-balancer IPs become local to the node with routes on
-//! `lo` ([`crate::local_routes`]); NodePorts listen on the node's NodePort addresses. TCP
+//! `lo` ([`crate::kernel::local_routes`]); NodePorts listen on the node's NodePort addresses. TCP
 //! is relayed with `splice(2)`, UDP per client session. It needs no netfilter, nor BPF: the
 //! last resort on any kernel.
 //!
@@ -28,7 +28,7 @@ use anyhow::Result;
 use tracing::{debug, warn};
 
 use crate::{
-    local_routes::LocalRoutes,
+    kernel::local_routes::LocalRoutes,
     model::{
         DesiredState, Frontend, FrontendKind, FrontendState, Protocol, ServiceChange,
         ServicePortName, ServicePortState,

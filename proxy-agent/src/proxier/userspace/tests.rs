@@ -15,7 +15,7 @@ use tokio::{
 
 use super::*;
 use crate::{
-    local_routes::MemoryLocalRoutes,
+    kernel::local_routes::MemoryLocalRoutes,
     model::{
         Cidr, DesiredState, FrontendKind, FrontendState, ServiceChange, ServicePortState, WhenEmpty,
     },

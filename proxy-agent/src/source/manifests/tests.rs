@@ -84,8 +84,8 @@ spec:
   ports: [{name: dns, port: 53, protocol: UDP, targetPort: 53}]
 "#;
 
-fn parse(text: &str) -> ManifestSet {
-    let mut set = ManifestSet::default();
+fn parse(text: &str) -> Snapshot {
+    let mut set = Snapshot::default();
     parse_into(text, "cluster.yaml", &mut set);
     set
 }
@@ -102,7 +102,7 @@ fn port(ns: &str, name: &str, port: &str, protocol: Protocol) -> ServicePortName
     }
 }
 
-fn problem_with(set: &ManifestSet, needle: &str) -> Problem {
+fn problem_with(set: &Snapshot, needle: &str) -> Problem {
     set.problems
         .iter()
         .find(|p| p.to_string().contains(needle))

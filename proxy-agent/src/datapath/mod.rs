@@ -1,6 +1,12 @@
 //! Loading the eBPF datapath: the object embedded at build time, maps sized from
 //! configuration, programs verified by the kernel.
 
+pub mod attach;
+pub mod cgroup;
+pub mod cleanup;
+pub mod pins;
+pub mod runtime;
+
 use anyhow::{bail, Context, Result};
 use aya::{
     maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues, ProgramArray},
@@ -13,7 +19,7 @@ use proxy_common::{
     MAX_BACKENDS,
 };
 
-use crate::{pins::BpffsRoot, proxier::ebpf::maps::KernelMaps};
+use pins::BpffsRoot;
 
 /// The object `cargo xtask build-ebpf` produced, or empty when the agent was built first.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
@@ -173,7 +179,7 @@ impl Datapath {
     }
 
     /// Loads the programs and creates the maps; with `pins`, maps are pinned there, or
-    /// reused from there when a previous agent left them (see [`crate::pins`]).
+    /// reused from there when a previous agent left them (see [`crate::datapath::pins`]).
     /// Fails with the fix when the agent was built before the eBPF object.
     pub fn ensure_object() -> Result<()> {
         if !Self::object_available() {
@@ -427,54 +433,16 @@ impl Datapath {
         Ok(())
     }
 
-    /// Takes the maps the service sync writes. Call once.
-    pub fn take_service_maps(&mut self) -> Result<KernelMaps> {
-        let services = self
-            .ebpf
-            .take_map(map_names::SERVICES)
-            .context("eBPF object has no SERVICES map")?;
-        let backends = self
-            .ebpf
-            .take_map(map_names::BACKENDS)
-            .context("eBPF object has no BACKENDS map")?;
-        let source_ranges = self
-            .ebpf
-            .take_map(map_names::SOURCE_RANGES)
-            .context("eBPF object has no SOURCE_RANGES map")?;
-        let source_ranges6 = self
-            .ebpf
-            .take_map(map_names::SOURCE_RANGES6)
-            .context("eBPF object has no SOURCE_RANGES6 map")?;
-        let maglev = self
-            .ebpf
-            .take_map(map_names::MAGLEV)
-            .context("eBPF object has no MAGLEV map")?;
-        let services6 = self
-            .ebpf
-            .take_map(map_names::SERVICES6)
-            .context("eBPF object has no SERVICES6 map")?;
-        let backend_addrs6 = self
-            .ebpf
-            .take_map(map_names::BACKEND_ADDRS6)
-            .context("eBPF object has no BACKEND_ADDRS6 map")?;
-        Ok(KernelMaps {
-            services: BpfHashMap::try_from(services)?,
-            services6: BpfHashMap::try_from(services6)?,
-            backends: Array::try_from(backends)?,
-            backend_addrs6: Array::try_from(backend_addrs6)?,
-            source_ranges: aya::maps::LpmTrie::try_from(source_ranges)?,
-            source_ranges6: aya::maps::LpmTrie::try_from(source_ranges6)?,
-            maglev: BpfHashMap::try_from(maglev)?,
-            maglev_capacity: self.sizes.maglev,
-            // Second handles: the garbage collector keeps using these maps through `ebpf`.
-            backend_conns: Array::try_from(self.second_handle(map_names::BACKEND_CONNS)?)?,
-            backend_released: Array::try_from(self.second_handle(map_names::BACKEND_RELEASED)?)?,
-            services_capacity: self.sizes.services,
-        })
+    /// Takes one of the object's maps out of it (for a writer that owns it from then on,
+    /// such as [`crate::proxier::ebpf::maps::KernelMaps`]).
+    pub fn take_map(&mut self, name: &str) -> Result<aya::maps::Map> {
+        self.ebpf
+            .take_map(name)
+            .with_context(|| format!("eBPF object has no {name} map"))
     }
 
     /// Another handle on one of the object's maps (the object keeps its own).
-    fn second_handle(&self, name: &str) -> Result<aya::maps::Map> {
+    pub fn second_handle(&self, name: &str) -> Result<aya::maps::Map> {
         let map = self
             .ebpf
             .map(name)

@@ -24,7 +24,7 @@ use proxy_common::program_names;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::{datapath::Datapath, pins::BpffsRoot};
+use super::{pins::BpffsRoot, Datapath};
 
 /// How the classifier is attached: TCX links (kernel 6.6+, ordered with other programs, "next"
 /// passes to them) or a clsact qdisc with a direct-action filter (older kernels).

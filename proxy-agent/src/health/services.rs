@@ -19,10 +19,8 @@ use axum::{
 };
 use tracing::{info, warn};
 
-use crate::{
-    health::Health,
-    model::{DesiredState, ObjectName},
-};
+use super::proxy::ProxyHealth;
+use crate::model::{DesiredState, ObjectName};
 
 /// What one health-check port reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,11 +54,11 @@ struct Server {
 /// The running servers, one per health-check port.
 pub struct ServiceHealthServers {
     servers: BTreeMap<u16, Server>,
-    proxy: Health,
+    proxy: ProxyHealth,
 }
 
 impl ServiceHealthServers {
-    pub fn new(proxy: Health) -> Self {
+    pub fn new(proxy: ProxyHealth) -> Self {
         Self {
             servers: BTreeMap::new(),
             proxy,
@@ -116,7 +114,7 @@ impl Drop for ServiceHealthServers {
 }
 
 async fn respond(
-    State((state, proxy)): State<(Arc<Mutex<ServiceHealth>>, Health)>,
+    State((state, proxy)): State<(Arc<Mutex<ServiceHealth>>, ProxyHealth)>,
 ) -> impl IntoResponse {
     let health = state.lock().unwrap().clone();
     let (proxy_healthy, _) = proxy.check(std::time::SystemTime::now());

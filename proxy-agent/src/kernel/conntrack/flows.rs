@@ -12,8 +12,8 @@ use anyhow::{Context, Result};
 use netlink_sys::{protocols::NETLINK_NETFILTER, Socket};
 
 use crate::{
+    kernel::nlattr::{self, attr, attrs, nested, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST},
     model::StaleFlow,
-    nlattr::{self, attr, attrs, nested, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST},
     proxier::FlowCleaner,
 };
 
@@ -70,7 +70,7 @@ impl Entry {
 
 /// The kernel's conntrack table in this network namespace.
 #[derive(Default)]
-pub struct KernelConntrack;
+pub struct ConntrackFlows;
 
 fn message(kind: u16, flags: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
     // nfgenmsg: family, version 0, resource id 0.
@@ -167,7 +167,7 @@ fn receive(socket: &Socket, seq: u32, each: impl FnMut(&[u8])) -> Result<()> {
     nlattr::receive(socket, seq, "conntrack netlink", each)
 }
 
-impl KernelConntrack {
+impl ConntrackFlows {
     /// Every entry of one family (`AF_INET` / `AF_INET6`).
     pub fn list(&self, family: u8) -> Result<Vec<Entry>> {
         let socket = open()?;
@@ -226,7 +226,7 @@ impl KernelConntrack {
     }
 }
 
-impl FlowCleaner for KernelConntrack {
+impl FlowCleaner for ConntrackFlows {
     fn delete(&mut self, flows: &[StaleFlow]) -> Result<usize> {
         let mut deleted = 0;
         let socket = open()?;

@@ -25,7 +25,7 @@ use netlink_packet_route::{
 };
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr as NetlinkAddr};
 
-use crate::nlattr::errno;
+use crate::kernel::nlattr::errno;
 
 /// The routing protocol number that marks this agent's routes (`proto 201`).
 pub const ROUTE_PROTOCOL: u8 = 201;

@@ -1,5 +1,6 @@
-//! `proxy-agent --cleanup`: removes everything any mode of this agent installed in this node's
-//! network namespace and bpffs root, and is safe to run again.
+//! Removing the eBPF mode's state from this node's network namespace and bpffs root: TCX
+//! links, tc filters and the qdiscs we added, pinned maps. Safe to run again; the other
+//! modes' removal is in `agent::cleanup`.
 
 use std::path::Path;
 
@@ -10,8 +11,9 @@ use netlink_packet_route::tc::TcHandle;
 use proxy_common::program_names;
 use tracing::{info, warn};
 
-use crate::attach::{link_event, parse_interface_record};
+use super::attach::{link_event, parse_interface_record};
 
+/// What [`remove_datapath`] removed.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct CleanupReport {
     pub links_unpinned: usize,
@@ -22,7 +24,7 @@ pub struct CleanupReport {
 
 /// Removes TCX links (by unpinning them), our netlink filters on every interface, the clsact
 /// qdiscs the agent added (if nothing else uses them), and the pinned maps.
-pub async fn cleanup(root: &Path) -> Result<CleanupReport> {
+pub async fn remove_datapath(root: &Path) -> Result<CleanupReport> {
     let mut report = CleanupReport::default();
 
     // TCX links: a link lives while it is pinned or open; unpinning detaches it.
@@ -48,7 +50,9 @@ pub async fn cleanup(root: &Path) -> Result<CleanupReport> {
     let mut interfaces = Vec::new();
     let mut dump = handle.link().get().execute();
     while let Some(msg) = dump.try_next().await.context("listing links")? {
-        if let Some(crate::attach::LinkEvent::Present { name, ifindex }) = link_event(&msg, true) {
+        if let Some(crate::datapath::attach::LinkEvent::Present { name, ifindex }) =
+            link_event(&msg, true)
+        {
             interfaces.push((name, ifindex));
         }
     }
@@ -109,7 +113,7 @@ pub async fn cleanup(root: &Path) -> Result<CleanupReport> {
     }
 
     // Maps: unpinning drops them once no program holds them any more.
-    report.maps_unpinned = crate::pins::remove_files(&root.join("maps"))?;
+    report.maps_unpinned = crate::datapath::pins::remove_files(&root.join("maps"))?;
     for dir in ["links", "maps", "qdiscs"] {
         let _ = std::fs::remove_dir(root.join(dir));
     }

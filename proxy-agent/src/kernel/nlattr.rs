@@ -1,5 +1,5 @@
 //! The netlink framing the hand-written protocol clients share (conntrack netlink in
-//! [`crate::ctnetlink`], the IPVS generic netlink family in [`crate::ipvs_netlink`]):
+//! [`crate::kernel::conntrack::flows`], the IPVS generic netlink family in [`crate::proxier::ipvs::netlink`]):
 //! attributes, nested attributes, and reading replies to one request. Both protocols put a
 //! 4-byte family header (nfgenmsg, genlmsghdr) between the netlink header and the
 //! attributes.

@@ -18,7 +18,7 @@ use aya::programs::{
 use proxy_common::program_names;
 use tracing::info;
 
-use crate::{datapath::Datapath, pins::BpffsRoot};
+use super::{pins::BpffsRoot, Datapath};
 
 /// Attaches the four socket hooks to the cgroup at `path` (a cgroup v2 directory; its
 /// descendants are covered too).

@@ -20,7 +20,7 @@ use anyhow::{Context, Result};
 
 /// What to set; zero means "leave the kernel's value", as in kube-proxy.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KernelConntrackTuning {
+pub struct ConntrackSysctls {
     pub max_per_core: u32,
     pub min: u32,
     pub tcp_established_timeout: Duration,
@@ -30,7 +30,7 @@ pub struct KernelConntrackTuning {
     pub udp_stream_timeout: Duration,
 }
 
-impl Default for KernelConntrackTuning {
+impl Default for ConntrackSysctls {
     /// kube-proxy's defaults (v1alpha1 defaulting and its flags).
     fn default() -> Self {
         Self {
@@ -56,7 +56,7 @@ const NETFILTER: &str = "proc/sys/net/netfilter";
 const MAX: &str = "proc/sys/net/netfilter/nf_conntrack_max";
 const HASHSIZE: &str = "sys/module/nf_conntrack/parameters/hashsize";
 
-impl KernelConntrackTuning {
+impl ConntrackSysctls {
     /// kube-proxy's rule: max(maxPerCore x CPUs, min), or nothing when maxPerCore is 0.
     pub fn table_size(&self, cpus: u32) -> Option<u64> {
         (self.max_per_core > 0)
@@ -125,7 +125,7 @@ pub enum Outcome {
 }
 
 /// Applies `tuning` under `root` ("/" on a node).
-pub fn apply(root: &Path, tuning: &KernelConntrackTuning, cpus: u32) -> Result<Outcome> {
+pub fn apply(root: &Path, tuning: &ConntrackSysctls, cpus: u32) -> Result<Outcome> {
     let netfilter = root.join(NETFILTER);
     let max = root.join(MAX);
     if !netfilter.is_dir() || !max.exists() {
@@ -199,7 +199,7 @@ mod tests {
     #[test]
     fn kube_proxy_defaults_size_the_table_per_cpu_and_set_tcp_timeouts() {
         let root = fake_root(0o644);
-        let tuning = KernelConntrackTuning::default();
+        let tuning = ConntrackSysctls::default();
         // 8 CPUs x 32768 = 262144 (equal: unchanged); 16 CPUs: 524288, hash grows to 131072.
         let outcome = apply(root.path(), &tuning, 16).unwrap();
         let Outcome::Applied(changed) = outcome else {
@@ -241,9 +241,9 @@ mod tests {
 
     #[test]
     fn min_wins_on_small_nodes_and_zero_leaves_the_kernel_alone() {
-        let tuning = KernelConntrackTuning::default();
+        let tuning = ConntrackSysctls::default();
         assert_eq!(tuning.table_size(2), Some(131072));
-        let leave = KernelConntrackTuning {
+        let leave = ConntrackSysctls {
             max_per_core: 0,
             tcp_established_timeout: Duration::ZERO,
             tcp_close_wait_timeout: Duration::ZERO,
@@ -254,11 +254,11 @@ mod tests {
 
     #[test]
     fn the_hash_table_only_grows_and_liberal_and_udp_are_set_when_asked() {
-        let tuning = KernelConntrackTuning {
+        let tuning = ConntrackSysctls {
             tcp_be_liberal: true,
             udp_timeout: Duration::from_secs(20),
             udp_stream_timeout: Duration::from_millis(90_500),
-            ..KernelConntrackTuning::default()
+            ..ConntrackSysctls::default()
         };
         let plan = tuning.plan(2, Some(1 << 20));
         assert!(plan.iter().all(|w| w.path != HASHSIZE), "{plan:?}");
@@ -272,7 +272,7 @@ mod tests {
     fn outside_the_initial_namespace_nothing_is_written() {
         // The kernel makes nf_conntrack_max read-only in every other network namespace.
         let root = fake_root(0o444);
-        let outcome = apply(root.path(), &KernelConntrackTuning::default(), 16).unwrap();
+        let outcome = apply(root.path(), &ConntrackSysctls::default(), 16).unwrap();
         assert_eq!(outcome, Outcome::NotInitialNamespace);
         assert_eq!(
             read(
@@ -286,7 +286,7 @@ mod tests {
     #[test]
     fn without_conntrack_there_is_nothing_to_tune() {
         let root = tempfile::tempdir().unwrap();
-        let outcome = apply(root.path(), &KernelConntrackTuning::default(), 4).unwrap();
+        let outcome = apply(root.path(), &ConntrackSysctls::default(), 4).unwrap();
         assert_eq!(outcome, Outcome::NoConntrack);
     }
 }

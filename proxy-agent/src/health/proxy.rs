@@ -25,12 +25,12 @@ struct Times {
 
 /// Sync progress, shared between the sync loop and the HTTP handlers.
 #[derive(Clone, Debug)]
-pub struct Health {
+pub struct ProxyHealth {
     times: Arc<Mutex<Times>>,
     timeout: Duration,
 }
 
-impl Health {
+impl ProxyHealth {
     pub fn new(timeout: Duration) -> Self {
         Self {
             times: Arc::new(Mutex::new(Times {
@@ -79,7 +79,7 @@ fn rfc3339ish(t: Option<SystemTime>) -> String {
 
 #[derive(Clone)]
 struct AppState {
-    health: Health,
+    health: ProxyHealth,
     metrics: Arc<Metrics>,
     mode: &'static str,
 }
@@ -139,7 +139,7 @@ pub fn bind_address(value: &str, default_port: u16) -> Result<SocketAddr> {
 pub async fn serve(
     healthz_addr: SocketAddr,
     metrics_addr: SocketAddr,
-    health: Health,
+    health: ProxyHealth,
     metrics_registry: Arc<Metrics>,
     mode: &'static str,
 ) -> Result<()> {
@@ -182,7 +182,7 @@ mod tests {
 
     #[test]
     fn healthy_unless_a_change_waits_longer_than_the_timeout() {
-        let h = Health::new(Duration::from_secs(60));
+        let h = ProxyHealth::new(Duration::from_secs(60));
         let t0 = UNIX_EPOCH + Duration::from_secs(1_000_000);
         assert!(h.check(t0).0, "nothing pending");
         h.queued(t0);

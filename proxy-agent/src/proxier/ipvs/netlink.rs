@@ -5,7 +5,7 @@
 //! `IPVS_CMD_ATTR_SERVICE`, of a real server in `IPVS_CMD_ATTR_DEST`; addresses as a
 //! 16-byte `nf_inet_addr`, ports in network order).
 //!
-//! Hand-written like [`crate::ctnetlink`], on the same helpers ([`crate::nlattr`]): no
+//! Hand-written like [`crate::kernel::conntrack::flows`], on the same helpers ([`crate::kernel::nlattr`]): no
 //! maintained crate covers the IPVS family (netlink-packet-generic only frames messages and
 //! resolves families, which is four lines here).
 
@@ -18,11 +18,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use netlink_sys::{protocols::NETLINK_GENERIC, Socket};
 
 use crate::{
-    model::{Frontend, Protocol},
-    nlattr::{
+    kernel::nlattr::{
         self, attr, attr_str, attrs, errno, nested, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP,
         NLM_F_EXCL, NLM_F_REQUEST,
     },
+    model::{Frontend, Protocol},
 };
 
 const GENL_ID_CTRL: u16 = 0x10;

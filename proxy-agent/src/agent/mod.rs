@@ -1,0 +1,237 @@
+//! The agent process: start-up order and the event loop.
+//!
+//! Start-up, in this order (each step fails before the node is touched where it can):
+//! 1. capabilities for the mode; `--cleanup` removes every mode's state and stops here;
+//! 2. `auto` resolved to a mode ([`modes::choose`]); kernel conntrack tuned, open-files
+//!    limit raised;
+//! 3. the source (manifest watch or API-server watchers) — a missing API server or path
+//!    fails here;
+//! 4. the mode's proxier ([`modes::start`]; eBPF: the datapath loaded or adopted);
+//! 5. the health and metrics servers;
+//! 6. the first snapshot, the first sync, and only then the other modes' leftovers removed
+//!    ([`cleanup::remove_modes`]), so a mode switch by restart leaves no gap;
+//! 7. the event loop: snapshots → [`sync_loop::SyncLoop`], periodic syncs, and the eBPF
+//!    mode's interface events, conntrack sweeps and counters, until SIGTERM.
+
+pub mod cleanup;
+pub mod logging;
+pub mod modes;
+pub mod sync_loop;
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use tokio::{signal::unix::SignalKind, sync::mpsc};
+use tracing::{debug, info, warn};
+
+use crate::{
+    cli::Settings,
+    health::proxy::{self as health, ProxyHealth},
+    kernel::{
+        conntrack::sysctls::{self, Outcome},
+        host,
+        privileges::{self, Capabilities},
+    },
+    metrics::Metrics,
+    proxier::ProxyMode,
+    source::{api, manifests},
+};
+use sync_loop::{LoopOptions, SyncLoop};
+
+/// How often expired conntrack entries are swept from user space.
+const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
+/// How often the datapath's counters are read into the metrics.
+const STATS_INTERVAL: Duration = Duration::from_secs(10);
+
+pub async fn run(mut s: Settings) -> Result<()> {
+    let caps = Capabilities::current().context("reading the process capabilities")?;
+    // The netfilter modes (and auto, which falls back to them) need no BPF rights; the
+    // eBPF mode and --cleanup (which unloads the eBPF datapath) do.
+    let needs_bpf = s.cli.cleanup || s.mode == ProxyMode::Ebpf;
+    privileges::check_datapath(caps, needs_bpf, s.mode == ProxyMode::Userspace)?;
+    if s.cli.cleanup {
+        cleanup::remove_modes(None, &s).await?;
+        info!("cleanup done");
+        return Ok(());
+    }
+    log_config_file_notes(&s);
+    if s.mode == ProxyMode::Auto {
+        s.mode = modes::choose(&s)?;
+    }
+    info!("Using {} Proxier", s.mode);
+    tune_kernel_conntrack(&s);
+    host::raise_open_files_limit();
+
+    // The source first: a missing API server or manifest path fails before the node is touched.
+    let (reload_tx, mut reload_rx) = mpsc::channel(1);
+    let (snapshot_tx, mut snapshot_rx) = mpsc::channel(8);
+    let mut api_client = None;
+    let _watcher = match &s.cli.manifests {
+        Some(path) => Some(manifests::watch(path, reload_tx)?),
+        None => {
+            let client = api::client(s.kubeconfig.as_deref()).await?;
+            info!(node = %s.node_name, "watching the API server");
+            tokio::spawn(api::run(client.clone(), s.node_name.clone(), snapshot_tx));
+            api_client = Some(client);
+            None
+        }
+    };
+    let manifests_path = s.cli.manifests.clone();
+    info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
+
+    let metrics = Arc::new(Metrics::new());
+    let (mut proxier, mut ebpf) = modes::start(&s, &metrics)?;
+    let health = ProxyHealth::new(2 * s.sync_period);
+    health::serve(
+        s.healthz,
+        s.metrics,
+        health.clone(),
+        metrics.clone(),
+        s.mode.as_str(),
+    )
+    .await?;
+    let mut link_rx = ebpf.as_ref().and_then(|e| e.watch_links());
+
+    let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    let mut stats_tick = tokio::time::interval(STATS_INTERVAL);
+    let mut gc_tick = tokio::time::interval(CONNTRACK_GC_INTERVAL);
+    let mut sync_tick = tokio::time::interval(s.sync_period);
+    sync_tick.tick().await; // the first tick is immediate; the start-up sync covers it
+    let mut config_sync_tick = tokio::time::interval(s.config_sync_period);
+    config_sync_tick.tick().await;
+
+    let mut syncs = SyncLoop::new(LoopOptions::from(&s), health, metrics.clone());
+    match &manifests_path {
+        Some(path) => syncs.ingest(manifests::load(path)?),
+        // Nothing is programmed before the API server has been listed once.
+        None => match snapshot_rx.recv().await {
+            Some(set) => syncs.ingest(set),
+            None => bail!("the API-server source stopped"),
+        },
+    }
+    if let Some(e) = ebpf.as_mut() {
+        e.follow_masquerade_addresses(syncs.masquerade_addr, syncs.masquerade_addr6);
+    }
+    syncs.first_sync(&mut proxier);
+    // Only now that this mode serves: what the other modes left (ours or upstream
+    // kube-proxy's) goes, so switching modes by restart leaves no gap. Best effort: each
+    // failure is logged.
+    let _ = cleanup::remove_modes(Some(s.mode), &s).await;
+    if let Some(client) = api_client {
+        // As kube-proxy announces itself on its Node; best effort.
+        tokio::spawn(api::announce_start(
+            client,
+            s.node_name.clone(),
+            s.mode.as_str(),
+        ));
+    }
+
+    let mut deferred: Option<Instant> = None;
+    loop {
+        let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));
+        let flow_log = ebpf.as_mut().and_then(|e| e.flow_logger.as_mut());
+        let has_flow_log = flow_log.is_some();
+        let has_links = link_rx.is_some();
+        tokio::select! {
+            Some(()) = reload_rx.recv() => {
+                if let Some(path) = &manifests_path {
+                    match manifests::load(path) {
+                        Ok(set) => {
+                            syncs.ingest(set);
+                            deferred = syncs.sync_or_defer(&mut proxier);
+                        }
+                        Err(e) => warn!("manifests not reloaded: {e:#}"),
+                    }
+                }
+            }
+            Some(set) = snapshot_rx.recv() => {
+                syncs.ingest(set);
+                deferred = syncs.sync_or_defer(&mut proxier);
+            }
+            _ = tokio::time::sleep(wait.unwrap_or(Duration::from_secs(3600))), if wait.is_some() => {
+                deferred = syncs.sync_or_defer(&mut proxier);
+            }
+            _ = sync_tick.tick() => syncs.periodic(&mut proxier),
+            _ = config_sync_tick.tick() => {
+                // A periodic re-read of the manifests, as kube-proxy's configSyncPeriod
+                // resyncs its informers (the API watchers relist by themselves).
+                if let Some(Ok(set)) = manifests_path.as_deref().map(manifests::load) {
+                    syncs.ingest(set);
+                    deferred = syncs.sync_or_defer(&mut proxier);
+                }
+            }
+            Ok(mut ready) = async { flow_log.unwrap().readable_mut().await }, if has_flow_log => {
+                ready.get_inner_mut().flush();
+                ready.clear_ready();
+            }
+            Some(event) = async { link_rx.as_mut().unwrap().recv().await }, if has_links => {
+                if let Some(e) = ebpf.as_mut() {
+                    e.link_event(event);
+                }
+            }
+            _ = gc_tick.tick() => {
+                if let Some(e) = ebpf.as_mut() {
+                    e.collect_conntrack_garbage(&metrics);
+                }
+            }
+            _ = stats_tick.tick() => {
+                if let Some(e) = ebpf.as_mut() {
+                    if let Some((services, backends)) = proxier.counter_ids(e.backend_metrics) {
+                        e.read_counters(services, backends, &metrics);
+                    }
+                }
+            }
+            _ = sigterm.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+        if let Some(e) = ebpf.as_mut() {
+            e.follow_masquerade_addresses(syncs.masquerade_addr, syncs.masquerade_addr6);
+        }
+    }
+    match s.mode {
+        ProxyMode::Ebpf => info!("stopping; the datapath keeps serving from the pinned state"),
+        _ => info!("stopping; the rules stay in place"),
+    }
+    Ok(())
+}
+
+/// What the `--config` file said that the operator should know: warnings, and fields that
+/// mean nothing to this agent.
+fn log_config_file_notes(s: &Settings) {
+    let Some(file) = &s.file else { return };
+    for w in &file.warnings {
+        warn!("--config: {w}");
+    }
+    if !file.ignored.is_empty() {
+        info!(
+            "--config: fields without meaning for this agent, ignored: {}",
+            file.ignored.join(", ")
+        );
+    }
+}
+
+/// kube-proxy's kernel conntrack tuning; a failure is a warning, as no mode depends on it.
+fn tune_kernel_conntrack(s: &Settings) {
+    let tuning = s
+        .file
+        .as_ref()
+        .map(|f| f.conntrack.kernel.clone())
+        .unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    match sysctls::apply(std::path::Path::new("/"), &tuning, cpus) {
+        Ok(Outcome::Applied(changed)) => {
+            for (path, old, new) in changed {
+                info!("kernel conntrack: /{path} {old} -> {new}");
+            }
+        }
+        Ok(Outcome::NotInitialNamespace) => info!(
+            "kernel conntrack left alone: not the node's initial network namespace (nf_conntrack_max is read-only here)"
+        ),
+        Ok(Outcome::NoConntrack) => debug!("kernel conntrack not loaded: nothing to tune"),
+        Err(e) => warn!("kernel conntrack not tuned: {e:#}"),
+    }
+}

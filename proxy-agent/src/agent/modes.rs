@@ -1,0 +1,439 @@
+//! Starting the proxier of the mode this agent runs, and `--proxy-mode auto`'s choice.
+
+use anyhow::{bail, Context, Result};
+use proxy_common::map_names;
+use tracing::{debug, info, warn};
+
+use super::sync_loop::ModeProxier;
+use crate::{
+    cli::Settings,
+    datapath::{
+        attach::Attacher,
+        cgroup,
+        pins::{self, Adoption, BpffsRoot},
+        runtime::{CounterIds, EbpfRuntime},
+        Datapath, DatapathSizes, LoadOptions,
+    },
+    kernel::{
+        conntrack::flows::ConntrackFlows,
+        local_routes::{self, DummyAddresses, KernelLocalRoutes, LocalRoutes},
+        nlattr,
+    },
+    metrics::{service_labels, Metrics},
+    model::{DesiredState, IpFamily, ServiceChange},
+    proxier::{
+        ebpf::{maps::KernelMaps, EbpfProxier},
+        iptables::{tables::IptablesCommands, IptablesProxier},
+        ipvs::{self as ipvs_mode, ipset::IpsetCommand, netlink::KernelIpvs, IpvsProxier},
+        nftables::{
+            netlink::NftNetlink,
+            nft::{Nft, NftCommand},
+            NftablesProxier,
+        },
+        userspace::UserspaceProxier,
+        Proxier, ProxyMode, SyncReport,
+    },
+};
+
+/// The proxier of the mode this agent runs.
+pub enum ActiveProxier {
+    Ebpf(Box<EbpfProxier<KernelMaps>>),
+    Iptables(Box<IptablesProxier<IptablesCommands>>),
+    Ipvs(Box<IpvsProxier<IptablesCommands, IpsetCommand>>),
+    Nftables(Box<NftablesProxier<NftNetlink>>),
+    Userspace(Box<UserspaceProxier>),
+}
+
+/// Starts `s.mode` (resolved: not auto); the eBPF mode also returns its runtime.
+pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<EbpfRuntime>)> {
+    if s.mode != ProxyMode::Ebpf && (s.interfaces.is_some() || s.cli.cgroup_path.is_some()) {
+        info!(
+            "--interfaces and --cgroup-path are eBPF settings: not used in {} mode",
+            s.mode
+        );
+    }
+    Ok(match s.mode {
+        ProxyMode::Auto => bail!("proxy mode auto is resolved before this point"),
+        ProxyMode::Ebpf => {
+            let (proxier, runtime) = start_ebpf(s, metrics)?;
+            (ActiveProxier::Ebpf(Box::new(proxier)), Some(runtime))
+        }
+        ProxyMode::Iptables => {
+            let commands = IptablesCommands::host_default();
+            for family in [IpFamily::V4, IpFamily::V6] {
+                commands.probe(family).context(
+                    "the iptables proxier needs iptables-restore and iptables-save for IPv4 and IPv6",
+                )?;
+            }
+            let proxier = IptablesProxier::new(
+                commands,
+                Box::new(ConntrackFlows),
+                s.masquerade_bit,
+                &s.cluster_cidrs,
+            );
+            (ActiveProxier::Iptables(Box::new(proxier)), None)
+        }
+        ProxyMode::Nftables => {
+            NftCommand.probe().context(
+                "the nftables proxier needs the nft command and nf_tables in the kernel",
+            )?;
+            let proxier = NftablesProxier::new(
+                NftNetlink::default(),
+                Box::new(ConntrackFlows),
+                s.masquerade_bit,
+                &s.cluster_cidrs,
+            );
+            (ActiveProxier::Nftables(Box::new(proxier)), None)
+        }
+        ProxyMode::Ipvs => (ActiveProxier::Ipvs(Box::new(start_ipvs(s)?)), None),
+        ProxyMode::Userspace => {
+            let routes = KernelLocalRoutes::open()
+                .context("the userspace proxier makes service addresses local with routes")?;
+            let proxier = UserspaceProxier::new(Box::new(routes), s.udp_idle_timeout);
+            (ActiveProxier::Userspace(Box::new(proxier)), None)
+        }
+    })
+}
+
+/// `--proxy-mode auto`: the first mode this kernel and node can run, in the order eBPF
+/// (its programs load: the verifier accepts them), nftables, iptables, ipvs, userspace;
+/// each refusal is logged with its reason.
+pub fn choose(s: &Settings) -> Result<ProxyMode> {
+    let mut reasons = Vec::new();
+    let ebpf = (|| -> Result<()> {
+        if s.cli.ebpf_object.is_none() {
+            Datapath::ensure_object()?;
+        }
+        // The smallest datapath, unpinned: loading it runs the verifier on every program.
+        let sizes = DatapathSizes {
+            services: 16,
+            backends: 16,
+            conntrack: 16,
+            maglev: 1,
+        };
+        match &s.cli.ebpf_object {
+            Some(object) => Datapath::load_file(object, sizes, None, LoadOptions::default())?,
+            None => Datapath::load_with(sizes, None, LoadOptions::default())?,
+        };
+        Ok(())
+    })();
+    match ebpf {
+        Ok(()) => {
+            info!("auto: choosing ebpf: the datapath's programs load on this kernel");
+            return Ok(ProxyMode::Ebpf);
+        }
+        Err(e) => reasons.push(format!("ebpf: {e:#}")),
+    }
+    let nft = NftCommand.probe().and_then(|()| {
+        // A transaction, not just a listing: the kernel must accept a table.
+        NftCommand.apply("add table ip proxy-agent-probe\ndelete table ip proxy-agent-probe\n")
+    });
+    match nft {
+        Ok(()) => {
+            info!(not_chosen = ?reasons, "auto: choosing nftables");
+            return Ok(ProxyMode::Nftables);
+        }
+        Err(e) => reasons.push(format!("nftables: {e:#}")),
+    }
+    let commands = IptablesCommands::host_default();
+    match commands
+        .probe(IpFamily::V4)
+        .and_then(|()| commands.probe(IpFamily::V6))
+    {
+        Ok(()) => {
+            info!(not_chosen = ?reasons, "auto: choosing iptables");
+            return Ok(ProxyMode::Iptables);
+        }
+        Err(e) => reasons.push(format!("iptables: {e:#}")),
+    }
+    match ipvs_prerequisites() {
+        Ok(_) => {
+            info!(not_chosen = ?reasons, "auto: choosing ipvs");
+            return Ok(ProxyMode::Ipvs);
+        }
+        Err(e) => reasons.push(format!("ipvs: {e:#}")),
+    }
+    // The last resort: no netfilter, no BPF, only sockets and a route per address.
+    match KernelLocalRoutes::open().and_then(|mut r| r.list().map(|_| ())) {
+        Ok(()) => {
+            info!(not_chosen = ?reasons, "auto: choosing userspace");
+            Ok(ProxyMode::Userspace)
+        }
+        Err(e) => {
+            reasons.push(format!("userspace: {e:#}"));
+            bail!("auto: no proxy mode can run here: {}", reasons.join("; "))
+        }
+    }
+}
+
+/// Loads (or adopts) the eBPF datapath and its proxier.
+fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps>, EbpfRuntime)> {
+    if s.cli.ebpf_object.is_none() {
+        // Before touching bpffs: nothing to do without the datapath.
+        Datapath::ensure_object()?;
+    }
+    let root = BpffsRoot::prepare(&s.bpffs_root)?;
+    let mut sizes = s.sizes;
+    let adoption = pins::adopt_or_rebuild(&root, &mut sizes)?;
+    match &adoption {
+        Adoption::Fresh => info!(root = %root.path.display(), "creating the datapath"),
+        Adoption::Adopted => info!(root = %root.path.display(), "adopting the pinned datapath"),
+        Adoption::Rebuilt { reason } => warn!(
+            root = %root.path.display(),
+            "rebuilding the datapath maps: {reason}; tracked connections are re-balanced"
+        ),
+    }
+    // -v 4 and up: per-flow debug messages from the datapath (aya-log), as operators turn up
+    // kube-proxy's verbosity to debug a Service.
+    let flow_log = s.verbosity >= 4;
+    let options = LoadOptions {
+        flow_log,
+        backend_stats: s.backend_metrics,
+        without_ipv6: !s.cli.ebpf_ipv6,
+    };
+    let mut datapath = match &s.cli.ebpf_object {
+        Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,
+        None => Datapath::load_with(sizes, Some(&root), options)?,
+    };
+    let flow_logger = if flow_log {
+        let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
+            .context("reading the datapath's log buffer")?;
+        // SAFETY: the logger owns the ring buffer's fd and keeps it open while the AsyncFd
+        // holds it; nothing else replaces or closes it.
+        Some(unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)?
+        })
+    } else {
+        None
+    };
+    datapath.configure(&s.datapath)?;
+    datapath.configure6(&s.datapath6)?;
+    let maps = KernelMaps::take(&mut datapath)?;
+    let mut proxier = EbpfProxier::new(maps);
+    proxier.set_maglev_size(s.datapath.maglev_table_size);
+    if adoption == Adoption::Adopted {
+        let services = proxier.adopt()?;
+        info!(frontends = services, "took over the pinned service maps");
+    }
+    for (map, size) in [
+        (map_names::SERVICES, sizes.services),
+        (map_names::BACKENDS, sizes.backends),
+        (map_names::CONNTRACK, sizes.conntrack),
+    ] {
+        metrics
+            .map_capacity
+            .with_label_values(&[map])
+            .set(size as i64);
+    }
+    if let Some(path) = &s.cli.cgroup_path {
+        cgroup::attach(&mut datapath, path, Some(&root))?;
+    }
+    let attacher = s
+        .interfaces
+        .clone()
+        .map(|p| Attacher::new(p, s.tc_attach, Some(&root)));
+    let runtime = EbpfRuntime::new(datapath, attacher, flow_logger, sizes, s.backend_metrics);
+    Ok((proxier, runtime))
+}
+
+/// What the ipvs proxier needs of the node: IPVS in the kernel, ipset, and iptables for
+/// both families (for masquerading around IPVS). Returns the IPVS handle it opened.
+fn ipvs_prerequisites() -> Result<KernelIpvs> {
+    let ipvs = KernelIpvs::open()?;
+    IpsetCommand
+        .probe()
+        .context("the ipvs proxier needs the ipset command and ip_set in the kernel")?;
+    let commands = IptablesCommands::host_default();
+    for family in [IpFamily::V4, IpFamily::V6] {
+        commands
+            .probe(family)
+            .context("the ipvs proxier needs iptables-restore for its masquerade rules")?;
+    }
+    Ok(ipvs)
+}
+
+/// kube-proxy's ipvs sysctls (in this network namespace): IPVS connections tracked by
+/// conntrack (so iptables can masquerade them), connections of removed real servers and
+/// their persistence templates expired at once, forwarding on; with strictARP, ARP answered
+/// only for the asking interface's addresses.
+fn ipvs_sysctls(strict_arp: bool) {
+    let mut settings = vec![
+        ("net/ipv4/vs/conntrack", "1"),
+        ("net/ipv4/vs/expire_nodest_conn", "1"),
+        ("net/ipv4/vs/expire_quiescent_template", "1"),
+        ("net/ipv4/ip_forward", "1"),
+    ];
+    if strict_arp {
+        settings.push(("net/ipv4/conf/all/arp_ignore", "1"));
+        settings.push(("net/ipv4/conf/all/arp_announce", "2"));
+    }
+    for (path, value) in settings {
+        let full = format!("/proc/sys/{path}");
+        match std::fs::write(&full, value) {
+            Ok(()) => debug!("{full} = {value}"),
+            Err(e) => warn!("ipvs mode: could not set {full} to {value}: {e}"),
+        }
+    }
+}
+
+fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand>> {
+    let ipvs = ipvs_prerequisites().context("the ipvs proxier cannot run")?;
+    ipvs_sysctls(s.ipvs.strict_arp);
+    let addresses: Box<dyn LocalRoutes> = match DummyAddresses::open() {
+        Ok(dummy) => Box::new(dummy),
+        Err(e) if nlattr::errno(&e) == Some(libc::EOPNOTSUPP) => {
+            warn!(
+                "this kernel has no dummy interfaces ({}): service addresses are made local with routes on lo instead",
+                local_routes::DUMMY_INTERFACE
+            );
+            Box::new(KernelLocalRoutes::open()?)
+        }
+        Err(e) => {
+            return Err(e.context("the ipvs proxier holds service addresses on a dummy interface"))
+        }
+    };
+    Ok(IpvsProxier::new(
+        ipvs_mode::IpvsKernel {
+            ipvs: Box::new(ipvs),
+            addresses,
+            tables: IptablesCommands::host_default(),
+            sets: IpsetCommand,
+            flows: Box::new(ConntrackFlows),
+        },
+        s.masquerade_bit,
+        &s.cluster_cidrs,
+        s.ipvs.options.clone(),
+    ))
+}
+
+/// Brings a counter up to a total the proxier keeps.
+fn catch_up(counter: &prometheus::IntCounter, total: u64) {
+    counter.inc_by(total.saturating_sub(counter.get()));
+}
+
+impl ActiveProxier {
+    fn inner_ref(&self) -> &dyn Proxier {
+        match self {
+            ActiveProxier::Ebpf(p) => p.as_ref(),
+            ActiveProxier::Iptables(p) => p.as_ref(),
+            ActiveProxier::Ipvs(p) => p.as_ref(),
+            ActiveProxier::Nftables(p) => p.as_ref(),
+            ActiveProxier::Userspace(p) => p.as_ref(),
+        }
+    }
+
+    fn inner(&mut self) -> &mut dyn Proxier {
+        match self {
+            ActiveProxier::Ebpf(p) => p.as_mut(),
+            ActiveProxier::Iptables(p) => p.as_mut(),
+            ActiveProxier::Ipvs(p) => p.as_mut(),
+            ActiveProxier::Nftables(p) => p.as_mut(),
+            ActiveProxier::Userspace(p) => p.as_mut(),
+        }
+    }
+
+    /// The eBPF proxier's traffic counter ids with their labels: per service port, and per
+    /// backend when `backends` (`--backend-metrics`).
+    pub fn counter_ids(&self, backends: bool) -> Option<(CounterIds, CounterIds)> {
+        let ActiveProxier::Ebpf(p) = self else {
+            return None;
+        };
+        let services = p
+            .service_ids()
+            .into_iter()
+            .map(|(name, id)| (service_labels(&name), id))
+            .collect();
+        let backends = if backends {
+            p.backend_ids()
+                .into_iter()
+                .map(|(name, endpoint, id)| {
+                    let mut labels = service_labels(&name);
+                    labels.push(endpoint.to_string());
+                    (labels, id)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Some((services, backends))
+    }
+}
+
+impl ModeProxier for ActiveProxier {
+    fn report(&self, metrics: &Metrics) {
+        match self {
+            ActiveProxier::Ebpf(p) => {
+                let (ports, backends) = p.programmed();
+                metrics
+                    .map_entries
+                    .with_label_values(&[map_names::SERVICES])
+                    .set((ports + backends) as i64);
+                metrics
+                    .map_entries
+                    .with_label_values(&[map_names::BACKENDS])
+                    .set(backends as i64);
+            }
+            ActiveProxier::Iptables(p) => {
+                let counts = p.rule_counts();
+                for (table, n) in [("nat", counts.nat), ("filter", counts.filter)] {
+                    metrics
+                        .iptables_rules
+                        .with_label_values(&[table])
+                        .set(n as i64);
+                }
+                catch_up(&metrics.iptables_restore_failures, p.restore_failures);
+                catch_up(
+                    &metrics.iptables_partial_restore_failures,
+                    p.partial_restore_failures,
+                );
+            }
+            ActiveProxier::Nftables(p) => {
+                metrics.nftables_rules.set(p.rule_count() as i64);
+                catch_up(&metrics.nftables_sync_failures, p.failures);
+                let nft = p.nft();
+                for (via, total) in [
+                    ("netlink", nft.netlink_transactions),
+                    ("nft", nft.nft_transactions),
+                ] {
+                    catch_up(
+                        &metrics.nftables_transactions.with_label_values(&[via]),
+                        total,
+                    );
+                }
+            }
+            ActiveProxier::Ipvs(p) => {
+                metrics.ipvs_virtual_servers.set(p.virtual_servers() as i64);
+                catch_up(&metrics.ipvs_sync_failures, p.failures);
+            }
+            ActiveProxier::Userspace(p) => {
+                metrics.userspace_listeners.set(p.listening() as i64);
+            }
+        }
+    }
+}
+
+impl Proxier for ActiveProxier {
+    fn mode(&self) -> ProxyMode {
+        self.inner_ref().mode()
+    }
+
+    fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
+        self.inner().sync(desired, changes)
+    }
+
+    fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
+        self.inner().sync_full(desired)
+    }
+
+    fn programmed(&self) -> (usize, usize) {
+        self.inner_ref().programmed()
+    }
+
+    fn set_masquerade_addresses(
+        &mut self,
+        v4: Option<std::net::Ipv4Addr>,
+        v6: Option<std::net::Ipv6Addr>,
+    ) {
+        self.inner().set_masquerade_addresses(v4, v6)
+    }
+}

@@ -1,0 +1,320 @@
+//! The sync loop's state: a source's snapshots become the desired state and a list of
+//! changes ([`ChangeTracker`]); the changes are handed to the proxier no more often than
+//! minSyncPeriod, with kube-proxy's metrics and health bookkeeping.
+//!
+//! Which sync runs when:
+//! - a change: a partial sync, now or once minSyncPeriod has passed since the last one
+//!   ([`SyncLoop::sync_or_defer`]);
+//! - every syncPeriod: a partial sync, or a full one when the last full sync is older than
+//!   [`FULL_SYNC_PERIOD`] ([`SyncLoop::periodic`]);
+//! - after a failed sync: the next one is full, whatever asked for it (the failed sync's
+//!   changes are not replayed; a full sync covers them).
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use tracing::{info, warn};
+
+use crate::{
+    cli::Settings,
+    health::{proxy::ProxyHealth, services as service_health, services::ServiceHealthServers},
+    kernel::host::local_addresses,
+    metrics::{unix_seconds, Metrics},
+    model::{
+        objects::NodeInfo, ChangeTracker, DesiredState, NodeContext, NodePortAddress, Scheduler,
+        ServiceChange, WhenEmpty,
+    },
+    proxier::Proxier,
+    source::Snapshot,
+};
+
+/// The longest time between full syncs, kube-proxy's `FullSyncPeriod`: a full sync rewrites
+/// (or, in eBPF mode, re-reads) the whole datapath, which at 10 000 services takes seconds
+/// of CPU in the netfilter modes, so the periodic syncs in between are partial, as
+/// kube-proxy's are.
+pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+
+/// A proxier as the sync loop drives it: the common interface and the mode's own metrics.
+pub trait ModeProxier: Proxier {
+    /// Updates the mode's own metrics, after a sync.
+    fn report(&self, _metrics: &Metrics) {}
+}
+
+/// What the sync loop takes from the settings.
+#[derive(Clone, Debug)]
+pub struct LoopOptions {
+    pub node_name: String,
+    pub node_port_addresses: Vec<NodePortAddress>,
+    pub masquerade_all: bool,
+    pub default_scheduler: Scheduler,
+    pub min_sync_period: Duration,
+    pub full_sync_period: Duration,
+}
+
+impl From<&Settings> for LoopOptions {
+    fn from(s: &Settings) -> Self {
+        Self {
+            node_name: s.node_name.clone(),
+            node_port_addresses: s.node_port_addresses.clone(),
+            masquerade_all: s.masquerade_all,
+            default_scheduler: s.scheduler,
+            min_sync_period: s.min_sync_period,
+            full_sync_period: FULL_SYNC_PERIOD,
+        }
+    }
+}
+
+pub struct SyncLoop {
+    options: LoopOptions,
+    tracker: ChangeTracker,
+    /// The source for masqueraded flows: this node's first IPv4 InternalIP.
+    pub masquerade_addr: Option<std::net::Ipv4Addr>,
+    /// The same for IPv6: this node's first IPv6 InternalIP.
+    pub masquerade_addr6: Option<std::net::Ipv6Addr>,
+    /// This node's Node object, as last seen.
+    node: Option<NodeInfo>,
+    pending: Vec<ServiceChange>,
+    pending_since: Option<SystemTime>,
+    /// Problems already logged (each is logged when it appears, not on every snapshot).
+    reported: Vec<String>,
+    last_sync: Option<Instant>,
+    /// When a full sync last succeeded.
+    last_full_sync: Option<Instant>,
+    /// The last sync failed: the next one is full.
+    needs_full: bool,
+    health: ProxyHealth,
+    metrics: Arc<Metrics>,
+    service_health: ServiceHealthServers,
+}
+
+impl SyncLoop {
+    pub fn new(options: LoopOptions, health: ProxyHealth, metrics: Arc<Metrics>) -> Self {
+        Self {
+            options,
+            tracker: ChangeTracker::default(),
+            masquerade_addr: None,
+            masquerade_addr6: None,
+            node: None,
+            pending: Vec::new(),
+            pending_since: None,
+            reported: Vec::new(),
+            last_sync: None,
+            last_full_sync: None,
+            needs_full: false,
+            service_health: ServiceHealthServers::new(health.clone()),
+            health,
+            metrics,
+        }
+    }
+
+    /// The state the proxier was last asked to serve, with what is pending.
+    pub fn desired(&self) -> &DesiredState {
+        self.tracker.current()
+    }
+
+    /// Changes read but not yet handed to the proxier.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Takes a new view of the cluster and queues the changes it makes.
+    pub fn ingest(&mut self, set: Snapshot) {
+        let node = set.nodes.iter().find(|n| n.name == self.options.node_name);
+        let context = NodeContext {
+            masquerade_all: self.options.masquerade_all,
+            default_scheduler: self.options.default_scheduler,
+            ..NodeContext::new(
+                &self.options.node_name,
+                node,
+                &self.options.node_port_addresses,
+                &local_addresses(),
+            )
+        };
+        let (desired, model_problems) = DesiredState::build(&set.store, &context);
+        self.masquerade_addr = context.masquerade_addr;
+        self.masquerade_addr6 = context.masquerade_addr6;
+        let problems: Vec<String> = set
+            .problems
+            .iter()
+            .chain(&model_problems)
+            .map(ToString::to_string)
+            .collect();
+        for p in problems.iter().filter(|p| !self.reported.contains(p)) {
+            warn!("{p}");
+        }
+        self.reported = problems;
+        let node = set
+            .nodes
+            .into_iter()
+            .find(|n| n.name == self.options.node_name);
+        if node != self.node {
+            match &node {
+                Some(n) => info!("{n}"),
+                None => {
+                    warn!(node = %self.options.node_name, "this node's Node object is not known")
+                }
+            }
+            self.node = node;
+        }
+        let changes = self.tracker.update(desired);
+        if changes.is_empty() {
+            return;
+        }
+        let now = SystemTime::now();
+        self.pending_since.get_or_insert(now);
+        self.health.queued(now);
+        self.metrics
+            .sync_last_queued_timestamp
+            .set(unix_seconds(now));
+        let endpoints: usize = changes.iter().map(ServiceChange::endpoint_changes).sum();
+        self.metrics
+            .service_changes_total
+            .inc_by(changes.len() as u64);
+        self.metrics.endpoint_changes_total.inc_by(endpoints as u64);
+        self.pending.extend(changes);
+        self.metrics
+            .service_changes_pending
+            .set(self.pending.len() as i64);
+        self.metrics.endpoint_changes_pending.set(
+            self.pending
+                .iter()
+                .map(ServiceChange::endpoint_changes)
+                .sum::<usize>() as i64,
+        );
+    }
+
+    /// The start-up sync. It writes everything (the eBPF proxier's first sync is complete
+    /// though it reports itself as partial), so it counts as full: the periodic full sync
+    /// comes [`LoopOptions::full_sync_period`] later.
+    pub fn first_sync(&mut self, proxier: &mut dyn ModeProxier) {
+        if self.sync(proxier, false) {
+            self.last_full_sync = Some(Instant::now());
+        }
+    }
+
+    /// Syncs now, or returns when to, if the last sync was less than minSyncPeriod ago.
+    pub fn sync_or_defer(&mut self, proxier: &mut dyn ModeProxier) -> Option<Instant> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        if let Some(last) = self.last_sync {
+            let next = last + self.options.min_sync_period;
+            if Instant::now() < next {
+                return Some(next);
+            }
+        }
+        self.sync(proxier, false);
+        None
+    }
+
+    /// The syncPeriod tick: partial, or full once the last full sync is old enough.
+    pub fn periodic(&mut self, proxier: &mut dyn ModeProxier) {
+        let full = self
+            .last_full_sync
+            .is_none_or(|t| t.elapsed() >= self.options.full_sync_period);
+        self.sync(proxier, full);
+    }
+
+    /// One sync (full when asked or when the last one failed); whether it succeeded.
+    pub fn sync(&mut self, proxier: &mut dyn ModeProxier, full: bool) -> bool {
+        let full = full || self.needs_full;
+        let started = Instant::now();
+        let changes = std::mem::take(&mut self.pending);
+        proxier.set_masquerade_addresses(self.masquerade_addr, self.masquerade_addr6);
+        let result = if full {
+            proxier.sync_full(self.tracker.current())
+        } else {
+            // Repeated changes to one service port collapse to old -> newest; the proxier
+            // only needs to know which ports changed.
+            proxier.sync(self.tracker.current(), &changes)
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        self.last_sync = Some(Instant::now());
+        self.needs_full = result.is_err();
+        self.metrics.sync_duration.observe(elapsed);
+        let full = full || result.as_ref().is_ok_and(|r| r.full);
+        if full {
+            if result.is_ok() {
+                self.last_full_sync = Some(Instant::now());
+            }
+            self.metrics.sync_full_duration.observe(elapsed);
+        } else {
+            self.metrics.sync_partial_duration.observe(elapsed);
+        }
+        self.service_health
+            .sync(service_health::wanted(self.tracker.current()));
+        self.count_no_local_endpoints();
+        let (ports, backends) = proxier.programmed();
+        let mode = proxier.mode().as_str();
+        self.metrics
+            .programmed_service_ports
+            .with_label_values(&[mode])
+            .set(ports as i64);
+        self.metrics
+            .programmed_backends
+            .with_label_values(&[mode])
+            .set(backends as i64);
+        proxier.report(&self.metrics);
+        match result {
+            Ok(report) => {
+                self.metrics
+                    .conntrack_deleted_total
+                    .inc_by(report.flows_deleted as u64);
+                self.metrics
+                    .unprogrammed_service_ports
+                    .set(report.services_failed as i64);
+                if report.services_failed == 0 {
+                    let now = SystemTime::now();
+                    self.health.updated(now);
+                    self.metrics.sync_last_timestamp.set(unix_seconds(now));
+                    if let Some(since) = self.pending_since.take() {
+                        self.metrics
+                            .network_programming_duration
+                            .observe(now.duration_since(since).unwrap_or_default().as_secs_f64());
+                    }
+                    self.metrics.service_changes_pending.set(0);
+                    self.metrics.endpoint_changes_pending.set(0);
+                }
+                if !changes.is_empty() || report.services_failed > 0 {
+                    info!(
+                        full,
+                        changes = changes.len(),
+                        written = report.services_written,
+                        failed = report.services_failed,
+                        service_ports = self.tracker.current().ports.len(),
+                        elapsed_ms = elapsed * 1000.0,
+                        "synced"
+                    );
+                }
+                true
+            }
+            Err(e) => {
+                warn!("sync failed (the next sync is full): {e:#}");
+                false
+            }
+        }
+    }
+
+    /// Service ports whose Local policy finds endpoints elsewhere but none here.
+    fn count_no_local_endpoints(&self) {
+        let (mut internal, mut external) = (0, 0);
+        for state in self.tracker.current().ports.values() {
+            internal += (state.when_empty == WhenEmpty::Drop) as i64;
+            external += state
+                .external
+                .iter()
+                .any(|f| f.when_empty == WhenEmpty::Drop) as i64;
+        }
+        for (policy, n) in [("internal", internal), ("external", external)] {
+            self.metrics
+                .no_local_endpoints
+                .with_label_values(&[policy])
+                .set(n);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

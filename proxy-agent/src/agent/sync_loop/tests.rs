@@ -1,0 +1,246 @@
+//! The sync loop against a fake proxier that records each call, fed snapshots parsed from
+//! manifest text as the manifest source makes them.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use anyhow::{bail, Result};
+
+use super::*;
+use crate::{
+    model::{DesiredState, ServiceChange},
+    proxier::{ProxyMode, SyncReport},
+    source::manifests::parse_into,
+};
+
+/// One call the fake proxier received.
+#[derive(Debug, PartialEq, Eq)]
+enum Call {
+    /// A partial sync with this many changed service ports.
+    Partial(usize),
+    Full,
+}
+
+#[derive(Default)]
+struct FakeProxier {
+    calls: Vec<Call>,
+    /// Calls still to fail (a refused transaction, say).
+    fail: usize,
+    /// Service ports each sync reports as not programmed.
+    unprogrammed: usize,
+    ports: usize,
+}
+
+impl Proxier for FakeProxier {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Iptables
+    }
+
+    fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
+        self.calls.push(Call::Partial(changes.len()));
+        self.outcome(desired, false)
+    }
+
+    fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
+        self.calls.push(Call::Full);
+        self.outcome(desired, true)
+    }
+
+    fn programmed(&self) -> (usize, usize) {
+        (self.ports, 0)
+    }
+}
+
+impl ModeProxier for FakeProxier {}
+
+impl FakeProxier {
+    fn outcome(&mut self, desired: &DesiredState, full: bool) -> Result<SyncReport> {
+        if self.fail > 0 {
+            self.fail -= 1;
+            bail!("the kernel refused the transaction");
+        }
+        self.ports = desired.ports.len();
+        Ok(SyncReport {
+            services_written: desired.ports.len(),
+            services_failed: self.unprogrammed,
+            full,
+            flows_deleted: 0,
+        })
+    }
+}
+
+/// A snapshot with ClusterIP Services `web-0` … `web-{n-1}`, one port each, and the
+/// endpoints given for every one of them.
+fn snapshot(services: usize, endpoints: &[&str]) -> Snapshot {
+    let mut text = String::new();
+    for i in 0..services {
+        text.push_str(&format!(
+            r#"---
+apiVersion: v1
+kind: Service
+metadata: {{name: web-{i}, namespace: default}}
+spec:
+  clusterIP: 10.96.0.{ip}
+  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-{i}-abc
+  namespace: default
+  labels: {{kubernetes.io/service-name: web-{i}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+endpoints: [{eps}]
+"#,
+            ip = i + 10,
+            eps = endpoints
+                .iter()
+                .map(|a| format!("{{addresses: [{a}], conditions: {{ready: true}}}}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ));
+    }
+    let mut set = Snapshot::default();
+    parse_into(&text, "cluster.yaml", &mut set);
+    assert!(set.problems.is_empty(), "{:?}", set.problems);
+    set
+}
+
+fn sync_loop(min_sync_period: Duration) -> (SyncLoop, ProxyHealth, Arc<Metrics>) {
+    let health = ProxyHealth::new(Duration::from_secs(60));
+    let metrics = Arc::new(Metrics::new());
+    let options = LoopOptions {
+        node_name: "node-a".into(),
+        node_port_addresses: Vec::new(),
+        masquerade_all: false,
+        default_scheduler: Default::default(),
+        min_sync_period,
+        full_sync_period: FULL_SYNC_PERIOD,
+    };
+    (
+        SyncLoop::new(options, health.clone(), metrics.clone()),
+        health,
+        metrics,
+    )
+}
+
+/// Whether the health endpoints would answer 200 `after` from now.
+fn healthy_after(health: &ProxyHealth, after: Duration) -> bool {
+    health.check(SystemTime::now() + after).0
+}
+
+#[test]
+fn changes_within_min_sync_period_are_batched_into_one_sync() {
+    let (mut syncs, _, metrics) = sync_loop(Duration::from_secs(3600));
+    let mut proxier = FakeProxier::default();
+    syncs.ingest(snapshot(2, &["10.0.0.1"]));
+    syncs.first_sync(&mut proxier);
+    assert_eq!(proxier.calls, [Call::Partial(2)]);
+
+    // Two changes in quick succession: both wait for minSyncPeriod.
+    syncs.ingest(snapshot(2, &["10.0.0.2"]));
+    let first = syncs.sync_or_defer(&mut proxier).expect("deferred");
+    syncs.ingest(snapshot(3, &["10.0.0.3"]));
+    let second = syncs.sync_or_defer(&mut proxier).expect("deferred");
+    assert_eq!(first, second, "one deadline for the batch");
+    assert!(first > Instant::now() + Duration::from_secs(3000));
+    assert_eq!(proxier.calls.len(), 1, "nothing synced before the deadline");
+    // Two endpoint changes, then the same two again and a new service port.
+    assert_eq!(syncs.pending(), 5, "2 + 3 changes waiting");
+    assert_eq!(metrics.service_changes_pending.get(), 5);
+
+    // The deadline passes: one sync hands over every change read meanwhile.
+    syncs.sync(&mut proxier, false);
+    assert_eq!(proxier.calls, [Call::Partial(2), Call::Partial(5)]);
+    assert_eq!(syncs.pending(), 0);
+    assert_eq!(metrics.service_changes_pending.get(), 0);
+    assert_eq!(proxier.ports, 3);
+}
+
+#[test]
+fn a_change_after_min_sync_period_syncs_at_once_and_no_change_syncs_nothing() {
+    let (mut syncs, _, _) = sync_loop(Duration::ZERO);
+    let mut proxier = FakeProxier::default();
+    syncs.ingest(snapshot(1, &["10.0.0.1"]));
+    syncs.first_sync(&mut proxier);
+    // The same view again: no change, no sync.
+    syncs.ingest(snapshot(1, &["10.0.0.1"]));
+    assert_eq!(syncs.sync_or_defer(&mut proxier), None);
+    assert_eq!(proxier.calls, [Call::Partial(1)]);
+    syncs.ingest(snapshot(1, &["10.0.0.2"]));
+    assert_eq!(syncs.sync_or_defer(&mut proxier), None);
+    assert_eq!(proxier.calls, [Call::Partial(1), Call::Partial(1)]);
+}
+
+#[test]
+fn periodic_syncs_are_partial_until_the_full_sync_period_has_passed() {
+    let (mut syncs, _, _) = sync_loop(Duration::ZERO);
+    let mut proxier = FakeProxier::default();
+    syncs.ingest(snapshot(1, &["10.0.0.1"]));
+    syncs.first_sync(&mut proxier);
+    syncs.periodic(&mut proxier);
+    syncs.periodic(&mut proxier);
+    assert_eq!(
+        proxier.calls,
+        [Call::Partial(1), Call::Partial(0), Call::Partial(0)],
+        "the first sync counts as full"
+    );
+    // An hour on: the next periodic sync is full, and the one after it partial again.
+    syncs.last_full_sync = Instant::now().checked_sub(FULL_SYNC_PERIOD);
+    syncs.periodic(&mut proxier);
+    syncs.periodic(&mut proxier);
+    assert_eq!(proxier.calls[3..], [Call::Full, Call::Partial(0)]);
+}
+
+#[test]
+fn a_failed_sync_makes_the_next_one_full_and_health_turns_after_the_timeout() {
+    let (mut syncs, health, _) = sync_loop(Duration::ZERO);
+    let mut proxier = FakeProxier::default();
+    syncs.ingest(snapshot(1, &["10.0.0.1"]));
+    syncs.first_sync(&mut proxier);
+    assert!(
+        healthy_after(&health, Duration::from_secs(3600)),
+        "idle and synced"
+    );
+
+    proxier.fail = 1;
+    syncs.ingest(snapshot(2, &["10.0.0.1"]));
+    assert_eq!(syncs.sync_or_defer(&mut proxier), None);
+    assert_eq!(proxier.calls[1], Call::Partial(1));
+    assert!(
+        healthy_after(&health, Duration::from_secs(30)),
+        "within 2 × syncPeriod"
+    );
+    assert!(
+        !healthy_after(&health, Duration::from_secs(61)),
+        "a change left unprogrammed beyond the timeout"
+    );
+    // Its change is not replayed: the next sync, periodic or not, is full.
+    syncs.periodic(&mut proxier);
+    assert_eq!(proxier.calls[2], Call::Full);
+    assert_eq!(proxier.ports, 2, "the failed sync's service is programmed");
+    assert!(healthy_after(&health, Duration::from_secs(3600)));
+    // And the one after that partial again.
+    syncs.periodic(&mut proxier);
+    assert_eq!(proxier.calls[3], Call::Partial(0));
+}
+
+#[test]
+fn a_sync_leaving_service_ports_unprogrammed_keeps_the_change_pending_for_health() {
+    let (mut syncs, health, metrics) = sync_loop(Duration::ZERO);
+    let mut proxier = FakeProxier {
+        unprogrammed: 1,
+        ..Default::default()
+    };
+    syncs.ingest(snapshot(1, &["10.0.0.1"]));
+    syncs.first_sync(&mut proxier);
+    assert_eq!(metrics.unprogrammed_service_ports.get(), 1);
+    assert!(!healthy_after(&health, Duration::from_secs(61)));
+    proxier.unprogrammed = 0;
+    syncs.periodic(&mut proxier);
+    assert_eq!(metrics.unprogrammed_service_ports.get(), 0);
+    assert!(healthy_after(&health, Duration::from_secs(3600)));
+}

@@ -1,0 +1,182 @@
+//! What the eBPF mode runs besides its proxier: the loaded datapath, the interface
+//! attacher, the flow log, and its periodic work (conntrack garbage collection, counters,
+//! the masquerade addresses).
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use proxy_common::map_names;
+use tracing::{debug, info, warn};
+
+use super::{
+    attach::{self, Attacher},
+    Datapath, DatapathSizes,
+};
+use crate::metrics::{Metrics, TrafficCounters};
+
+/// The datapath's log buffer, read when the kernel says it has something (`-v 4`).
+pub type FlowLogger = tokio::io::unix::AsyncFd<aya_log::EbpfLogger<&'static dyn log::Log>>;
+
+/// Traffic counter ids with their metric labels (service, or service and endpoint).
+pub type CounterIds = Vec<(Vec<String>, u32)>;
+
+pub struct EbpfRuntime {
+    pub datapath: Datapath,
+    pub attacher: Option<Attacher>,
+    pub flow_logger: Option<FlowLogger>,
+    pub sizes: DatapathSizes,
+    pub backend_metrics: bool,
+    service_counters: TrafficCounters,
+    backend_counters: TrafficCounters,
+    /// Evictions are derived from pinned counters, so they survive restarts; new ones are
+    /// warned about.
+    evicted_reported: Option<u64>,
+}
+
+impl EbpfRuntime {
+    pub fn new(
+        datapath: Datapath,
+        attacher: Option<Attacher>,
+        flow_logger: Option<FlowLogger>,
+        sizes: DatapathSizes,
+        backend_metrics: bool,
+    ) -> Self {
+        Self {
+            datapath,
+            attacher,
+            flow_logger,
+            sizes,
+            backend_metrics,
+            service_counters: TrafficCounters::default(),
+            backend_counters: TrafficCounters::default(),
+            evicted_reported: None,
+        }
+    }
+
+    pub fn link_event(&mut self, event: attach::LinkEvent) {
+        if let Some(attacher) = self.attacher.as_mut() {
+            attacher.handle(&mut self.datapath, event);
+        }
+    }
+
+    pub fn collect_conntrack_garbage(&mut self, metrics: &Metrics) {
+        match self.datapath.collect_conntrack_garbage() {
+            Ok(sweep) => {
+                metrics.conntrack_deleted_total.inc_by(sweep.deleted as u64);
+                metrics
+                    .datapath_events
+                    .with_label_values(&["conntrack_evicted"])
+                    .set(sweep.evicted as f64);
+                let before = self.evicted_reported.unwrap_or(sweep.evicted);
+                if sweep.evicted > before {
+                    warn!(
+                        evicted = sweep.evicted - before,
+                        entries = sweep.remaining,
+                        capacity = self.sizes.conntrack,
+                        "the conntrack map is full: the kernel evicted tracked flows to make room (their next packets pick a backend again); raise --conntrack-map-size"
+                    );
+                }
+                self.evicted_reported = Some(before.max(sweep.evicted));
+                metrics
+                    .map_entries
+                    .with_label_values(&[map_names::CONNTRACK])
+                    .set(sweep.remaining as i64);
+                if sweep.deleted > 0 {
+                    debug!(
+                        deleted = sweep.deleted,
+                        remaining = sweep.remaining,
+                        "conntrack swept"
+                    );
+                }
+            }
+            Err(e) => warn!("conntrack garbage collection: {e:#}"),
+        }
+    }
+
+    /// Per-service and per-backend traffic counters (`backends` only with
+    /// `--backend-metrics`) and the datapath's event counters.
+    pub fn read_counters(&mut self, services: CounterIds, backends: CounterIds, metrics: &Metrics) {
+        let numbers: Vec<u32> = services.iter().map(|(_, id)| *id).collect();
+        match self.datapath.service_stats(&numbers) {
+            Ok(stats) => self.service_counters.update(
+                &metrics.service_traffic,
+                services
+                    .into_iter()
+                    .zip(stats)
+                    .map(|((labels, id), s)| (labels, id, s))
+                    .collect(),
+            ),
+            Err(e) => debug!("reading per-service counters: {e:#}"),
+        }
+        if self.backend_metrics {
+            let numbers: Vec<u32> = backends.iter().map(|(_, id)| *id).collect();
+            match self.datapath.backend_stats(&numbers) {
+                Ok(stats) => self.backend_counters.update(
+                    &metrics.backend_traffic,
+                    backends
+                        .into_iter()
+                        .zip(stats)
+                        .map(|((labels, id), s)| (labels, id, s))
+                        .collect(),
+                ),
+                Err(e) => debug!("reading per-backend counters: {e:#}"),
+            }
+        }
+        if let Ok(stats) = self.datapath.stats() {
+            for (stat, n) in &stats {
+                metrics
+                    .datapath_events
+                    .with_label_values(&[stat.name()])
+                    .set(*n as f64);
+            }
+            let line: Vec<String> = stats
+                .iter()
+                .map(|(s, n)| format!("{}={n}", s.name()))
+                .collect();
+            debug!("datapath: {}", line.join(" "));
+        }
+    }
+
+    /// Keeps the datapath's masquerade addresses at this node's InternalIPs (one per family).
+    pub fn follow_masquerade_addresses(&mut self, v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>) {
+        let datapath = &mut self.datapath;
+        let wanted = v4.map_or(0, |a| u32::from(a).to_be());
+        if datapath.config.masquerade_addr != wanted {
+            let config = proxy_common::DatapathConfig {
+                masquerade_addr: wanted,
+                ..datapath.config
+            };
+            match datapath.configure(&config) {
+                Ok(()) => info!(address = ?v4, "masquerade address"),
+                Err(e) => warn!("setting the masquerade address: {e:#}"),
+            }
+        }
+        let wanted6 = v6.map_or([0; 16], |a| a.octets());
+        if datapath.config6.masquerade_addr != wanted6 {
+            let config = proxy_common::DatapathConfig6 {
+                masquerade_addr: wanted6,
+                ..datapath.config6
+            };
+            match datapath.configure6(&config) {
+                Ok(()) => info!(address = ?v6, "IPv6 masquerade address"),
+                Err(e) => warn!("setting the IPv6 masquerade address: {e:#}"),
+            }
+        }
+    }
+
+    /// Watches this namespace's links so interfaces created later are attached too; the
+    /// watch restarts after an error (listing the links anew: attaching is idempotent) and
+    /// ends when the receiver goes. `None` without an attacher.
+    pub fn watch_links(&self) -> Option<tokio::sync::mpsc::Receiver<attach::LinkEvent>> {
+        self.attacher.as_ref()?;
+        let (link_tx, link_rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            while !link_tx.is_closed() {
+                if let Err(e) = attach::watch_links(link_tx.clone()).await {
+                    warn!("interface watch failed, restarting it in 1 s: {e:#}");
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        });
+        Some(link_rx)
+    }
+}

@@ -1,0 +1,4 @@
+//! Health: the agent's own ([`proxy`]: `/healthz`, `/livez`, and the servers that also carry
+//! `/metrics` and `/proxyMode`) and the per-Service health-check node ports ([`services`]).
+pub mod proxy;
+pub mod services;

@@ -1,0 +1,7 @@
+//! The kernel interfaces the proxiers and the agent share: netlink framing, conntrack
+//! (flows over ctnetlink, kube-proxy's sysctls), local routes, host facts and privileges.
+pub mod conntrack;
+pub mod host;
+pub mod local_routes;
+pub mod nlattr;
+pub mod privileges;
