@@ -1,12 +1,17 @@
-//! The eBPF datapath: a tc classifier that translates IPv4 TCP/UDP flows to a Service's
-//! frontend (ClusterIP:port) into a backend (pod IP:targetPort) and translates the replies back.
+//! The eBPF datapath: tc classifiers that translate TCP/UDP flows to a Service's frontends
+//! (ClusterIP, NodePort, external and load-balancer IPs) into a backend and the replies
+//! back, and cgroup socket hooks that translate the node's own sockets at connect time.
 //!
-//! Per packet: parse Ethernet/IPv4/L4 with a bounds check before every read, then
-//! 1. a conntrack hit in the reply direction rewrites the source back to the service;
-//! 2. a conntrack hit in the original direction rewrites the destination to the flow's backend,
-//!    provided the backend is still in the service and the flow has not timed out;
-//! 3. otherwise a service lookup picks a uniformly random backend, records both directions in
-//!    conntrack and rewrites; a service with no backend is refused with ICMP port unreachable.
+//! Per packet: parse Ethernet/IP/L4 with a bounds check before every read (IPv4 here; IPv6
+//! in [`ipv6`], tail-called), then
+//! 1. a conntrack hit in the reply direction rewrites the source back to the frontend;
+//! 2. a conntrack hit in the original direction rewrites the destination to the flow's
+//!    backend, provided the backend is still in the service and the flow has not timed out;
+//! 3. otherwise a frontend lookup (`SERVICES`) checks source ranges, ClientIP affinity and
+//!    picks a backend with the service's scheduler (random by default, or any of IPVS's
+//!    twelve), records both directions in conntrack, source-NATs where the model asked
+//!    (Cluster policy to a remote backend, masqueradeAll, hairpin) and rewrites; a frontend
+//!    with no backend is refused in [`refuse`] (TCP reset, ICMP/ICMPv6 unreachable).
 //!
 //! Anything that is not for a service leaves untouched with `TC_ACT_UNSPEC`, which is TCX's
 //! "next": programs attached after ours (a CNI's) still see the packet.

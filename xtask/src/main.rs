@@ -1,6 +1,6 @@
-//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench | vm-test`.
+//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench | vm-test | links`.
 //!
-//! Everything is installed from Debian's packages and crates.io only (see README): Debian's
+//! Everything is installed from Debian's packages and crates.io only (see docs/toolchain.md): Debian's
 //! `rustc-web` ships a precompiled `core` for `bpfel-unknown-none`, so the eBPF crate builds
 //! without rust-src or `-Z build-std`, and `bpf-linker` is built against Debian's LLVM 22.
 
@@ -12,6 +12,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod links;
 mod vm;
 
 const APT_PACKAGES: &[&str] = &[
@@ -65,6 +66,9 @@ enum Task {
     },
     /// Run the agent on the demo manifests and show where traffic goes.
     Demo,
+    /// Check that every relative link in README.md, CHANGELOG.md, BENCHMARKS.md and docs/
+    /// resolves (part of `test`).
+    Links,
     /// Every mode side by side (modebench: data plane, control plane, plots in
     /// target/modebench), then eBPF ns/packet and sync time per mode; `--quick`: a short
     /// modebench only. Other flags go to modebench (--modes, --services, --rounds, ...).
@@ -94,6 +98,9 @@ fn main() {
         Task::BuildEbpf => build_ebpf(),
         Task::Test { args } => test(&args),
         Task::Demo => demo(),
+        Task::Links => {
+            links::check(&root()).map(|n| step(&format!("links: {n} relative links resolve")))
+        }
         Task::Bench { args } => bench(&args),
         Task::VmTest {
             kernel,
@@ -306,6 +313,9 @@ fn test(extra: &[String]) -> Result<()> {
         "--",
         "--check",
     ]))?;
+    step("test: docs links");
+    let links = links::check(&root())?;
+    step(&format!("test: docs links: {links} relative links resolve"));
     step("test: cargo clippy -D warnings");
     run(&mut cargo(&[
         "clippy",
