@@ -11,6 +11,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use anyhow::{bail, Result};
+use clap::{ArgAction, Parser};
 use proxy_agent::{
     datapath::DatapathSizes,
     model::{Frontend, Protocol},
@@ -21,60 +22,47 @@ use proxy_tests::{
     packet::{ipv6::PacketSpec6, PacketSpec, TCP_ACK, TCP_SYN},
 };
 
+/// Datapath cost per packet, timed by the kernel (BPF_PROG_TEST_RUN, tc ingress), for new and
+/// established flows by the number of services in the maps; prints a Markdown table.
+#[derive(Debug, Parser)]
+#[command(name = "bench", args_override_self = true)]
 struct Args {
+    /// The service counts to measure, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        action = ArgAction::Set,
+        value_name = "N,..",
+        value_parser = number,
+        default_value = "1,1000,10000,100000"
+    )]
     services: Vec<u32>,
+    /// Distinct flows per round, spread over all the services.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
     flows: u32,
+    /// Rounds of new and established flows, each with flows never seen before.
+    #[arg(long, value_name = "N", default_value_t = 5)]
     rounds: u32,
+    /// Backends per service.
+    #[arg(long, value_name = "N", default_value_t = 2)]
     backends: u32,
-    /// Every service with ClientIP affinity, load-balancer source ranges and
-    /// masquerading (four conntrack entries per flow), so every lookup a packet can meet
-    /// is on its path.
+    /// Every service with ClientIP affinity, source ranges and masquerading (every lookup).
+    #[arg(long)]
     all_features: bool,
-    /// IPv6 services, clients and backends (the IPv4 program's tail call into the IPv6 one
-    /// is then on every packet's path).
+    /// IPv6 services, clients and backends (every packet then takes the tail call into IPv6).
+    #[arg(long)]
     ipv6: bool,
-    /// Where the table is also written (Markdown), besides standard output.
+    /// Also write the table (Markdown) to this file, besides standard output.
+    #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
+    /// Instead: N Maglev frontends, and the MAGLEV map's memory by bpftool (other flags unused).
+    #[arg(long, value_name = "N")]
+    maglev_memory: Option<u32>,
 }
 
-fn parse_args() -> Result<Args> {
-    let mut args = Args {
-        services: vec![1, 1_000, 10_000, 100_000],
-        flows: 10_000,
-        rounds: 5,
-        backends: 2,
-        all_features: false,
-        ipv6: false,
-        out: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "--all-features" {
-            args.all_features = true;
-            continue;
-        }
-        if flag == "--ipv6" {
-            args.ipv6 = true;
-            continue;
-        }
-        let value = it.next().unwrap_or_default();
-        match flag.as_str() {
-            "--services" => {
-                args.services = value
-                    .split(',')
-                    .map(|s| s.trim().parse())
-                    .collect::<Result<_, _>>()?
-            }
-            "--flows" => args.flows = value.parse()?,
-            "--rounds" => args.rounds = value.parse()?,
-            "--backends" => args.backends = value.parse()?,
-            "--out" => args.out = Some(value.into()),
-            other => {
-                bail!("unknown flag {other} (--services a,b,c --flows N --rounds N --backends N --all-features --ipv6 --out FILE)")
-            }
-        }
-    }
-    Ok(args)
+/// A number, blanks around it allowed (as in `--services "1, 1000"`).
+fn number(value: &str) -> Result<u32, std::num::ParseIntError> {
+    value.trim().parse()
 }
 
 fn vip(i: u32) -> Ipv4Addr {
@@ -299,14 +287,13 @@ fn maglev_memory(frontends: u32) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    let args = Args::parse();
     if let Some(reason) = kernel_tests_unavailable() {
         bail!("cannot benchmark: {reason}");
     }
-    if let Some(pos) = std::env::args().position(|a| a == "--maglev-memory") {
-        let n = std::env::args().nth(pos + 1).unwrap_or_default().parse()?;
+    if let Some(n) = args.maglev_memory {
         return maglev_memory(n);
     }
-    let args = parse_args()?;
     use std::fmt::Write as _;
     let mut text = format!(
         "BPF_PROG_TEST_RUN, tc ingress, {} TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}, kernel {}\n\n",
@@ -361,4 +348,51 @@ fn main() -> Result<()> {
         std::fs::write(path, &text)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn flags_keep_their_defaults_and_syntax() {
+        Args::command().debug_assert();
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.services, [1, 1_000, 10_000, 100_000]);
+        assert_eq!((a.flows, a.rounds, a.backends), (10_000, 5, 2));
+        assert!(!a.all_features && !a.ipv6 && a.out.is_none() && a.maglev_memory.is_none());
+        let a = parse(&[
+            "--services",
+            "1, 100000",
+            "--all-features",
+            "--ipv6",
+            "--out",
+            "target/modebench/per-packet.md",
+        ])
+        .unwrap();
+        assert_eq!(a.services, [1, 100_000]);
+        assert!(a.all_features && a.ipv6);
+        assert_eq!(
+            a.out.unwrap(),
+            std::path::Path::new("target/modebench/per-packet.md")
+        );
+        assert_eq!(
+            parse(&["--maglev-memory", "100"]).unwrap().maglev_memory,
+            Some(100)
+        );
+        for bad in [
+            &["--bogus"][..],
+            &["--service", "1"],
+            &["--services", "1,x"],
+            &["--maglev-memory"],
+            &["stray"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
 }

@@ -10,12 +10,23 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
+use clap::Parser;
 use proxy_tests::{
     kernel::kernel_tests_unavailable,
     lab::{manifest::service, Lab, LabOptions, TCP_PORT},
 };
 
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+
+/// New TCP connections per second from a pod, through a ClusterIP (the eBPF datapath) and
+/// straight to a backend pod, in 4 alternating rounds; prints a Markdown table.
+#[derive(Debug, Parser)]
+#[command(name = "connbench")]
+struct Args {
+    /// Connections per target and round.
+    #[arg(value_name = "PER_ROUND", default_value_t = 1000)]
+    per_round: usize,
+}
 
 #[derive(Default)]
 struct Series {
@@ -46,14 +57,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 fn main() -> Result<()> {
+    let per_round = Args::parse().per_round;
     if let Some(reason) = kernel_tests_unavailable() {
         bail!("cannot benchmark: {reason}");
     }
-    let per_round: usize = std::env::args()
-        .nth(1)
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(1000);
     let rounds = 4;
 
     let mut lab = Lab::new(LabOptions::default())?;
@@ -105,4 +112,23 @@ fn main() -> Result<()> {
         rates[0] / rates[1]
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn connections_per_round_is_the_one_positional() {
+        Args::command().debug_assert();
+        let parse = |args: &[&str]| {
+            Args::try_parse_from(std::iter::once("connbench").chain(args.iter().copied()))
+        };
+        assert_eq!(parse(&[]).unwrap().per_round, 1000);
+        assert_eq!(parse(&["2000"]).unwrap().per_round, 2000);
+        for bad in [&["x"][..], &["10", "20"], &["--bogus"]] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
 }

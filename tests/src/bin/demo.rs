@@ -9,12 +9,20 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
+use clap::Parser;
 use proxy_tests::{
     kernel::kernel_tests_unavailable,
     lab::{client, Lab, LabOptions},
 };
 
 const CONNECTIONS: usize = 150;
+
+/// The agent on deploy/demo/demo.yaml in a lab of network namespaces (needs root): TCP and
+/// UDP from a client pod through its services, where the traffic went, a service without a
+/// ready endpoint, serving on with the agent stopped, and --cleanup. It takes no flags.
+#[derive(Debug, Parser)]
+#[command(name = "demo")]
+struct Args {}
 
 fn spread(results: Vec<std::io::Result<String>>) -> String {
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
@@ -33,6 +41,7 @@ fn spread(results: Vec<std::io::Result<String>>) -> String {
 }
 
 fn main() -> Result<()> {
+    let Args {} = Args::parse();
     if let Some(reason) = kernel_tests_unavailable() {
         bail!("the demo needs the kernel datapath: {reason}");
     }
@@ -113,4 +122,18 @@ fn main() -> Result<()> {
     println!("proxy-agent --cleanup: links, filters, pins and maps removed");
     println!("cleaning up the lab");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn takes_no_arguments() {
+        Args::command().debug_assert();
+        assert!(Args::try_parse_from(["demo"]).is_ok());
+        assert!(Args::try_parse_from(["demo", "--bogus"]).is_err());
+        assert!(Args::try_parse_from(["demo", "stray"]).is_err());
+    }
 }

@@ -23,6 +23,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
+use clap::{ArgAction, Parser};
 use indicatif::{ProgressBar, ProgressStyle};
 use proxy_tests::{
     bench::{
@@ -49,71 +50,117 @@ const DEFAULT_LIMITS: [(&str, usize); 3] = [
     ("userspace", 10_000),
 ];
 
+/// Every proxy mode side by side on this kernel, against a baseline without a proxy; writes
+/// the table (results.md), every raw sample (results.json) and the plots into --out.
+#[derive(Debug, Parser)]
+#[command(name = "modebench", args_override_self = true)]
 struct Args {
+    /// A short run: 1 and 100 services, 2 rounds of 0.5 s, 60 s serve timeout (flags given win).
+    #[arg(long)]
+    quick: bool,
+    /// The modes to run, comma-separated [default: ebpf,iptables,ipvs,nftables,userspace].
+    #[arg(
+        long,
+        value_delimiter = ',',
+        action = ArgAction::Set,
+        value_name = "MODE,.."
+    )]
     modes: Option<Vec<String>>,
+    /// The service counts, comma-separated (`10_000` allowed; --quick: 1,100).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        action = ArgAction::Set,
+        value_name = "N,..",
+        value_parser = count,
+        default_value = "1,100,1000,10000,100000",
+        default_value_if("quick", "true", Some("1,100"))
+    )]
     services: Vec<usize>,
-    /// The largest service count each mode is run at (modes not listed: any).
-    limits: Vec<(String, usize)>,
-    /// Only rebuild the table and plots from `DIR/results.json` (a run made elsewhere, such
-    /// as in the VM runner).
+    /// The largest service count per mode (modes not listed: any); `none` lifts every limit.
+    #[arg(long = "limit", value_name = "MODE=N,..|none", default_value_t = Limits::default())]
+    limits: Limits,
+    /// Only rebuild the table and plots from DIR/results.json (a run made elsewhere, e.g. a VM).
+    #[arg(long)]
     render: bool,
+    /// Rounds over every target (--quick: 2).
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = count,
+        default_value = "3",
+        default_value_if("quick", "true", Some("2"))
+    )]
     rounds: usize,
+    /// Seconds each workload runs per target and round (--quick: 0.5).
+    #[arg(
+        long,
+        value_name = "S",
+        default_value = "2",
+        default_value_if("quick", "true", Some("0.5"))
+    )]
     seconds: f64,
+    /// Seconds to wait for a mode's agent to serve, after a start or a change (--quick: 60).
+    #[arg(
+        long = "serve-timeout",
+        value_name = "S",
+        value_parser = whole_seconds,
+        default_value = "300",
+        default_value_if("quick", "true", Some("60"))
+    )]
     serve_timeout: Duration,
+    /// The directory the results and plots are written to (and --render reads).
+    #[arg(long, value_name = "DIR", default_value = "target/modebench")]
     out: PathBuf,
 }
 
-fn parse_args() -> Result<Args> {
-    let mut args = Args {
-        modes: None,
-        services: vec![1, 100, 1000, 10_000, 100_000],
-        limits: DEFAULT_LIMITS
-            .iter()
-            .map(|(m, n)| (m.to_string(), *n))
-            .collect(),
-        render: false,
-        rounds: 3,
-        seconds: 2.0,
-        serve_timeout: Duration::from_secs(300),
-        out: PathBuf::from("target/modebench"),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "--quick" {
-            args.services = vec![1, 100];
-            args.rounds = 2;
-            args.seconds = 0.5;
-            args.serve_timeout = Duration::from_secs(60);
-            continue;
-        }
-        if flag == "--render" {
-            args.render = true;
-            continue;
-        }
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--modes" => args.modes = Some(value.split(',').map(String::from).collect()),
-            "--services" => {
-                args.services = value
-                    .split(',')
-                    .map(|n| n.trim().replace('_', "").parse())
-                    .collect::<Result<_, _>>()
-                    .context("--services: a comma-separated list of counts")?
-            }
-            "--limit" => args.limits = parse_limits(&value)?,
-            "--rounds" => args.rounds = value.parse()?,
-            "--seconds" => args.seconds = value.parse()?,
-            "--serve-timeout" => args.serve_timeout = Duration::from_secs(value.parse()?),
-            "--out" => args.out = PathBuf::from(value),
-            other => bail!(
-                "unknown flag {other} (--quick --modes a,b --services 1,100 --limit mode=N,.. --rounds N --seconds S --serve-timeout S --out DIR --render)"
-            ),
-        }
+/// A count of at least 1 (`10_000` allowed).
+fn count(value: &str) -> Result<usize, String> {
+    match value.trim().replace('_', "").parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a count: {e}")),
     }
-    if args.services.contains(&0) || args.rounds == 0 {
-        bail!("--services counts and --rounds must be at least 1");
+}
+
+/// A timeout in whole seconds.
+fn whole_seconds(value: &str) -> Result<Duration, std::num::ParseIntError> {
+    value.parse().map(Duration::from_secs)
+}
+
+/// `--limit`: the largest service count per mode.
+#[derive(Clone, Debug, PartialEq)]
+struct Limits(Vec<(String, usize)>);
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits(
+            DEFAULT_LIMITS
+                .iter()
+                .map(|(m, n)| (m.to_string(), *n))
+                .collect(),
+        )
     }
-    Ok(args)
+}
+
+impl std::str::FromStr for Limits {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Self, String> {
+        parse_limits(value)
+            .map(Limits)
+            .map_err(|e| format!("{e:#}"))
+    }
+}
+
+impl std::fmt::Display for Limits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none");
+        }
+        let pairs: Vec<String> = self.0.iter().map(|(m, n)| format!("{m}={n}")).collect();
+        f.write_str(&pairs.join(","))
+    }
 }
 
 /// `mode=N,mode=N` (or `none`): the largest service count per mode.
@@ -461,7 +508,7 @@ fn kernel() -> String {
 }
 
 fn main() -> Result<()> {
-    let args = parse_args()?;
+    let args = Args::parse();
     if args.render {
         let path = args.out.join("results.json");
         let json = std::fs::read_to_string(&path)
@@ -504,6 +551,7 @@ fn main() -> Result<()> {
     }
     let limit = |mode: &str| {
         args.limits
+            .0
             .iter()
             .find(|(m, _)| m == mode)
             .map_or(usize::MAX, |(_, n)| *n)
@@ -744,5 +792,103 @@ proxy_agent_ebpf_map_entries_limit{map=\"services\"} 4096
         assert!(parse_limits("none").unwrap().is_empty());
         let err = parse_limits("iptables").unwrap_err().to_string();
         assert!(err.contains("--limit iptables"), "{err}");
+    }
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("modebench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_default_and_quick_presets_what_is_not_given() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.services, [1, 100, 1000, 10_000, 100_000]);
+        assert_eq!(
+            (a.rounds, a.seconds, a.serve_timeout),
+            (3, 2.0, Duration::from_secs(300))
+        );
+        assert_eq!(a.limits, Limits::default());
+        assert_eq!(
+            a.limits.to_string(),
+            "iptables=10000,ipvs=10000,userspace=10000"
+        );
+        assert_eq!(a.out, PathBuf::from("target/modebench"));
+        assert!(a.modes.is_none() && !a.render && !a.quick);
+
+        let q = parse(&["--quick"]).unwrap();
+        assert_eq!(q.services, [1, 100]);
+        assert_eq!(
+            (q.rounds, q.seconds, q.serve_timeout),
+            (2, 0.5, Duration::from_secs(60))
+        );
+        // A flag given wins over the preset, on either side of --quick.
+        let q = parse(&["--services", "1, 10_000", "--quick", "--rounds", "4"]).unwrap();
+        assert_eq!((q.services, q.rounds, q.seconds), (vec![1, 10_000], 4, 0.5));
+
+        // As xtask and the smoke test pass them.
+        let a = parse(&[
+            "--modes",
+            "ipvs,ebpf",
+            "--services",
+            "1",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.2",
+            "--serve-timeout",
+            "120",
+            "--limit",
+            "none",
+            "--out",
+            "/tmp/mb",
+        ])
+        .unwrap();
+        assert_eq!(a.modes.unwrap(), ["ipvs", "ebpf"]);
+        assert_eq!((a.services, a.rounds, a.seconds), (vec![1], 1, 0.2));
+        assert_eq!(a.serve_timeout, Duration::from_secs(120));
+        assert!(a.limits.0.is_empty());
+        assert_eq!(a.out, PathBuf::from("/tmp/mb"));
+        let r = parse(&["--render", "--out", "target/modebench/vm"]).unwrap();
+        assert!(r.render);
+        // A flag given twice: the last one counts.
+        let a = parse(&[
+            "--services",
+            "1,2",
+            "--services",
+            "3",
+            "--limit",
+            "ipvs=5",
+            "--limit",
+            "none",
+        ])
+        .unwrap();
+        assert_eq!(a.services, [3]);
+        assert!(a.limits.0.is_empty());
+    }
+
+    #[test]
+    fn zero_counts_unknown_flags_and_malformed_values_are_refused() {
+        for args in [
+            &["--services", "1,0"][..],
+            &["--rounds", "0"],
+            &["--services", "1,x"],
+            &["--seconds", "two"],
+            &["--serve-timeout", "1.5"],
+            &["--bogus"],
+            &["--service", "1"],
+            &["--rounds"],
+            &["stray"],
+        ] {
+            assert!(parse(args).is_err(), "{args:?}");
+        }
+        let err = parse(&["--rounds", "0"]).unwrap_err().to_string();
+        assert!(err.contains("at least 1"), "{err}");
+        let err = parse(&["--limit", "iptables"]).unwrap_err().to_string();
+        assert!(err.contains("--limit iptables: expected mode=N"), "{err}");
     }
 }

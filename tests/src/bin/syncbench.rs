@@ -19,6 +19,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
+use clap::{ArgAction, Parser};
 use proxy_agent::{
     datapath::{Datapath, DatapathSizes, LoadOptions},
     kernel::{
@@ -42,40 +43,39 @@ use proxy_tests::lab::{Netns, LAB_COUNTER, PREFIX};
 
 const ENDPOINTS: u32 = 10;
 
+/// Control-plane cost per proxy mode: the time of a cold sync of N services × 10 endpoints
+/// and of syncs that change one endpoint, against each mode's real kernel facility in a
+/// network namespace of its own (needs root); prints a Markdown table.
+#[derive(Debug, Parser)]
+#[command(name = "syncbench", args_override_self = true)]
 struct Args {
+    /// The modes, comma-separated; also iptables-legacy, iptables-nft and nftables-nft.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        action = ArgAction::Set,
+        value_name = "MODE,..",
+        default_value = "ebpf,iptables,ipvs,nftables,userspace"
+    )]
     modes: Vec<String>,
+    /// The service counts, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        action = ArgAction::Set,
+        value_name = "N,..",
+        value_parser = number,
+        default_value = "1000,10000"
+    )]
     services: Vec<u32>,
+    /// One-endpoint changes timed per mode and count (their median is reported, min–max beside).
+    #[arg(long, value_name = "N", default_value_t = 5)]
     changes: usize,
 }
 
-fn parse_args() -> Result<Args> {
-    let mut args = Args {
-        modes: vec![
-            "ebpf".into(),
-            "iptables".into(),
-            "ipvs".into(),
-            "nftables".into(),
-            "userspace".into(),
-        ],
-        services: vec![1_000, 10_000],
-        changes: 5,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let value = it.next().unwrap_or_default();
-        match flag.as_str() {
-            "--modes" => args.modes = value.split(',').map(String::from).collect(),
-            "--services" => {
-                args.services = value
-                    .split(',')
-                    .map(|s| s.trim().parse())
-                    .collect::<Result<_, _>>()?
-            }
-            "--changes" => args.changes = value.parse()?,
-            other => bail!("unknown flag {other} (--modes a,b --services a,b --changes N)"),
-        }
-    }
-    Ok(args)
+/// A number, blanks around it allowed (as in `--services "1000, 10000"`).
+fn number(value: &str) -> Result<u32, std::num::ParseIntError> {
+    value.trim().parse()
 }
 
 fn endpoint(service: u32, index: u32, generation: u32) -> SocketAddr {
@@ -237,7 +237,7 @@ fn ms(d: Duration) -> String {
 }
 
 fn main() -> Result<()> {
-    let args = parse_args()?;
+    let args = Args::parse();
     println!(
         "Sync time per mode: N services × {ENDPOINTS} endpoints; cold = first sync into an empty datapath; one change = one endpoint of one service replaced (median of {}, min–max).\n",
         args.changes
@@ -262,4 +262,50 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("syncbench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn flags_keep_their_defaults_and_syntax() {
+        Args::command().debug_assert();
+        let a = parse(&[]).unwrap();
+        assert_eq!(
+            a.modes,
+            ["ebpf", "iptables", "ipvs", "nftables", "userspace"]
+        );
+        assert_eq!(a.services, [1_000, 10_000]);
+        assert_eq!(a.changes, 5);
+        let a = parse(&[
+            "--modes",
+            "iptables-legacy,nftables-nft",
+            "--services",
+            "10, 100000",
+            "--changes",
+            "9",
+        ])
+        .unwrap();
+        assert_eq!(a.modes, ["iptables-legacy", "nftables-nft"]);
+        assert_eq!(a.services, [10, 100_000]);
+        assert_eq!(a.changes, 9);
+        // A flag given twice: the last one counts.
+        let a = parse(&["--modes", "ebpf,ipvs", "--modes", "nftables"]).unwrap();
+        assert_eq!(a.modes, ["nftables"]);
+        for bad in [
+            &["--bogus"][..],
+            &["--mode", "ebpf"],
+            &["--services", "x"],
+            &["--changes"],
+            &["stray"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
 }
