@@ -37,10 +37,10 @@ use proxy_common::{
 };
 
 use crate::{
-    account, backend, bump, config, count_connection, pick_slot, random_below, read, Hook,
-    SlotTable, ETH_HLEN, REFRESH_NS, SERVICES, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES,
-    SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN,
-    UDP_CSUM_OFF,
+    account, backend, bump, config, count_connection, forget, pick_slot, random_below, read, track,
+    Hook, SlotTable, ETH_HLEN, REFRESH_NS, SERVICES, SNAT_PORT_MIN, SNAT_PORT_SPAN,
+    SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK, TCP_CSUM_OFF, TCP_FIN, TCP_RST,
+    TCP_SYN, UDP_CSUM_OFF,
 };
 
 #[map]
@@ -404,8 +404,8 @@ fn translate_tracked(
         if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
             count_connection(ct.backend_id, u64::MAX);
         }
-        let _ = CONNTRACK6.remove(&reply);
-        let _ = CONNTRACK6.remove(&pkt.key);
+        forget(&CONNTRACK6, &reply);
+        forget(&CONNTRACK6, &pkt.key);
         return Ok(None);
     }
     let (nat_addr, nat_port, service_id, backend_id) =
@@ -629,13 +629,7 @@ fn new_flow(
         pkt.key.sport,
         pkt.key.proto,
     );
-    if CONNTRACK6
-        .insert(&reply_key, &reply, BPF_ANY as u64)
-        .is_err()
-        || CONNTRACK6
-            .insert(&pkt.key, &original, BPF_ANY as u64)
-            .is_err()
-    {
+    if !track(&CONNTRACK6, &reply_key, &reply) || !track(&CONNTRACK6, &pkt.key, &original) {
         bump(Stat::ConntrackInsertFailed);
     }
     rewrite(
@@ -759,7 +753,7 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
         service_id,
         _pad1: [0; 4],
     };
-    if CONNTRACK6.insert(&snat_key, &snat, BPF_ANY as u64).is_err() {
+    if !track(&CONNTRACK6, &snat_key, &snat) {
         bump(Stat::ConntrackInsertFailed);
         return;
     }
@@ -770,10 +764,7 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
         flags: CT_FLAG_SNAT_REPLY | CT_FLAG_SEEN_REPLY,
         ..snat
     };
-    if CONNTRACK6
-        .insert(&unsnat_key, &unsnat, BPF_ANY as u64)
-        .is_err()
-    {
+    if !track(&CONNTRACK6, &unsnat_key, &unsnat) {
         bump(Stat::ConntrackInsertFailed);
     }
 }
@@ -839,8 +830,8 @@ fn forget_clashing_flow(pkt: &Packet6) {
         ct.nat_port,
         pkt.key.proto,
     );
-    let _ = CONNTRACK6.remove(&original);
-    let _ = CONNTRACK6.remove(&reply);
+    forget(&CONNTRACK6, &original);
+    forget(&CONNTRACK6, &reply);
     bump(Stat::ClashResolved);
 }
 

@@ -669,8 +669,8 @@ fn translate_tracked(
         if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
             count_connection(ct.backend_id, u64::MAX);
         }
-        forget(&reply);
-        forget(&pkt.key);
+        forget(&CONNTRACK, &reply);
+        forget(&CONNTRACK, &pkt.key);
         return Ok(None);
     }
     let (nat_addr, nat_port, service_id, backend_id) =
@@ -723,8 +723,8 @@ fn forget_clashing_flow(pkt: &Packet) {
         ct.nat_port,
         pkt.key.proto,
     );
-    forget(&original);
-    forget(&reply);
+    forget(&CONNTRACK, &original);
+    forget(&CONNTRACK, &reply);
     bump(Stat::ClashResolved);
 }
 
@@ -805,7 +805,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         backend_id,
         service_id,
     };
-    if !track(&reply_key, &reply) || !track(&pkt.key, &original) {
+    if !track(&CONNTRACK, &reply_key, &reply) || !track(&CONNTRACK, &pkt.key, &original) {
         bump(Stat::ConntrackInsertFailed);
     }
     if hairpin_flag == 0 && masquerades(header, pkt, &backend) {
@@ -1428,7 +1428,7 @@ fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id:
         backend_id,
         service_id,
     };
-    if !track(&unsnat_key, &unsnat) || !track(&snat_key, &snat) {
+    if !track(&CONNTRACK, &unsnat_key, &unsnat) || !track(&CONNTRACK, &snat_key, &snat) {
         bump(Stat::ConntrackInsertFailed);
     }
 }
@@ -1523,25 +1523,25 @@ fn client_as_seen(saddr: u32, flags: u8) -> u32 {
     }
 }
 
-/// Removes a conntrack entry, counting it when it was there (LRU evictions are derived
-/// from what was created and removed).
+/// Removes a conntrack entry from either family's map, counting it when it was there (LRU
+/// evictions are derived from what was created and removed, over both maps).
 #[inline(always)]
-fn forget(key: &ConntrackKey) {
-    if CONNTRACK.remove(key).is_ok() {
+fn forget<K, V>(map: &LruHashMap<K, V>, key: &K) {
+    if map.remove(key).is_ok() {
         bump(Stat::ConntrackRemoved);
     }
 }
 
-/// Stores a conntrack entry; counts it as created when the key was new. Returns false when
-/// the map refused it.
+/// Stores a conntrack entry in either family's map; counts it as created when the key was
+/// new. Returns false when the map refused it.
 #[inline(always)]
-fn track(key: &ConntrackKey, value: &ConntrackValue) -> bool {
-    if CONNTRACK.insert(key, value, BPF_NOEXIST as u64).is_ok() {
+fn track<K, V>(map: &LruHashMap<K, V>, key: &K, value: &V) -> bool {
+    if map.insert(key, value, BPF_NOEXIST as u64).is_ok() {
         bump(Stat::ConntrackCreated);
         return true;
     }
     // Present already (another CPU raced us, or a clashing reply entry): replace it.
-    CONNTRACK.insert(key, value, BPF_ANY as u64).is_ok()
+    map.insert(key, value, BPF_ANY as u64).is_ok()
 }
 
 #[inline(always)]

@@ -3,7 +3,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
 };
 
 use proxy_agent::{
@@ -643,9 +643,62 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
     assert_eq!(left, vec![2, 3]);
 }
 
+/// One family's view for the eviction test: its service address, backends and a UDP frame
+/// from the client's port `sport`.
+struct Family {
+    vip: IpAddr,
+    backends: Vec<SocketAddr>,
+    frame: fn(u16) -> Vec<u8>,
+}
+
+fn ipv4_family() -> Family {
+    Family {
+        vip: VIP.into(),
+        backends: backends().into_iter().map(SocketAddr::V4).collect(),
+        frame: |sport| PacketSpec::udp(CLIENT, sport, VIP, 80, b"x").build(),
+    }
+}
+
+fn ipv6_family() -> Family {
+    use proxy_tests::packet::ipv6::PacketSpec6;
+    Family {
+        vip: "fd00:10:96::10".parse().unwrap(),
+        backends: [
+            "[fd00:10:244:1::11]:8080",
+            "[fd00:10:244:2::11]:8080",
+            "[fd00:10:244:3::11]:8080",
+        ]
+        .iter()
+        .map(|b| b.parse().unwrap())
+        .collect(),
+        frame: |sport| {
+            PacketSpec6::udp(
+                "fd00:10:244::5".parse().unwrap(),
+                sport,
+                "fd00:10:96::10".parse().unwrap(),
+                80,
+                b"x",
+            )
+            .build()
+        },
+    }
+}
+
 #[test]
 fn evictions_from_a_full_conntrack_map_are_counted_and_rebalancing_is_not() {
     require_kernel!();
+    evictions_are_counted(ipv4_family());
+}
+
+/// The same for `CONNTRACK6`: a flood of new IPv6 flows evicts, and the eviction count (and
+/// so `ProxyAgentConntrackMapFull`) sees it.
+#[test]
+fn evictions_from_a_full_ipv6_conntrack_map_are_counted_and_rebalancing_is_not() {
+    require_kernel!();
+    evictions_are_counted(ipv6_family());
+}
+
+fn evictions_are_counted(family: Family) {
     let capacity = 256u32;
     let mut dp = TestDatapath::load(DatapathSizes {
         conntrack: capacity,
@@ -653,30 +706,30 @@ fn evictions_from_a_full_conntrack_map_are_counted_and_rebalancing_is_not() {
     })
     .expect("load datapath");
     let f = Frontend {
-        addr: VIP.into(),
+        addr: family.vip,
         port: 80,
         protocol: Protocol::Udp,
     };
-    dp.set_service(f, &backends()).unwrap();
+    dp.sync.set(&f, &family.backends).unwrap();
+    let remaining =
+        |sweep: &proxy_agent::datapath::ConntrackSweep| sweep.remaining + sweep.remaining6;
     // Fewer flows than fit: nothing evicted, although flows are re-balanced (their entries
     // removed by the datapath) when a backend goes.
     for sport in 20000..20050u16 {
-        assert_dnat(&dp, &PacketSpec::udp(CLIENT, sport, VIP, 80, b"x"));
+        let (verdict, out) = dp.run(Hook::Ingress, &(family.frame)(sport)).unwrap();
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_ne!(out, (family.frame)(sport), "translated");
     }
-    dp.set_service(f, &backends()[1..]).unwrap();
+    dp.sync.set(&f, &family.backends[1..]).unwrap();
     for sport in 20000..20050u16 {
-        dp.run(
-            Hook::Ingress,
-            &PacketSpec::udp(CLIENT, sport, VIP, 80, b"x").build(),
-        )
-        .unwrap();
+        dp.run(Hook::Ingress, &(family.frame)(sport)).unwrap();
     }
     assert!(
         stat(&dp, Stat::ConntrackRemoved) > 0,
         "re-balanced flows removed entries"
     );
     let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
-    assert_eq!(sweep.remaining, 100, "two entries per flow");
+    assert_eq!(remaining(&sweep), 100, "two entries per flow");
     assert_eq!(
         sweep.evicted, 0,
         "no eviction while the map has room: {sweep:?}"
@@ -685,14 +738,10 @@ fn evictions_from_a_full_conntrack_map_are_counted_and_rebalancing_is_not() {
     // Four times what fits: the LRU makes room, and the estimate accounts for all of it.
     let flows = 2 * capacity as u16;
     for sport in 30000..30000 + flows {
-        dp.run(
-            Hook::Ingress,
-            &PacketSpec::udp(CLIENT, sport, VIP, 80, b"x").build(),
-        )
-        .unwrap();
+        dp.run(Hook::Ingress, &(family.frame)(sport)).unwrap();
     }
     let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
-    assert!(sweep.remaining <= capacity as usize, "{sweep:?}");
+    assert!(remaining(&sweep) <= capacity as usize, "{sweep:?}");
     let created = stat(&dp, Stat::ConntrackCreated);
     let removed = stat(&dp, Stat::ConntrackRemoved);
     assert_eq!(
@@ -702,7 +751,7 @@ fn evictions_from_a_full_conntrack_map_are_counted_and_rebalancing_is_not() {
     );
     assert_eq!(
         sweep.evicted,
-        created - removed - sweep.remaining as u64,
+        created - removed - remaining(&sweep) as u64,
         "evictions are what was created and neither removed nor left"
     );
     assert!(
@@ -1251,4 +1300,36 @@ fn ipv6_tcp_to_a_service_without_endpoints_is_reset() {
         u16::from_be_bytes([p.l4[16], p.l4[17]]),
         "a completed checksum equals the one written"
     );
+}
+
+/// Not a check of a figure but a report: how close each program is to the verifier's limits
+/// on this kernel (`cargo xtask vm-test -- datapath::verifier` for Debian's 6.1). Every
+/// IPv4 program must load; the IPv6 ones may be refused by an old verifier.
+#[test]
+fn verifier_instruction_counts_are_reported() {
+    require_kernel!();
+    let dp = datapath();
+    let counts = dp.datapath.verified_instructions();
+    println!(
+        "verifier: instructions processed per program on {}",
+        kernel_release()
+    );
+    for (name, count) in &counts {
+        match count {
+            Some(n) => println!("verifier: {name:<24} {n:>9}"),
+            None => println!("verifier: {name:<24}       n/a (not loaded or not reported)"),
+        }
+    }
+    for ipv4 in ["proxy_ingress", "proxy_egress", "proxy_refuse"] {
+        assert!(
+            counts.iter().any(|(name, c)| name == ipv4 && c.is_some()),
+            "{ipv4} not loaded (or the kernel, 5.16+, did not count it): {counts:?}"
+        );
+    }
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|r| r.trim().to_string())
+        .unwrap_or_default()
 }

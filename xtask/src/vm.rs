@@ -58,12 +58,13 @@ const PRELOAD: &[&str] = &[
 
 /// What runs in the VM: the conformance rows of the modes this host cannot run (ipvs) and
 /// of the eBPF mode on a kernel without TCX, the SCTP rows of every mode (this host's
-/// kernel has no SCTP), and the lifecycle test switching to and from ipvs. A filter `lifecycle::<f>` selects from the lifecycle tests, any other from the
+/// kernel has no SCTP), and the lifecycle test switching to and from ipvs. A filter
+/// `lifecycle::<f>` or `datapath::<f>` selects from those suites, any other from the
 /// conformance suite.
 pub const DEFAULT_FILTERS: &[&str] = &["ebpf::", "ipvs::", "sctp_", "lifecycle::ipvs"];
 
 /// The test binaries the VM can run, by the prefix that routes a filter to them.
-const SUITES: &[&str] = &["conformance", "lifecycle"];
+const SUITES: &[&str] = &["conformance", "lifecycle", "datapath"];
 
 /// `filters` by suite: (suite, its filters), in [`SUITES`] order, only suites with some.
 fn filters_by_suite(filters: &[String]) -> Vec<(&'static str, Vec<String>)> {

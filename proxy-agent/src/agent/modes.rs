@@ -219,6 +219,7 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
         (map_names::SERVICES, sizes.services),
         (map_names::BACKENDS, sizes.backends),
         (map_names::CONNTRACK, sizes.conntrack),
+        (map_names::CONNTRACK6, sizes.conntrack),
     ] {
         metrics
             .map_capacity

@@ -119,10 +119,13 @@ pub struct ConntrackSweep {
     pub deleted: usize,
     /// Entries left in `CONNTRACK` (the IPv4 map's fill).
     pub remaining: usize,
-    /// Entries the kernel's LRU evicted to make room since the maps were created: what the
-    /// datapath created, less what it removed, what garbage collection removed, and what is
-    /// left. Derived, as the kernel does not count evictions; entries created while the map
-    /// is being walked make it lag (never lead) by a few.
+    /// Entries left in `CONNTRACK6` (the IPv6 map's fill; the same capacity).
+    pub remaining6: usize,
+    /// Entries the kernel's LRU evicted to make room, from either map, since the maps were
+    /// created: what the datapath created, less what it removed, what garbage collection
+    /// removed, and what is left (both families' entries are counted alike). Derived, as the
+    /// kernel does not count evictions; entries created while the maps are walked make it
+    /// lag (never lead) by a few.
     pub evicted: u64,
 }
 
@@ -454,6 +457,25 @@ impl Datapath {
         Ok(aya::maps::Map::Array(MapData::from_id(id)?))
     }
 
+    /// Per program, the instructions the verifier processed to accept it (the kernel's
+    /// `verified_insns`, 5.16+); `None` for a program not loaded (IPv6 ones a verifier
+    /// refused) or a kernel that does not say. Sorted by name.
+    pub fn verified_instructions(&self) -> Vec<(String, Option<u32>)> {
+        let mut counts: Vec<(String, Option<u32>)> = self
+            .ebpf
+            .programs()
+            .map(|(name, program)| {
+                let count = program
+                    .info()
+                    .ok()
+                    .and_then(|info| info.verified_instruction_count());
+                (name.to_string(), count)
+            })
+            .collect();
+        counts.sort();
+        counts
+    }
+
     /// Datapath counters summed over CPUs, in [`Stat::ALL`] order.
     pub fn stats(&self) -> Result<Vec<(Stat, u64)>> {
         let map = self
@@ -530,13 +552,12 @@ impl Datapath {
             expired,
             &mut released,
         );
-        // IPv6 flows: the same sweep. (Their entries are not in the created/removed counts
-        // the eviction estimate uses, so they are not added to the collected count either.)
+        // IPv6 flows: the same sweep, into the same counts.
         let map = self
             .ebpf
             .map_mut(map_names::CONNTRACK6)
             .context("eBPF object has no CONNTRACK6 map")?;
-        let (_, deleted6) = sweep(
+        let (seen6, deleted6) = sweep(
             &mut BpfHashMap::<_, ConntrackKey6, ConntrackValue6>::try_from(map)?,
             |k, v| (k.proto, v.flags, v.last_seen_ns, v.backend_id),
             expired,
@@ -553,15 +574,17 @@ impl Datapath {
                 array.set(slot, before.wrapping_add(n), 0)?;
             }
         }
-        let collected = self.add_collected(deleted as u64)?;
+        let collected = self.add_collected((deleted + deleted6) as u64)?;
         let remaining = seen - deleted;
+        let remaining6 = seen6 - deleted6;
         let evicted = count(&before, Stat::ConntrackCreated)
             .saturating_sub(count(&before, Stat::ConntrackRemoved))
             .saturating_sub(collected)
-            .saturating_sub(remaining as u64);
+            .saturating_sub((remaining + remaining6) as u64);
         Ok(ConntrackSweep {
             deleted: deleted + deleted6,
             remaining,
+            remaining6,
             evicted,
         })
     }

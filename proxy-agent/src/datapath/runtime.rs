@@ -71,15 +71,21 @@ impl EbpfRuntime {
                     warn!(
                         evicted = sweep.evicted - before,
                         entries = sweep.remaining,
+                        entries6 = sweep.remaining6,
                         capacity = self.sizes.conntrack,
-                        "the conntrack map is full: the kernel evicted tracked flows to make room (their next packets pick a backend again); raise --conntrack-map-size"
+                        "a conntrack map (CONNTRACK or CONNTRACK6) is full: the kernel evicted tracked flows to make room (their next packets pick a backend again); raise --conntrack-map-size"
                     );
                 }
                 self.evicted_reported = Some(before.max(sweep.evicted));
-                metrics
-                    .map_entries
-                    .with_label_values(&[map_names::CONNTRACK])
-                    .set(sweep.remaining as i64);
+                for (map, entries) in [
+                    (map_names::CONNTRACK, sweep.remaining),
+                    (map_names::CONNTRACK6, sweep.remaining6),
+                ] {
+                    metrics
+                        .map_entries
+                        .with_label_values(&[map])
+                        .set(entries as i64);
+                }
                 if sweep.deleted > 0 {
                     debug!(
                         deleted = sweep.deleted,
