@@ -25,6 +25,7 @@
 //! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername programs |
 //! | stale conntrack flows | [`model::stale_flows`] decides; [`kernel::conntrack::flows`] deletes over ctnetlink |
 //! | cleanup and mode switches | [`agent::cleanup::remove_modes`]; the eBPF part in [`datapath::cleanup`] |
+//! | eBPF conntrack entries (both families), evictions | `proxy-ebpf/src/conntrack.rs` (`track`, `forget`, `touch`); the sweep and eviction counts in [`datapath::runtime`] |
 //! | mode selection (`auto`) | [`agent::modes::choose`] |
 //! | health-check node ports | [`health::services`] |
 //!

@@ -37,10 +37,11 @@ use proxy_common::{
 };
 
 use crate::{
-    account, backend, bump, config, count_connection, forget, pick_slot, random_below, read, track,
-    Hook, SlotTable, ETH_HLEN, REFRESH_NS, SERVICES, SNAT_PORT_MIN, SNAT_PORT_SPAN,
-    SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK, TCP_CSUM_OFF, TCP_FIN, TCP_RST,
-    TCP_SYN, UDP_CSUM_OFF,
+    account, backend, bump, config,
+    conntrack::{forget, touch, track, V6},
+    count_connection, pick_slot, random_below, read, Hook, SlotTable, ETH_HLEN, SERVICES,
+    SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK,
+    TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN, UDP_CSUM_OFF,
 };
 
 #[map]
@@ -298,25 +299,6 @@ fn translate_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) -> Result<i32,
     Ok(TC_ACT_UNSPEC)
 }
 
-#[inline(always)]
-fn touch(ct: &mut ConntrackValue6, pkt: &Packet6, now: u64, extra_flags: u8) {
-    let mut flags = ct.flags | extra_flags;
-    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        flags |= CT_FLAG_CLOSING;
-        // A closing connection is no longer active for the least-connection schedulers.
-        if flags & CT_FLAG_COUNTED != 0 {
-            count_connection(ct.backend_id, u64::MAX);
-            flags &= !CT_FLAG_COUNTED;
-        }
-    }
-    if flags != ct.flags {
-        ct.flags = flags;
-    }
-    if now.wrapping_sub(ct.last_seen_ns) > REFRESH_NS {
-        ct.last_seen_ns = now;
-    }
-}
-
 // A subprogram of its own: its stack frame is not added to its callers'.
 #[inline(never)]
 fn translate_reply(
@@ -330,7 +312,7 @@ fn translate_reply(
     let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
-    touch(ct, pkt, now, CT_FLAG_SEEN_REPLY);
+    touch(ct, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
     // A hairpin reply goes back to the pod that is also the backend.
     let client = if hairpin {
         pkt.key.saddr
@@ -352,7 +334,12 @@ fn translate_reply(
         let original = ConntrackKey6::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
         if let Some(orig) = CONNTRACK6.get_ptr_mut(&original) {
             // SAFETY: map value pointer, valid for this run.
-            touch(unsafe { &mut *orig }, pkt, now, CT_FLAG_SEEN_REPLY);
+            touch(
+                unsafe { &mut *orig },
+                pkt.tcp_flags,
+                now,
+                CT_FLAG_SEEN_REPLY,
+            );
         }
     }
     rewrite(
@@ -411,7 +398,7 @@ fn translate_tracked(
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
-    touch(ct, pkt, now, 0);
+    touch(ct, pkt.tcp_flags, now, 0);
     rewrite(
         ctx,
         pkt,
@@ -781,7 +768,7 @@ fn source_nat(
 ) -> Result<i32, Stat> {
     let now = unsafe { bpf_ktime_get_ns() };
     let (addr, port) = (ct.nat_addr, ct.nat_port);
-    touch(ct, pkt, now, 0);
+    touch(ct, pkt.tcp_flags, now, 0);
     if addr_off == IP6_SADDR_OFF {
         rewrite(
             ctx,
@@ -805,34 +792,11 @@ fn source_nat(
 }
 
 /// A new flow that is not for a service may have the reply tuple of an earlier service
-/// flow; as for IPv4, the new flow wins and the old entries go.
+/// flow; as for IPv4 (see [`crate::conntrack::forget_clashing_flow`]), the new flow wins.
 // A subprogram of its own: its stack frame is not added to its callers'.
 #[inline(never)]
 fn forget_clashing_flow(pkt: &Packet6) {
-    let opens = match pkt.key.proto {
-        IPPROTO_TCP => pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN,
-        _ => true,
-    };
-    if !opens {
-        return;
-    }
-    let reply = pkt.key.reversed();
-    let Some(ct) = (unsafe { CONNTRACK6.get(&reply) }) else {
-        return;
-    };
-    if ct.flags & CT_FLAG_REPLY == 0 {
-        return;
-    }
-    let original = ConntrackKey6::new(
-        pkt.key.saddr,
-        ct.nat_addr,
-        pkt.key.sport,
-        ct.nat_port,
-        pkt.key.proto,
-    );
-    forget(&CONNTRACK6, &original);
-    forget(&CONNTRACK6, &reply);
-    bump(Stat::ClashResolved);
+    crate::conntrack::forget_clashing_flow::<V6>(&pkt.key, pkt.tcp_flags);
 }
 
 /// The node's own IPv6 sockets (see the IPv4 `socket_to_backend`): a service frontend

@@ -22,15 +22,18 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod conntrack;
 mod ipv6;
 mod refuse;
 
 use core::mem::size_of;
 
+use conntrack::{forget, forget_clashing_flow, touch, track, V4};
+
 use aya_ebpf::{
     bindings::{
-        BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, BPF_NOEXIST,
-        TC_ACT_SHOT, TC_ACT_UNSPEC,
+        BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, TC_ACT_SHOT,
+        TC_ACT_UNSPEC,
     },
     helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_loop},
     macros::{cgroup_sock_addr, classifier, map},
@@ -438,7 +441,7 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
 
     let header_key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
     let Some(header) = (unsafe { SERVICES.get(header_key) }) else {
-        forget_clashing_flow(pkt);
+        forget_clashing_flow::<V4>(&pkt.key, pkt.tcp_flags);
         return Ok(TC_ACT_UNSPEC);
     };
     let header = *header;
@@ -562,27 +565,6 @@ fn config() -> DatapathConfig {
     }
 }
 
-/// Updates a conntrack entry's state for this packet; refreshes its timestamp at most once a
-/// second so established flows do not dirty a shared cache line on every packet.
-#[inline(always)]
-fn touch(ct: &mut ConntrackValue, pkt: &Packet, now: u64, extra_flags: u8) {
-    let mut flags = ct.flags | extra_flags;
-    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        flags |= CT_FLAG_CLOSING;
-        // A closing connection is no longer active for the least-connection schedulers.
-        if flags & CT_FLAG_COUNTED != 0 {
-            count_connection(ct.backend_id, u64::MAX);
-            flags &= !CT_FLAG_COUNTED;
-        }
-    }
-    if flags != ct.flags {
-        ct.flags = flags;
-    }
-    if now.wrapping_sub(ct.last_seen_ns) > REFRESH_NS {
-        ct.last_seen_ns = now;
-    }
-}
-
 /// A reply from a backend: restore the service address as the source.
 #[inline(always)]
 fn translate_reply(
@@ -602,7 +584,7 @@ fn translate_reply(
     };
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
-    touch(ct, pkt, now, CT_FLAG_SEEN_REPLY);
+    touch(ct, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
     if hairpin {
         rewrite(
             ctx,
@@ -620,7 +602,7 @@ fn translate_reply(
         if let Some(orig) = CONNTRACK.get_ptr_mut(original) {
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
-            touch(orig, pkt, now, CT_FLAG_SEEN_REPLY);
+            touch(orig, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
         }
     }
     rewrite(
@@ -678,7 +660,7 @@ fn translate_tracked(
     if ct.flags & CT_FLAG_HAIRPIN != 0 {
         hairpin_source(ctx, pkt)?;
     }
-    touch(ct, pkt, now, 0);
+    touch(ct, pkt.tcp_flags, now, 0);
     rewrite(
         ctx,
         pkt,
@@ -691,41 +673,6 @@ fn translate_tracked(
     bump(Stat::EstablishedFlow);
     account(ctx, service_id, backend_id, false);
     Ok(Some(TC_ACT_UNSPEC))
-}
-
-/// A new flow that is not for a service (a pod talking to another pod directly) may have
-/// the same reply tuple as an earlier flow through a service: same client port, and the
-/// backend the service flow went to. The earlier flow's reply entry would then rewrite this
-/// flow's replies to the service address and break it. As netfilter lets a new connection
-/// replace a closed one with a clashing tuple, the new flow wins: the old entries go.
-/// Checked on TCP SYNs and on UDP (which has no handshake), so established non-service
-/// traffic pays nothing.
-#[inline(always)]
-fn forget_clashing_flow(pkt: &Packet) {
-    let opens = match pkt.key.proto {
-        IPPROTO_TCP => pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN,
-        _ => true,
-    };
-    if !opens {
-        return;
-    }
-    let reply = pkt.key.reversed();
-    let Some(ct) = (unsafe { CONNTRACK.get(reply) }) else {
-        return;
-    };
-    if ct.flags & CT_FLAG_REPLY == 0 {
-        return;
-    }
-    let original = ConntrackKey::new(
-        pkt.key.saddr,
-        ct.nat_addr,
-        pkt.key.sport,
-        ct.nat_port,
-        pkt.key.proto,
-    );
-    forget(&CONNTRACK, &original);
-    forget(&CONNTRACK, &reply);
-    bump(Stat::ClashResolved);
 }
 
 /// First packet of a flow to a service with `count` backends.
@@ -1459,7 +1406,7 @@ fn masquerade(
     now: u64,
 ) -> Result<i32, Stat> {
     let (addr, port) = (ct.nat_addr, ct.nat_port);
-    touch(ct, pkt, now, 0);
+    touch(ct, pkt.tcp_flags, now, 0);
     rewrite(
         ctx,
         pkt,
@@ -1482,7 +1429,7 @@ fn unmasquerade(
     now: u64,
 ) -> Result<i32, Stat> {
     let (addr, port) = (ct.nat_addr, ct.nat_port);
-    touch(ct, pkt, now, 0);
+    touch(ct, pkt.tcp_flags, now, 0);
     rewrite(
         ctx,
         pkt,
@@ -1521,27 +1468,6 @@ fn client_as_seen(saddr: u32, flags: u8) -> u32 {
     } else {
         saddr
     }
-}
-
-/// Removes a conntrack entry from either family's map, counting it when it was there (LRU
-/// evictions are derived from what was created and removed, over both maps).
-#[inline(always)]
-fn forget<K, V>(map: &LruHashMap<K, V>, key: &K) {
-    if map.remove(key).is_ok() {
-        bump(Stat::ConntrackRemoved);
-    }
-}
-
-/// Stores a conntrack entry in either family's map; counts it as created when the key was
-/// new. Returns false when the map refused it.
-#[inline(always)]
-fn track<K, V>(map: &LruHashMap<K, V>, key: &K, value: &V) -> bool {
-    if map.insert(key, value, BPF_NOEXIST as u64).is_ok() {
-        bump(Stat::ConntrackCreated);
-        return true;
-    }
-    // Present already (another CPU raced us, or a clashing reply entry): replace it.
-    map.insert(key, value, BPF_ANY as u64).is_ok()
 }
 
 #[inline(always)]

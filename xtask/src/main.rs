@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 mod links;
+mod parts;
 mod vm;
 
 const APT_PACKAGES: &[&str] = &[
@@ -302,8 +303,10 @@ fn cargo(args: &[&str]) -> Command {
 }
 
 fn test(extra: &[String]) -> Result<()> {
+    let mut parts = parts::Parts::default();
+    parts.start("test: build the eBPF object");
     build_ebpf()?;
-    step("test: cargo fmt --check");
+    parts.start("test: cargo fmt --check, docs links, cargo clippy -D warnings");
     run(&mut cargo(&["fmt", "--all", "--", "--check"]))?;
     // The eBPF crate is its own workspace, which --all does not reach.
     run(&mut cargo(&[
@@ -313,10 +316,8 @@ fn test(extra: &[String]) -> Result<()> {
         "--",
         "--check",
     ]))?;
-    step("test: docs links");
     let links = links::check(&root())?;
     step(&format!("test: docs links: {links} relative links resolve"));
-    step("test: cargo clippy -D warnings");
     run(&mut cargo(&[
         "clippy",
         "--workspace",
@@ -326,9 +327,9 @@ fn test(extra: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    parts.start("test: unit, in-kernel and lab tests (and their build)");
     // Lab tests start the agent binary as a child process in a network namespace.
     run(&mut cargo(&["build", "--quiet", "-p", "proxy-agent"]))?;
-    step("test: unit, in-kernel and lab tests");
     let mut cmd = cargo(&["test", "--workspace"]);
     cmd.args(extra)
         // Kernel tests must run, not skip, when this command runs them.
@@ -336,9 +337,10 @@ fn test(extra: &[String]) -> Result<()> {
     run(&mut cmd)?;
     if !extra.is_empty() {
         step("test: a filtered run: the VM suite is left out (cargo xtask vm-test runs it)");
+        parts.report();
         return Ok(());
     }
-    step("test: the conformance suite on Debian's 6.1 kernel, in a VM");
+    parts.start("test: the conformance suite on Debian's 6.1 kernel, in a VM");
     vm_setup()?;
     vm::vm_test(&vm::VmTest {
         kernel: "debian-6.1".into(),
@@ -346,7 +348,9 @@ fn test(extra: &[String]) -> Result<()> {
         memory_mb: 2048,
         cpus: 2,
     })?;
-    step("test: the benchmark in the VM, small (ipvs beside the baseline, drawn on this host)");
+    parts.start(
+        "test: the benchmark in the VM, small (ipvs beside the baseline, drawn on this host)",
+    );
     let out = root().join("target/vm-bench-smoke");
     let _ = std::fs::remove_dir_all(&out);
     bench_in_vm(
@@ -379,6 +383,7 @@ fn test(extra: &[String]) -> Result<()> {
     if !table.lines().any(|l| l.starts_with("| ipvs | 1 |")) {
         bail!("the VM benchmark's table has no ipvs row:\n{table}");
     }
+    parts.report();
     Ok(())
 }
 
