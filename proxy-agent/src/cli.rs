@@ -85,6 +85,13 @@ pub struct Cli {
     #[arg(long = "nodeport-addresses", value_delimiter = ',')]
     pub nodeport_addresses: Option<Vec<String>>,
 
+    /// Serve Services' externalIPs only inside these comma-separated CIDRs; others are
+    /// reported on their Service and not served (default: all, as kube-proxy). externalIPs
+    /// are written by whoever may edit a Service: this keeps a tenant from taking addresses
+    /// it does not own.
+    #[arg(long = "external-ip-cidrs", value_delimiter = ',')]
+    pub external_ip_cidrs: Option<Vec<String>>,
+
     /// Source-NAT every flow to a service to the node's address (kube-proxy's
     /// --masquerade-all).
     #[arg(long = "masquerade-all")]
@@ -221,6 +228,8 @@ pub struct Settings {
     pub node_port_addresses: Vec<NodePortAddress>,
     /// `--masquerade-all` / `iptables.masqueradeAll`.
     pub masquerade_all: bool,
+    /// `--external-ip-cidrs` / `externalIPCIDRs`: external IPs served only inside these.
+    pub external_ip_cidrs: Vec<crate::model::Cidr>,
     /// Userspace mode's UDP session idle timeout.
     pub udp_idle_timeout: Duration,
     /// `--scheduler` / `ebpf.scheduler`.
@@ -489,6 +498,18 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
                 .unwrap_or_default(),
         )?,
         scheduler,
+        external_ip_cidrs: match &cli.external_ip_cidrs {
+            Some(list) => list
+                .iter()
+                .map(|c| c.trim())
+                .filter(|c| !c.is_empty())
+                .map(|c| {
+                    c.parse()
+                        .map_err(|e| anyhow::anyhow!("--external-ip-cidrs: {e}"))
+                })
+                .collect::<Result<_>>()?,
+            None => f.map(|f| f.external_ip_cidrs.clone()).unwrap_or_default(),
+        },
         masquerade_all: cli.masquerade_all
             || masquerade_section
                 .and_then(|t| t.masquerade_all)

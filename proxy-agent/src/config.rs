@@ -197,6 +197,10 @@ pub struct ProxyAgentConfiguration {
     pub api_version: Option<String>,
     pub kind: Option<String>,
     pub ebpf: Option<EbpfSettings>,
+    /// Serve `externalIPs` only inside these CIDRs (every mode); absent or empty: all, as
+    /// kube-proxy does.
+    #[serde(rename = "externalIPCIDRs")]
+    pub external_ip_cidrs: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -269,6 +273,8 @@ pub struct FileSettings {
     pub scheduler: Option<crate::model::Scheduler>,
     /// `ebpf.maglevTableSize` (a prime).
     pub maglev_table_size: Option<u32>,
+    /// `externalIPCIDRs`: external IPs served only inside these; empty: all.
+    pub external_ip_cidrs: Vec<crate::model::Cidr>,
     /// Fields accepted but meaningless to this agent (logged once at start).
     pub ignored: Vec<String>,
     /// Warnings (deprecated aliases).
@@ -607,6 +613,14 @@ fn settings(
         },
     };
 
+    let mut external_ip_cidrs = Vec::new();
+    for (i, c) in a.external_ip_cidrs.iter().flatten().enumerate() {
+        external_ip_cidrs.push(
+            c.trim()
+                .parse::<crate::model::Cidr>()
+                .map_err(|m| bad(&format!("externalIPCIDRs[{i}]"), m))?,
+        );
+    }
     let e = a.ebpf.unwrap_or_default();
     if let Some(t) = &e.tc_attach {
         if !["tcx", "netlink", "auto"].contains(&t.as_str()) {
@@ -670,6 +684,7 @@ fn settings(
             }
             other => other,
         },
+        external_ip_cidrs,
         ignored,
         warnings,
     })

@@ -44,6 +44,8 @@ pub struct Metrics {
     pub programmed_service_ports: IntGaugeVec,
     pub programmed_backends: IntGaugeVec,
     pub unprogrammed_service_ports: IntGauge,
+    pub frontend_conflicts: IntGauge,
+    pub external_ips_refused: IntGauge,
     pub map_entries: IntGaugeVec,
     pub map_capacity: IntGaugeVec,
     pub datapath_events: GaugeVec,
@@ -224,6 +226,17 @@ impl Metrics {
                 "Service ports that could not be programmed (map full, ...); see the log",
             )
             .unwrap(),
+            frontend_conflicts: IntGauge::new(
+                "proxy_agent_frontend_conflicts",
+                "Frontends (address:port:protocol) a Service asks for and does not get because \
+                 another Service owns them (cluster IP, NodePort, or an older claim); see the log",
+            )
+            .unwrap(),
+            external_ips_refused: IntGauge::new(
+                "proxy_agent_external_ips_refused",
+                "externalIPs entries not served because they are outside --external-ip-cidrs",
+            )
+            .unwrap(),
             map_entries: IntGaugeVec::new(
                 Opts::new(
                     "proxy_agent_ebpf_map_entries",
@@ -287,6 +300,8 @@ impl Metrics {
         reg(Box::new(m.programmed_service_ports.clone()));
         reg(Box::new(m.programmed_backends.clone()));
         reg(Box::new(m.unprogrammed_service_ports.clone()));
+        reg(Box::new(m.frontend_conflicts.clone()));
+        reg(Box::new(m.external_ips_refused.clone()));
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.datapath_events.clone()));

@@ -143,6 +143,7 @@ conformance!(
     ],
     node_port_addresses_restrict_where_node_ports_listen,
     external_ips_and_load_balancer_ips_are_served,
+    a_cluster_ip_listed_as_another_services_external_ip_keeps_its_own_pods,
     load_balancer_source_ranges_admit_only_listed_clients,
     session_affinity_client_ip_keeps_a_client_on_one_backend_until_the_timeout,
     health_check_node_port_reports_local_endpoints,
@@ -692,6 +693,58 @@ fn external_ips_and_load_balancer_ips_are_served(mode: Mode) {
         })
         .unwrap();
     assert!(proxied, "an ipMode: Proxy address must not be programmed");
+}
+
+/// CVE-2020-8554: a Service listing another Service's cluster IP in `externalIPs` must not
+/// take it over, whatever the order of the objects or their names ("aaa-squatter" sorts
+/// first); it keeps its own frontends, and the conflict is reported.
+fn a_cluster_ip_listed_as_another_services_external_ip_keeps_its_own_pods(mode: Mode) {
+    let dns = |c: &Cluster| {
+        service("dns", "10.96.0.26", "", &[("http", "TCP", 80, "8080")])
+            + &slice(
+                c,
+                "dns",
+                "1",
+                &[("http", "TCP", 8080)],
+                &ready(&["web-2a", "web-2b"]),
+            )
+    };
+    let mut c = cluster(mode, dns);
+    let vip = addr("10.96.0.26", 80);
+    let own = set(&["web-2a", "web-2b"]);
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, vip, 20)), own);
+    let yaml = dns(&c)
+        + &service(
+            "aaa-squatter",
+            "10.96.0.27",
+            "  externalIPs: [10.96.0.26]\n",
+            &[("http", "TCP", 80, "8080")],
+        )
+        + &slice(
+            &c,
+            "aaa-squatter",
+            "1",
+            &[("http", "TCP", 8080)],
+            &ready(&["web-1a"]),
+        );
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    let hellos = tcp_from_pod(&c, CLIENT, vip, 30);
+    assert_eq!(pods(&hellos), own, "{:?}\n{}", counts(&hellos), c.logs());
+    let squatter = tcp_from_pod(&c, CLIENT, addr("10.96.0.27", 80), 10);
+    assert_eq!(
+        pods(&squatter),
+        set(&["web-1a"]),
+        "its own cluster IP still serves it"
+    );
+    let logs = c.logs();
+    assert!(
+        logs.contains(
+            "Service lab/aaa-squatter: port 80: spec.externalIPs[0]: 10.96.0.26:80/TCP not served: it is the cluster IP of lab/dns:http/TCP"
+        ),
+        "the conflict is reported:\n{logs}"
+    );
 }
 
 /// A plain HTTP/1.0 GET of `/`; (status, body).

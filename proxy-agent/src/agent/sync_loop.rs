@@ -23,8 +23,8 @@ use crate::{
     kernel::host::local_addresses,
     metrics::{unix_seconds, Metrics},
     model::{
-        objects::NodeInfo, ChangeTracker, DesiredState, NodeContext, NodePortAddress, Scheduler,
-        ServiceChange, WhenEmpty,
+        objects::NodeInfo, ChangeTracker, DesiredState, NodeContext, NodePortAddress, ProblemKind,
+        Scheduler, ServiceChange, WhenEmpty,
     },
     proxier::Proxier,
     source::Snapshot,
@@ -48,6 +48,7 @@ pub struct LoopOptions {
     pub node_name: String,
     pub node_port_addresses: Vec<NodePortAddress>,
     pub masquerade_all: bool,
+    pub external_ip_cidrs: Vec<crate::model::Cidr>,
     pub default_scheduler: Scheduler,
     pub min_sync_period: Duration,
     pub full_sync_period: Duration,
@@ -59,6 +60,7 @@ impl From<&Settings> for LoopOptions {
             node_name: s.node_name.clone(),
             node_port_addresses: s.node_port_addresses.clone(),
             masquerade_all: s.masquerade_all,
+            external_ip_cidrs: s.external_ip_cidrs.clone(),
             default_scheduler: s.scheduler,
             min_sync_period: s.min_sync_period,
             full_sync_period: FULL_SYNC_PERIOD,
@@ -124,6 +126,7 @@ impl SyncLoop {
         let node = set.nodes.iter().find(|n| n.name == self.options.node_name);
         let context = NodeContext {
             masquerade_all: self.options.masquerade_all,
+            external_ip_cidrs: self.options.external_ip_cidrs.clone(),
             default_scheduler: self.options.default_scheduler,
             ..NodeContext::new(
                 &self.options.node_name,
@@ -135,6 +138,13 @@ impl SyncLoop {
         let (desired, model_problems) = DesiredState::build(&set.store, &context);
         self.masquerade_addr = context.masquerade_addr;
         self.masquerade_addr6 = context.masquerade_addr6;
+        let count = |kind| model_problems.iter().filter(|p| p.kind == kind).count() as i64;
+        self.metrics
+            .frontend_conflicts
+            .set(count(ProblemKind::FrontendConflict));
+        self.metrics
+            .external_ips_refused
+            .set(count(ProblemKind::ExternalIpRefused));
         let problems: Vec<String> = set
             .problems
             .iter()

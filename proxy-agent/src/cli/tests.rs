@@ -243,3 +243,29 @@ fn udp_idle_timeout_comes_from_the_flag_then_the_file_then_kube_proxys_default()
     let s = settings(&Cli::command().get_matches_from(["proxy-agent"])).unwrap();
     assert_eq!(s.udp_idle_timeout, Duration::from_millis(250));
 }
+
+#[test]
+fn external_ip_cidrs_come_from_the_flag_over_the_file() {
+    let file = "apiVersion: proxy-agent.io/v1alpha1\nkind: ProxyAgentConfiguration\nexternalIPCIDRs: [192.0.2.0/24]\n";
+    let shown = |s: &Settings| {
+        s.external_ip_cidrs
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(shown(&with_config(file, &[])), ["192.0.2.0/24"]);
+    let s = with_config(
+        file,
+        &["--external-ip-cidrs", "198.51.100.0/24,2001:db8::/32"],
+    );
+    assert_eq!(shown(&s), ["198.51.100.0/24", "2001:db8::/32"]);
+    let none = settings(&Cli::command().get_matches_from(["proxy-agent"])).unwrap();
+    assert!(none.external_ip_cidrs.is_empty(), "default: every address");
+    let bad = settings(&Cli::command().get_matches_from([
+        "proxy-agent",
+        "--external-ip-cidrs",
+        "10.0.0.0/40",
+    ]));
+    let e = format!("{:#}", bad.err().expect("an invalid CIDR is an error"));
+    assert!(e.contains("--external-ip-cidrs"), "{e}");
+}

@@ -255,6 +255,23 @@ fn invalid_values_are_rejected_with_their_path_and_reason() {
 }
 
 #[test]
+fn external_ip_cidrs_are_read_and_checked() {
+    let ours = |list: &str| {
+        format!("apiVersion: {AGENT_API_VERSION}\nkind: ProxyAgentConfiguration\nexternalIPCIDRs: {list}\n")
+    };
+    let s = parse(&ours("[192.0.2.0/24, \"2001:db8::/64\"]")).unwrap();
+    assert_eq!(
+        s.external_ip_cidrs
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        vec!["192.0.2.0/24", "2001:db8::/64"]
+    );
+    let e = err(&ours("[192.0.2.0/24, 10.0.0.0/33]"));
+    assert_eq!(e.path, "externalIPCIDRs[1]", "{e}");
+}
+
+#[test]
 fn go_durations_parse_as_go_writes_them() {
     let d = |s| GoDuration::parse(s).unwrap().0;
     assert_eq!(d("30s"), Duration::from_secs(30));

@@ -4,6 +4,7 @@
 //! once; proxiers only receive [`DesiredState`] and the [`ServiceChange`]s that lead to it.
 
 pub mod objects;
+pub mod ownership;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -27,6 +28,19 @@ pub struct Problem {
     /// `Kind namespace/name`, or the best name known.
     pub object: String,
     pub message: String,
+    pub kind: ProblemKind,
+}
+
+/// What kind of problem, for the metrics that count them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ProblemKind {
+    /// An object or a field of it that cannot be used.
+    #[default]
+    Invalid,
+    /// A frontend another service port owns ([`ownership`]).
+    FrontendConflict,
+    /// An external IP outside `--external-ip-cidrs`.
+    ExternalIpRefused,
 }
 
 impl fmt::Display for Problem {
@@ -134,6 +148,8 @@ pub struct NodeContext {
     pub masquerade_all: bool,
     /// The scheduler of Services without the scheduler annotation.
     pub default_scheduler: Scheduler,
+    /// `--external-ip-cidrs`: external IPs served only inside these; empty: all.
+    pub external_ip_cidrs: Vec<Cidr>,
 }
 
 /// One entry of `nodePortAddresses` / `--nodeport-addresses`.
@@ -197,6 +213,7 @@ impl NodeContext {
             }),
             masquerade_all: false,
             default_scheduler: Scheduler::default(),
+            external_ip_cidrs: Vec::new(),
         }
     }
 }
@@ -362,78 +379,62 @@ impl DesiredState {
         }
 
         let mut ports = BTreeMap::new();
-        let mut claimed: BTreeMap<Frontend, ServicePortName> = BTreeMap::new();
-        // `clusterIPs` holds at most one address per family (the API server enforces it):
-        // each is served as its own set of service ports.
-        let families = store.services.values().flat_map(|(svc, origin)| {
-            let mut seen = BTreeSet::new();
-            svc.cluster_ips
-                .iter()
-                .filter(move |ip| seen.insert(IpFamily::of(**ip)))
-                .map(move |ip| (svc, origin, *ip))
-        });
-        for (svc, origin, cluster_ip) in families {
+        let owners = ownership::Owners::decide(store, node);
+        for (svc, origin, cluster_ip) in ownership::service_ports(store) {
             let family = IpFamily::of(cluster_ip);
-            let same_family = |a: &&IpAddr| IpFamily::of(**a) == family;
             let slices = slices_by_service
                 .get(&svc.name)
                 .map(Vec::as_slice)
                 .unwrap_or_default();
-            for spec in &svc.ports {
+            for (index, spec) in svc.ports.iter().enumerate() {
                 let name = ServicePortName {
                     service: svc.name.clone(),
                     port: spec.name.clone(),
                     protocol: spec.protocol,
                     family,
                 };
-                let mut claim = |frontend: Frontend, what: &str| -> bool {
-                    if let Some(owner) = claimed.get(&frontend) {
-                        problems.push(Problem {
-                            origin: origin.clone(),
-                            object: format!("Service {}", svc.name),
-                            message: format!(
-                                "port {}: {what} {frontend} is already served by {owner}; skipped",
-                                spec.port
-                            ),
-                        });
-                        return false;
+                let problem = |kind, message: String| Problem {
+                    origin: origin.clone(),
+                    object: format!("Service {}", svc.name),
+                    message: format!("port {}: {message}", spec.port),
+                    kind,
+                };
+                let (requests, refused) = ownership::requests(svc, cluster_ip, index, spec, node);
+                for (addr, field) in refused {
+                    problems.push(problem(
+                        ProblemKind::ExternalIpRefused,
+                        format!("{field}: {addr} not served: outside --external-ip-cidrs"),
+                    ));
+                }
+                let mut served: Vec<(Frontend, FrontendKind)> = Vec::new();
+                let mut lost_cluster_ip = false;
+                for request in requests {
+                    if let Err(conflict) = owners.check(&name, request.frontend, request.kind) {
+                        problems.push(problem(
+                            ProblemKind::FrontendConflict,
+                            format!("{}: {conflict}", request.field),
+                        ));
+                        lost_cluster_ip |= request.kind == FrontendKind::ClusterIp;
+                        continue;
                     }
-                    claimed.insert(frontend, name.clone());
-                    true
-                };
-                let frontend = Frontend {
-                    addr: cluster_ip,
-                    port: spec.port,
-                    protocol: spec.protocol,
-                };
-                if !claim(frontend, "frontend") {
+                    if let Some((_, kind)) = served.iter().find(|(f, _)| *f == request.frontend) {
+                        problems.push(problem(
+                            ProblemKind::Invalid,
+                            format!(
+                                "{}: {} is already this port's {kind:?} frontend; listed once",
+                                request.field, request.frontend
+                            ),
+                        ));
+                        continue;
+                    }
+                    served.push((request.frontend, request.kind));
+                }
+                if lost_cluster_ip || served.is_empty() {
                     continue;
                 }
-                let mut external_frontends = Vec::new();
-                if let (Some(node_port), ServiceType::NodePort | ServiceType::LoadBalancer) =
-                    (spec.node_port, svc.service_type)
-                {
-                    for addr in node.node_port_addresses.iter().filter(same_family) {
-                        external_frontends.push((*addr, node_port, FrontendKind::NodePort));
-                    }
-                }
-                for addr in svc.external_ips.iter().filter(same_family) {
-                    external_frontends.push((*addr, spec.port, FrontendKind::ExternalIp));
-                }
-                for addr in svc.load_balancer_ips.iter().filter(same_family) {
-                    external_frontends.push((*addr, spec.port, FrontendKind::LoadBalancer));
-                }
-                let mut external_claimed = Vec::new();
-                for (addr, port, kind) in external_frontends {
-                    let f = Frontend {
-                        addr,
-                        port,
-                        protocol: spec.protocol,
-                    };
-                    if claim(f, "frontend") {
-                        external_claimed.push((f, kind));
-                    }
-                }
+                let frontend = served[0].0;
+                let external_claimed: Vec<(Frontend, FrontendKind)> =
+                    served.into_iter().skip(1).collect();
 
                 let endpoints = resolve_endpoints(spec, family, slices, &mut problems, &svc.name);
                 let picked = categorize(&endpoints, svc, node);
@@ -647,6 +648,7 @@ fn resolve_endpoints<'a>(
                          targetPort {target:?} cannot be resolved; endpoints skipped for that port",
                         spec.name
                     ),
+                    kind: ProblemKind::Invalid,
                 });
                 continue;
             }

@@ -272,6 +272,9 @@ pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceInfo {
     pub name: ObjectName,
+    /// `metadata.creationTimestamp` in Unix seconds (unknown in manifests without one):
+    /// between two Services claiming one external address, the older wins.
+    pub created: Option<i64>,
     pub service_type: ServiceType,
     /// Cluster IPs, primary first; empty for headless and ExternalName services, which the
     /// proxy does not serve.
@@ -565,6 +568,11 @@ impl ServiceInfo {
         }
         Ok(ServiceInfo {
             name,
+            created: svc
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.as_second()),
             service_type,
             cluster_ips,
             ports,

@@ -12,6 +12,7 @@ fn name(ns: &str, n: &str) -> ObjectName {
 fn service(n: &str, ip: &str, ports: Vec<ServicePortSpec>) -> ServiceInfo {
     ServiceInfo {
         name: name("default", n),
+        created: None,
         service_type: ServiceType::ClusterIp,
         cluster_ips: vec![ip.parse().unwrap()],
         ports,
@@ -565,6 +566,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
         masquerade_addr6: None,
         masquerade_all: false,
         default_scheduler: Scheduler::Random,
+        external_ip_cidrs: Vec::new(),
     };
     for case in cases {
         let mut svc = service(
@@ -633,6 +635,7 @@ fn external_frontends_come_from_node_ports_external_ips_and_load_balancer_status
         masquerade_addr6: None,
         masquerade_all: false,
         default_scheduler: Scheduler::Random,
+        external_ip_cidrs: Vec::new(),
     };
     let eps = vec![
         ep("R", 1, "n1", &[]),
@@ -802,4 +805,232 @@ fn the_scheduler_is_the_annotations_else_the_default_and_weight_zero_drains() {
     let octets = |v: &[SocketAddr]| v.iter().map(last_octet).collect::<Vec<_>>();
     assert_eq!(octets(&b.backends), [1], "weight 0: no new flows");
     assert_eq!(octets(&b.draining), [2], "its established flows go on");
+}
+
+// --- frontend ownership (model/ownership.rs) ---
+
+fn frontends_of(state: &DesiredState, svc: &str) -> Vec<(String, FrontendKind)> {
+    state
+        .ports
+        .values()
+        .filter(|p| p.name.service.name == svc)
+        .flat_map(|p| p.frontends())
+        .map(|f| (f.frontend.to_string(), f.kind))
+        .collect()
+}
+
+fn conflicts(problems: &[Problem]) -> Vec<String> {
+    problems
+        .iter()
+        .filter(|p| p.kind == ProblemKind::FrontendConflict)
+        .map(|p| format!("{}: {}", p.object, p.message))
+        .collect()
+}
+
+fn web_port() -> Vec<ServicePortSpec> {
+    vec![port("http", 80, TargetPort::Number(8080))]
+}
+
+/// Builds the state with the Services inserted in both orders (and so under both names
+/// first): ownership must not depend on either.
+fn both_orders(a: ServiceInfo, b: ServiceInfo, node: &NodeContext) -> (DesiredState, Vec<Problem>) {
+    let first = DesiredState::build(&store(vec![a.clone(), b.clone()], vec![]), node);
+    let (mut a2, mut b2) = (a, b);
+    // Swap the names: the same two claims, the other one now sorts first.
+    std::mem::swap(&mut a2.name, &mut b2.name);
+    let second = DesiredState::build(&store(vec![b2, a2], vec![]), node);
+    // The same Service by content (its cluster IP) serves each frontend in both.
+    let winners = |s: &DesiredState| {
+        let mut w: Vec<(String, IpAddr)> = s
+            .ports
+            .values()
+            .flat_map(|p| {
+                p.frontends()
+                    .into_iter()
+                    .map(move |f| (f.frontend.to_string(), p.frontend.addr))
+            })
+            .collect();
+        w.sort();
+        w
+    };
+    assert_eq!(
+        winners(&first.0),
+        winners(&second.0),
+        "ownership depends on names"
+    );
+    first
+}
+
+#[test]
+fn an_external_ip_never_takes_a_cluster_ip() {
+    // "aaa" sorts before "kube-dns" and is newer: neither order nor age lets it win.
+    let dns = ServiceInfo {
+        created: Some(100),
+        ..service("kube-dns", "10.96.0.10", web_port())
+    };
+    let evil = ServiceInfo {
+        created: Some(50),
+        external_ips: vec!["10.96.0.10".parse().unwrap(), "192.0.2.7".parse().unwrap()],
+        ..service("aaa", "10.96.0.20", web_port())
+    };
+    let (state, problems) = both_orders(dns.clone(), evil.clone(), &NodeContext::default());
+    assert_eq!(
+        frontends_of(&state, "kube-dns"),
+        vec![("10.96.0.10:80/TCP".to_string(), FrontendKind::ClusterIp)]
+    );
+    // Only the conflicting frontend is dropped: evil keeps its cluster IP and other IP.
+    assert_eq!(
+        frontends_of(&state, "aaa"),
+        vec![
+            ("10.96.0.20:80/TCP".to_string(), FrontendKind::ClusterIp),
+            ("192.0.2.7:80/TCP".to_string(), FrontendKind::ExternalIp),
+        ]
+    );
+    let c = conflicts(&problems);
+    assert_eq!(c.len(), 1, "{problems:?}");
+    assert!(
+        c[0].starts_with("Service default/aaa: port 80: spec.externalIPs[0]: 10.96.0.10:80/TCP not served: it is the cluster IP of default/kube-dns:http/TCP"),
+        "{c:?}"
+    );
+}
+
+#[test]
+fn a_node_port_wins_over_an_external_ip_on_a_node_address() {
+    let node = NodeContext {
+        node_port_addresses: vec!["192.168.0.1".parse().unwrap()],
+        ..NodeContext::default()
+    };
+    let mut np_port = web_port();
+    np_port[0].node_port = Some(30080);
+    let np = ServiceInfo {
+        created: Some(100),
+        service_type: ServiceType::NodePort,
+        ..service("np", "10.96.0.30", np_port)
+    };
+    let squatter = ServiceInfo {
+        created: Some(1),
+        external_ips: vec!["192.168.0.1".parse().unwrap()],
+        ..service(
+            "squatter",
+            "10.96.0.31",
+            vec![port("http", 30080, TargetPort::Number(8080))],
+        )
+    };
+    let (state, problems) = both_orders(np, squatter, &node);
+    assert!(frontends_of(&state, "np")
+        .contains(&("192.168.0.1:30080/TCP".to_string(), FrontendKind::NodePort)));
+    assert_eq!(
+        frontends_of(&state, "squatter"),
+        vec![("10.96.0.31:30080/TCP".to_string(), FrontendKind::ClusterIp)]
+    );
+    let c = conflicts(&problems);
+    assert_eq!(c.len(), 1, "{problems:?}");
+    assert!(
+        c[0].contains("it is the NodePort of default/np:http/TCP on this node"),
+        "{c:?}"
+    );
+}
+
+#[test]
+fn between_external_claims_the_older_service_wins_whatever_the_names() {
+    for (old_name, new_name) in [("aaa", "zzz"), ("zzz", "aaa")] {
+        let old = ServiceInfo {
+            created: Some(10),
+            external_ips: vec!["192.0.2.1".parse().unwrap()],
+            ..service(old_name, "10.96.0.40", web_port())
+        };
+        let mut new = ServiceInfo {
+            created: Some(20),
+            ..service(new_name, "10.96.0.41", web_port())
+        };
+        new.service_type = ServiceType::LoadBalancer;
+        new.load_balancer_ips = vec!["192.0.2.1".parse().unwrap()];
+        let (state, problems) =
+            DesiredState::build(&store(vec![old, new], vec![]), &NodeContext::default());
+        assert!(frontends_of(&state, old_name)
+            .contains(&("192.0.2.1:80/TCP".to_string(), FrontendKind::ExternalIp)));
+        assert_eq!(
+            frontends_of(&state, new_name),
+            vec![("10.96.0.41:80/TCP".to_string(), FrontendKind::ClusterIp)]
+        );
+        let c = conflicts(&problems);
+        assert_eq!(c.len(), 1, "{problems:?}");
+        assert!(
+            c[0].contains(&format!(
+                "status.loadBalancer.ingress[0].ip: 192.0.2.1:80/TCP not served: default/{old_name}:http/TCP claimed it first"
+            )),
+            "{c:?}"
+        );
+    }
+}
+
+#[test]
+fn same_age_external_claims_go_to_the_first_name() {
+    let a = ServiceInfo {
+        external_ips: vec!["192.0.2.1".parse().unwrap()],
+        ..service("a", "10.96.0.50", web_port())
+    };
+    let b = ServiceInfo {
+        external_ips: vec!["192.0.2.1".parse().unwrap()],
+        ..service("b", "10.96.0.51", web_port())
+    };
+    let (state, _) = DesiredState::build(&store(vec![b, a], vec![]), &NodeContext::default());
+    assert_eq!(frontends_of(&state, "a").len(), 2);
+    assert_eq!(frontends_of(&state, "b").len(), 1);
+}
+
+#[test]
+fn a_port_that_loses_its_cluster_ip_takes_no_other_frontend() {
+    // Two manifests with one cluster IP: the older is served; the newer's external IP must
+    // not take the address from a third Service, since the newer is not served at all.
+    let older = ServiceInfo {
+        created: Some(1),
+        ..service("older", "10.96.0.60", web_port())
+    };
+    let newer = ServiceInfo {
+        created: Some(2),
+        external_ips: vec!["192.0.2.9".parse().unwrap()],
+        ..service("newer", "10.96.0.60", web_port())
+    };
+    let third = ServiceInfo {
+        created: Some(3),
+        external_ips: vec!["192.0.2.9".parse().unwrap()],
+        ..service("third", "10.96.0.61", web_port())
+    };
+    let (state, problems) = DesiredState::build(
+        &store(vec![older, newer, third], vec![]),
+        &NodeContext::default(),
+    );
+    assert!(frontends_of(&state, "newer").is_empty());
+    assert_eq!(frontends_of(&state, "third").len(), 2);
+    assert_eq!(conflicts(&problems).len(), 1, "{problems:?}");
+}
+
+#[test]
+fn external_ips_outside_the_allowed_cidrs_are_refused_and_reported() {
+    let node = NodeContext {
+        external_ip_cidrs: vec!["192.0.2.0/24".parse().unwrap()],
+        ..NodeContext::default()
+    };
+    let svc = ServiceInfo {
+        external_ips: vec!["192.0.2.5".parse().unwrap(), "10.96.0.10".parse().unwrap()],
+        ..service("web", "10.96.0.70", web_port())
+    };
+    let (state, problems) = DesiredState::build(&store(vec![svc], vec![]), &node);
+    assert_eq!(
+        frontends_of(&state, "web"),
+        vec![
+            ("10.96.0.70:80/TCP".to_string(), FrontendKind::ClusterIp),
+            ("192.0.2.5:80/TCP".to_string(), FrontendKind::ExternalIp),
+        ]
+    );
+    let refused: Vec<_> = problems
+        .iter()
+        .filter(|p| p.kind == ProblemKind::ExternalIpRefused)
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        refused,
+        vec!["test.yaml: Service default/web: port 80: spec.externalIPs[1]: 10.96.0.10 not served: outside --external-ip-cidrs"]
+    );
 }

@@ -26,7 +26,7 @@ use tracing::warn;
 use super::Snapshot;
 use crate::model::{
     objects::{display_name, NodeInfo, Validated},
-    ObjectName, ObjectStore, Origin, Problem, ServiceInfo, SliceInfo,
+    ObjectName, ObjectStore, Origin, Problem, ProblemKind, ServiceInfo, SliceInfo,
 };
 
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -141,6 +141,7 @@ fn convert<T: Validated>(obj: &T::Api, skip_labels: &[&str]) -> Conversion<(T, O
                 origin: origin(),
                 object: format!("{} {}", T::KIND, display_name(meta)),
                 message: format!("{e}; skipped"),
+                kind: ProblemKind::Invalid,
             },
         ),
     }

@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use super::Snapshot;
 use crate::model::{
     objects::{display_name, NodeInfo, Validated},
-    Origin, Problem, ServiceInfo, SliceInfo,
+    Origin, Problem, ProblemKind, ServiceInfo, SliceInfo,
 };
 use k8s_openapi::api::core::v1::Node;
 
@@ -40,6 +40,7 @@ pub fn load(path: &Path) -> Result<Snapshot> {
                     origin: file.display().to_string().into(),
                     object: "file".into(),
                     message: format!("cannot be read: {e}"),
+                    kind: ProblemKind::Invalid,
                 });
                 continue;
             }
@@ -132,6 +133,7 @@ pub fn parse_into(text: &str, file: &str, set: &mut Snapshot) {
                 origin,
                 object: "document".into(),
                 message: format!("not valid YAML: {e}"),
+                kind: ProblemKind::Invalid,
             }),
         }
     }
@@ -158,6 +160,7 @@ fn add_object(value: Value, origin: &Origin, set: &mut Snapshot) {
         origin: origin.clone(),
         object: format!("{kind} {name}"),
         message,
+        kind: ProblemKind::Invalid,
     };
     match (api_version.as_str(), kind.as_str()) {
         ("v1", "List") => {

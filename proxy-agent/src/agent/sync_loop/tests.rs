@@ -116,6 +116,7 @@ fn sync_loop(min_sync_period: Duration) -> (SyncLoop, ProxyHealth, Arc<Metrics>)
         node_name: "node-a".into(),
         node_port_addresses: Vec::new(),
         masquerade_all: false,
+        external_ip_cidrs: Vec::new(),
         default_scheduler: Default::default(),
         min_sync_period,
         full_sync_period: FULL_SYNC_PERIOD,
