@@ -209,8 +209,9 @@ ebpf:
     }
     assert_eq!(get(&lab, healthz, "/healthz").0, 200);
 
-    // A change that cannot be programmed (the map is full): the sync stalls, and after
-    // 2 x syncPeriod /healthz says so.
+    // A Service that cannot be programmed (SERVICES is full): reported, retried, and held
+    // against nobody: /healthz and /livez stay 200 past 2 x syncPeriod and the other
+    // Service keeps serving (before, one such Service turned every node's probes red).
     let mut yaml = web(&ips[..2]);
     yaml.push_str(&service(
         "big",
@@ -221,33 +222,54 @@ ebpf:
     lab.write_manifests(&yaml).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let (code, body) = get(&lab, healthz, "/healthz");
-        if code == 503 {
+        let (_, now) = get(&lab, metrics, "/metrics");
+        if metric(&now, "proxy_agent_unprogrammed_service_ports") == 1.0 {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "/healthz never reported the stalled sync: {code} {body}"
+            "the full map was not reported:\n{now}"
         );
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(100));
     }
-    let (_, after) = get(&lab, metrics, "/metrics");
-    assert!(metric(&after, "kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1.0);
-    assert_eq!(
-        metric(&after, "proxy_agent_unprogrammed_service_ports"),
-        1.0
-    );
     assert!(lab
         .agent()
         .unwrap()
         .log_text()
         .contains("eBPF map SERVICES is full"));
-    // And recovers once the change is undone.
+    std::thread::sleep(Duration::from_millis(2500)); // > 2 x syncPeriod (1 s)
+    for path in ["/healthz", "/livez"] {
+        let (code, body) = get(&lab, healthz, path);
+        assert_eq!(code, 200, "{path}: {body}");
+    }
+    let served = lab
+        .client
+        .ns
+        .run(|| {
+            (0..20)
+                .filter(|_| client::tcp_hello(WEB, Duration::from_secs(2)).is_ok())
+                .count()
+        })
+        .unwrap();
+    assert_eq!(served, 20, "the other Service serves");
+    let (_, after) = get(&lab, metrics, "/metrics");
+    assert!(
+        !after.contains("kubeproxy_proxy_healthz_total{code=\"503\"}"),
+        "no 503 was ever answered:\n{after}"
+    );
+    // Undone, the failure clears.
     lab.write_manifests(&web(&ips)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while get(&lab, healthz, "/healthz").0 != 200 {
-        assert!(Instant::now() < deadline, "/healthz did not recover");
-        std::thread::sleep(Duration::from_millis(200));
+    loop {
+        let (_, now) = get(&lab, metrics, "/metrics");
+        if metric(&now, "proxy_agent_unprogrammed_service_ports") == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the failure did not clear:\n{now}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 

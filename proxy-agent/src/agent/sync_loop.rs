@@ -161,11 +161,14 @@ impl SyncLoop {
             .find(|n| n.name == self.options.node_name);
         if node != self.node {
             match &node {
+                Some(n) if n.ineligible.is_some() => warn!("{n}: /healthz answers 503"),
                 Some(n) => info!("{n}"),
                 None => {
                     warn!(node = %self.options.node_name, "this node's Node object is not known")
                 }
             }
+            self.health
+                .set_ineligible(node.as_ref().and_then(|n| n.ineligible.clone()));
             self.node = node;
         }
         let changes = self.tracker.update(desired);
@@ -275,10 +278,12 @@ impl SyncLoop {
                 self.metrics
                     .unprogrammed_service_ports
                     .set(report.services_failed as i64);
+                // The sync completed: health follows the loop, not each service port (those
+                // that failed are in the metric and the log, and retried).
+                let now = SystemTime::now();
+                self.health.updated(now);
+                self.metrics.sync_last_timestamp.set(unix_seconds(now));
                 if report.services_failed == 0 {
-                    let now = SystemTime::now();
-                    self.health.updated(now);
-                    self.metrics.sync_last_timestamp.set(unix_seconds(now));
                     if let Some(since) = self.pending_since.take() {
                         self.metrics
                             .network_programming_duration

@@ -1,9 +1,16 @@
 //! `/healthz` and `/livez` with kube-proxy's semantics, and the HTTP servers for them and for
 //! `/metrics` and `/proxyMode`.
 //!
-//! Healthy means: no change has been waiting for a successful sync for longer than the
+//! Healthy means: no change has been waiting for a completed sync for longer than the
 //! health timeout (2 × syncPeriod). An idle agent with nothing pending is healthy however
-//! long ago it last synced, as in kube-proxy.
+//! long ago it last synced, as in kube-proxy. A sync completes even when some service ports
+//! could not be programmed: those are reported per service port (log, metrics) and retried,
+//! never held against the node, or one tenant's unprogrammable Service would fail the
+//! liveness probe and every load balancer's health check on every node.
+//!
+//! `/healthz` also says whether the node should take new traffic (KEP-3836): 503 with the
+//! reason while its Node is being deleted or tainted `ToBeDeletedByClusterAutoscaler`.
+//! `/livez` ignores that: the agent itself is fine and must not be restarted.
 
 use std::{
     net::SocketAddr,
@@ -21,6 +28,8 @@ use crate::metrics::Metrics;
 struct Times {
     last_updated: Option<SystemTime>,
     oldest_pending: Option<SystemTime>,
+    /// Why the node should take no new traffic (see the module doc); `None`: eligible.
+    ineligible: Option<String>,
 }
 
 /// Sync progress, shared between the sync loop and the HTTP handlers.
@@ -36,6 +45,7 @@ impl ProxyHealth {
             times: Arc::new(Mutex::new(Times {
                 last_updated: None,
                 oldest_pending: None,
+                ineligible: None,
             })),
             timeout,
         }
@@ -47,14 +57,24 @@ impl ProxyHealth {
         t.oldest_pending.get_or_insert(at);
     }
 
-    /// A sync programmed everything that was pending.
+    /// A sync completed (service ports it could not program are reported, not counted).
     pub fn updated(&self, at: SystemTime) {
         let mut t = self.times.lock().unwrap();
         t.last_updated = Some(at);
         t.oldest_pending = None;
     }
 
-    /// (healthy, last successful sync).
+    /// Whether the node should take new traffic, and why not.
+    pub fn set_ineligible(&self, why: Option<String>) {
+        self.times.lock().unwrap().ineligible = why;
+    }
+
+    /// Why the node should take no new traffic, if so.
+    pub fn ineligible(&self) -> Option<String> {
+        self.times.lock().unwrap().ineligible.clone()
+    }
+
+    /// (healthy, last completed sync).
     pub fn check(&self, now: SystemTime) -> (bool, Option<SystemTime>) {
         let t = self.times.lock().unwrap();
         let healthy = match t.oldest_pending {
@@ -85,31 +105,46 @@ struct AppState {
 }
 
 async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
-    respond(&s, &s.metrics.healthz_total)
+    respond(&s, &s.metrics.healthz_total, true)
 }
 
 async fn livez(State(s): State<AppState>) -> impl IntoResponse {
-    respond(&s, &s.metrics.livez_total)
+    respond(&s, &s.metrics.livez_total, false)
 }
 
+/// The answer of `/healthz` (`eligibility`: the node's eligibility counts) or `/livez`.
 fn respond(
     s: &AppState,
     counter: &prometheus::IntCounterVec,
+    eligibility: bool,
 ) -> (StatusCode, [(&'static str, &'static str); 1], String) {
     let now = SystemTime::now();
     let (healthy, last) = s.health.check(now);
-    let code = if healthy {
+    let ineligible = s.health.ineligible();
+    let code = if healthy && !(eligibility && ineligible.is_some()) {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     counter.with_label_values(&[code.as_str()]).inc();
-    let body = format!(
-        "{{\"lastUpdated\": {}, \"currentTime\": {}, \"nodeEligible\": true}}",
-        rfc3339ish(last),
-        rfc3339ish(Some(now))
-    );
-    (code, [("content-type", "application/json")], body)
+    let mut body = serde_json::json!({
+        "lastUpdated": raw_number(last),
+        "currentTime": raw_number(Some(now)),
+        "nodeEligible": ineligible.is_none(),
+    });
+    if let Some(why) = ineligible {
+        body["nodeIneligibleReason"] = why.into();
+    }
+    (
+        code,
+        [("content-type", "application/json")],
+        body.to_string(),
+    )
+}
+
+/// A time as the JSON number of seconds the body always carried (null: never).
+fn raw_number(t: Option<SystemTime>) -> serde_json::Value {
+    serde_json::from_str(&rfc3339ish(t)).unwrap_or(serde_json::Value::Null)
 }
 
 async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
@@ -195,6 +230,35 @@ mod tests {
             h.check(t0 + Duration::from_secs(3600)),
             (true, Some(t0 + Duration::from_secs(62)))
         );
+    }
+
+    #[test]
+    fn an_ineligible_node_fails_healthz_with_the_reason_but_not_livez() {
+        let state = AppState {
+            health: ProxyHealth::new(Duration::from_secs(60)),
+            metrics: Arc::new(Metrics::new()),
+            mode: "ebpf",
+        };
+        let answer = |eligibility| {
+            let (code, _, body) = respond(&state, &state.metrics.healthz_total, eligibility);
+            let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+            (code, body)
+        };
+        let (code, body) = answer(true);
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(body["nodeEligible"], true);
+        assert!(body["currentTime"].is_number(), "{body}");
+        state
+            .health
+            .set_ineligible(Some("the Node is being deleted".into()));
+        let (code, body) = answer(true);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["nodeEligible"], false);
+        assert_eq!(body["nodeIneligibleReason"], "the Node is being deleted");
+        let (code, _) = answer(false);
+        assert_eq!(code, StatusCode::OK, "/livez: the agent itself is fine");
+        state.health.set_ineligible(None);
+        assert_eq!(answer(true).0, StatusCode::OK);
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! health-check node port, an HTTP server on that port that tells a load balancer whether
 //! this node has endpoints of the service, as kube-proxy's service health server does: 200
 //! with the local endpoint count when there are some, 503 when there are none or when the
-//! proxy itself is unhealthy (its `/healthz` would say 503), and the same JSON body either
-//! way.
+//! sync loop is stalled (the proxy health check; node eligibility is `/healthz`'s alone), and
+//! the same JSON body either way.
 
 use std::{
     collections::BTreeMap,

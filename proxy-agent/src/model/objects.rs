@@ -737,7 +737,13 @@ pub struct NodeInfo {
     /// (type, address): InternalIP, ExternalIP, ...; unparsable addresses are left out.
     pub addresses: Vec<(String, IpAddr)>,
     pub zone: Option<String>,
+    /// Why load balancers should stop sending new traffic here (KEP-3836): the Node is being
+    /// deleted, or the cluster autoscaler is about to remove it. `/healthz` then answers 503.
+    pub ineligible: Option<String>,
 }
+
+/// The taint the cluster autoscaler sets on a node it is about to delete.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 
 impl NodeInfo {
     pub fn from_api(node: &Node) -> Self {
@@ -749,8 +755,23 @@ impl NodeInfo {
             .flatten()
             .filter_map(|a| Some((a.type_.clone(), a.address.parse().ok()?)))
             .collect();
+        let tainted = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|t| t.key == TO_BE_DELETED_TAINT);
+        let ineligible = if node.metadata.deletion_timestamp.is_some() {
+            Some("the Node is being deleted".to_string())
+        } else if tainted {
+            Some(format!("the Node is tainted {TO_BE_DELETED_TAINT}"))
+        } else {
+            None
+        };
         NodeInfo {
             name: node.metadata.name.clone().unwrap_or_default(),
+            ineligible,
             addresses,
             zone: node
                 .metadata
@@ -769,6 +790,9 @@ impl fmt::Display for NodeInfo {
         }
         if let Some(z) = &self.zone {
             write!(f, " zone={z}")?;
+        }
+        if let Some(why) = &self.ineligible {
+            write!(f, " not eligible for new traffic: {why}")?;
         }
         Ok(())
     }

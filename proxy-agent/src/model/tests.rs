@@ -697,6 +697,7 @@ fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
             ("InternalIP".into(), "fd00::5".parse().unwrap()),
         ],
         zone: Some("z1".into()),
+        ineligible: None,
     };
     let ips = |list: &[&str]| -> Vec<IpAddr> { list.iter().map(|a| a.parse().unwrap()).collect() };
     let local = ips(&[

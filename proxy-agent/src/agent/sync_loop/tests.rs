@@ -229,8 +229,11 @@ fn a_failed_sync_makes_the_next_one_full_and_health_turns_after_the_timeout() {
     assert_eq!(proxier.calls[3], Call::Partial(0));
 }
 
+/// One tenant's Service that cannot be programmed (a full map, a Maglev table too large)
+/// must not fail the node's liveness probe or every load balancer's health check: it is
+/// reported per service port, and health follows the sync loop, as kube-proxy's.
 #[test]
-fn a_sync_leaving_service_ports_unprogrammed_keeps_the_change_pending_for_health() {
+fn a_sync_leaving_service_ports_unprogrammed_is_reported_without_failing_health() {
     let (mut syncs, health, metrics) = sync_loop(Duration::ZERO);
     let mut proxier = FakeProxier {
         unprogrammed: 1,
@@ -239,9 +242,48 @@ fn a_sync_leaving_service_ports_unprogrammed_keeps_the_change_pending_for_health
     syncs.ingest(snapshot(1, &["10.0.0.1"]));
     syncs.first_sync(&mut proxier);
     assert_eq!(metrics.unprogrammed_service_ports.get(), 1);
-    assert!(!healthy_after(&health, Duration::from_secs(61)));
+    assert!(healthy_after(&health, Duration::from_secs(3600)));
+    // Further changes keep being synced and health stays with the loop.
+    syncs.ingest(snapshot(1, &["10.0.0.1", "10.0.0.2"]));
+    syncs.sync_or_defer(&mut proxier);
+    assert!(healthy_after(&health, Duration::from_secs(3600)));
     proxier.unprogrammed = 0;
     syncs.periodic(&mut proxier);
     assert_eq!(metrics.unprogrammed_service_ports.get(), 0);
     assert!(healthy_after(&health, Duration::from_secs(3600)));
+}
+
+#[test]
+fn a_node_being_removed_is_ineligible_until_it_is_not() {
+    let (mut syncs, health, _) = sync_loop(Duration::ZERO);
+    let with_node = |node: &str| {
+        let mut set = snapshot(1, &["10.0.0.1"]);
+        parse_into(
+            &format!("apiVersion: v1\nkind: Node\n{node}"),
+            "node.yaml",
+            &mut set,
+        );
+        set
+    };
+    syncs.ingest(with_node(
+        "metadata: {name: node-a}\nspec:\n  taints: [{key: ToBeDeletedByClusterAutoscaler, value: \"1700000000\", effect: NoSchedule}]\n",
+    ));
+    assert_eq!(
+        health.ineligible().as_deref(),
+        Some("the Node is tainted ToBeDeletedByClusterAutoscaler")
+    );
+    syncs.ingest(with_node("metadata: {name: node-a}\n"));
+    assert_eq!(health.ineligible(), None);
+    syncs.ingest(with_node(
+        "metadata: {name: node-a, deletionTimestamp: \"2026-12-01T00:00:00Z\"}\n",
+    ));
+    assert_eq!(
+        health.ineligible().as_deref(),
+        Some("the Node is being deleted")
+    );
+    // Another node's state is not this one's.
+    syncs.ingest(with_node(
+        "metadata: {name: node-b, deletionTimestamp: \"2026-12-01T00:00:00Z\"}\n",
+    ));
+    assert_eq!(health.ineligible(), None);
 }
