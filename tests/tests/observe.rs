@@ -51,6 +51,19 @@ fn metric(text: &str, series: &str) -> f64 {
         .unwrap_or_else(|| panic!("no series {series} in\n{text}"))
 }
 
+/// Waits (10 s at most) until `/metrics` at `addr` shows `series` at `value`.
+fn wait_for_metric(lab: &Lab, addr: SocketAddrV4, series: &str, value: f64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, now) = get(lab, addr, "/metrics");
+        if metric(&now, series) == value {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{series} never {value}:\n{now}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn health_metrics_and_config_over_http() {
     require_kernel!();
@@ -220,18 +233,7 @@ ebpf:
         &ips,
     ));
     lab.write_manifests(&yaml).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, now) = get(&lab, metrics, "/metrics");
-        if metric(&now, "proxy_agent_unprogrammed_service_ports") == 1.0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the full map was not reported:\n{now}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_metric(&lab, metrics, "proxy_agent_unprogrammed_service_ports", 1.0);
     assert!(lab
         .agent()
         .unwrap()
@@ -259,18 +261,7 @@ ebpf:
     );
     // Undone, the failure clears.
     lab.write_manifests(&web(&ips)).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, now) = get(&lab, metrics, "/metrics");
-        if metric(&now, "proxy_agent_unprogrammed_service_ports") == 0.0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the failure did not clear:\n{now}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_metric(&lab, metrics, "proxy_agent_unprogrammed_service_ports", 0.0);
 }
 
 #[test]
