@@ -22,6 +22,9 @@ pub const AGENT_API_VERSION: &str = "proxy-agent.io/v1alpha1";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct GoDuration(pub Duration);
 
+/// The longest Go duration, in seconds: i64::MAX nanoseconds.
+const MAX_GO_DURATION_SECS: f64 = i64::MAX as f64 / 1e9;
+
 impl GoDuration {
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
@@ -62,6 +65,13 @@ impl GoDuration {
             };
             total += value * scale;
             rest = &rest[unit_len..];
+        }
+        // Go's time.Duration is an int64 of nanoseconds; anything longer is an error there,
+        // and here it would overflow the clock arithmetic (Duration::from_secs_f64 panics).
+        if !total.is_finite() || total > MAX_GO_DURATION_SECS {
+            return Err(format!(
+                "{s:?} is out of range (a duration is at most 2562047h47m16.854775807s)"
+            ));
         }
         Ok(GoDuration(Duration::from_secs_f64(total)))
     }

@@ -271,6 +271,24 @@ fn external_ip_cidrs_are_read_and_checked() {
     assert_eq!(e.path, "externalIPCIDRs[1]", "{e}");
 }
 
+/// A duration too long for the clock was a panic at start; now an error naming the field.
+#[test]
+fn durations_beyond_gos_range_are_errors_naming_the_field() {
+    for text in [
+        "99999999999999999999h",
+        "2562048h",
+        &format!("{}s", "9".repeat(400)),
+    ] {
+        let e = GoDuration::parse(text).unwrap_err();
+        assert!(e.contains("out of range"), "{text}: {e}");
+        let e = err(&kpc(&format!("configSyncPeriod: {text}\n")));
+        assert_eq!(e.path, "configSyncPeriod", "{e}");
+        assert!(e.reason.contains("out of range"), "{e}");
+    }
+    let longest = GoDuration::parse("2562047h47m16s").unwrap().0;
+    assert_eq!(longest.as_secs(), 9_223_372_036);
+}
+
 #[test]
 fn go_durations_parse_as_go_writes_them() {
     let d = |s| GoDuration::parse(s).unwrap().0;
