@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::Node;
 /// ConfigMap while its symlinked files are read).
 pub fn load(path: &Path) -> Result<Snapshot> {
     let mut set = Snapshot::default();
-    let files = manifest_files(path)?;
+    let files = manifest_files(path, &mut set.problems)?;
     for file in files {
         let text = match fs::read_to_string(&file) {
             Ok(t) => t,
@@ -50,12 +50,18 @@ pub fn load(path: &Path) -> Result<Snapshot> {
     Ok(set)
 }
 
-fn manifest_files(path: &Path) -> Result<Vec<PathBuf>> {
+/// The manifest files under `path`. Each directory is read once however many symlinks lead
+/// to it: a symlink back up the tree is reported and skipped, not walked until the path is
+/// too long.
+fn manifest_files(path: &Path, problems: &mut Vec<Problem>) -> Result<Vec<PathBuf>> {
+    use std::os::unix::fs::MetadataExt;
     let meta = fs::metadata(path).with_context(|| format!("--manifests {}", path.display()))?;
     if meta.is_file() {
         return Ok(vec![path.to_path_buf()]);
     }
     let mut files = Vec::new();
+    let mut seen =
+        std::collections::BTreeMap::from([((meta.dev(), meta.ino()), path.to_path_buf())]);
     let mut dirs = vec![path.to_path_buf()];
     while let Some(dir) = dirs.pop() {
         let entries =
@@ -70,7 +76,21 @@ fn manifest_files(path: &Path) -> Result<Vec<PathBuf>> {
             let p = entry.path();
             // fs::metadata follows symlinks: ConfigMap files are symlinks into ..data/.
             match fs::metadata(&p) {
-                Ok(m) if m.is_dir() => dirs.push(p),
+                Ok(m) if m.is_dir() => match seen.get(&(m.dev(), m.ino())) {
+                    Some(first) => problems.push(Problem {
+                        origin: p.display().to_string().into(),
+                        object: "directory".into(),
+                        message: format!(
+                            "is {} again (a symlink loop or a second link); skipped",
+                            first.display()
+                        ),
+                        kind: ProblemKind::Invalid,
+                    }),
+                    None => {
+                        seen.insert((m.dev(), m.ino()), p.clone());
+                        dirs.push(p);
+                    }
+                },
                 Ok(m) if m.is_file() => {
                     if matches!(
                         p.extension().and_then(|e| e.to_str()),

@@ -220,6 +220,33 @@ fn directory_with_configmap_layout_is_read_through_its_symlinks() {
 }
 
 #[test]
+fn symlink_loops_are_reported_and_read_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("team-a");
+    fs::create_dir(&sub).unwrap();
+    fs::write(sub.join("services.yaml"), MIXED).unwrap();
+    symlink("..", sub.join("up")).unwrap();
+    symlink(".", dir.path().join("self")).unwrap();
+    let set = load(dir.path()).unwrap();
+    assert_eq!(set.store.services.len(), 2, "each file read once");
+    let loops: Vec<String> = set
+        .problems
+        .iter()
+        .filter(|p| p.message.contains("symlink loop"))
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(loops.len(), 2, "{:?}", set.problems);
+    assert!(loops.iter().any(|l| l.contains("team-a/up")), "{loops:?}");
+    assert!(
+        set.problems
+            .iter()
+            .all(|p| !p.message.contains("defined again")),
+        "{:?}",
+        set.problems
+    );
+}
+
+#[test]
 fn missing_path_is_a_clear_error() {
     let err = load(Path::new("/nonexistent/manifests")).unwrap_err();
     assert!(
