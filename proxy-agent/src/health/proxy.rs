@@ -85,15 +85,14 @@ impl ProxyHealth {
     }
 }
 
-fn rfc3339ish(t: Option<SystemTime>) -> String {
+/// A time as JSON seconds since the epoch, to the millisecond (null: never).
+fn seconds(t: Option<SystemTime>) -> serde_json::Value {
     match t {
-        Some(t) => format!(
-            "{:.3}",
-            t.duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs_f64()
-        ),
-        None => "null".into(),
+        Some(t) => {
+            let ms = t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis();
+            serde_json::json!(ms as f64 / 1000.0)
+        }
+        None => serde_json::Value::Null,
     }
 }
 
@@ -128,8 +127,8 @@ fn respond(
     };
     counter.with_label_values(&[code.as_str()]).inc();
     let mut body = serde_json::json!({
-        "lastUpdated": raw_number(last),
-        "currentTime": raw_number(Some(now)),
+        "lastUpdated": seconds(last),
+        "currentTime": seconds(Some(now)),
         "nodeEligible": ineligible.is_none(),
     });
     if let Some(why) = ineligible {
@@ -140,11 +139,6 @@ fn respond(
         [("content-type", "application/json")],
         body.to_string(),
     )
-}
-
-/// A time as the JSON number of seconds the body always carried (null: never).
-fn raw_number(t: Option<SystemTime>) -> serde_json::Value {
-    serde_json::from_str(&rfc3339ish(t)).unwrap_or(serde_json::Value::Null)
 }
 
 async fn metrics(State(s): State<AppState>) -> impl IntoResponse {

@@ -379,154 +379,155 @@ impl DesiredState {
         }
 
         let mut ports = BTreeMap::new();
-        let owners = ownership::Owners::decide(store, node);
-        for (svc, origin, cluster_ip) in ownership::service_ports(store) {
-            let family = IpFamily::of(cluster_ip);
+        let claims = ownership::claims(store, node);
+        let owners = ownership::Owners::decide(&claims);
+        for claim in claims {
+            let ownership::PortClaims {
+                svc,
+                origin,
+                spec,
+                name,
+                requests,
+                refused,
+            } = claim;
+            let family = name.family;
             let slices = slices_by_service
                 .get(&svc.name)
                 .map(Vec::as_slice)
                 .unwrap_or_default();
-            for (index, spec) in svc.ports.iter().enumerate() {
-                let name = ServicePortName {
-                    service: svc.name.clone(),
-                    port: spec.name.clone(),
-                    protocol: spec.protocol,
-                    family,
-                };
-                let problem = |kind, message: String| Problem {
-                    origin: origin.clone(),
-                    object: format!("Service {}", svc.name),
-                    message: format!("port {}: {message}", spec.port),
-                    kind,
-                };
-                let (requests, refused) = ownership::requests(svc, cluster_ip, index, spec, node);
-                for (addr, field) in refused {
+            let problem = |kind, message: String| Problem {
+                origin: origin.clone(),
+                object: format!("Service {}", svc.name),
+                message: format!("port {}: {message}", spec.port),
+                kind,
+            };
+            for (addr, field) in refused {
+                problems.push(problem(
+                    ProblemKind::ExternalIpRefused,
+                    format!("{field}: {addr} not served: outside --external-ip-cidrs"),
+                ));
+            }
+            let mut served: Vec<(Frontend, FrontendKind)> = Vec::new();
+            let mut lost_cluster_ip = false;
+            for request in requests {
+                let kind = request.field.kind();
+                if let Err(conflict) = owners.check(&name, request.frontend, kind) {
                     problems.push(problem(
-                        ProblemKind::ExternalIpRefused,
-                        format!("{field}: {addr} not served: outside --external-ip-cidrs"),
+                        ProblemKind::FrontendConflict,
+                        format!("{}: {conflict}", request.field),
                     ));
-                }
-                let mut served: Vec<(Frontend, FrontendKind)> = Vec::new();
-                let mut lost_cluster_ip = false;
-                for request in requests {
-                    if let Err(conflict) = owners.check(&name, request.frontend, request.kind) {
-                        problems.push(problem(
-                            ProblemKind::FrontendConflict,
-                            format!("{}: {conflict}", request.field),
-                        ));
-                        lost_cluster_ip |= request.kind == FrontendKind::ClusterIp;
-                        continue;
-                    }
-                    if let Some((_, kind)) = served.iter().find(|(f, _)| *f == request.frontend) {
-                        problems.push(problem(
-                            ProblemKind::Invalid,
-                            format!(
-                                "{}: {} is already this port's {kind:?} frontend; listed once",
-                                request.field, request.frontend
-                            ),
-                        ));
-                        continue;
-                    }
-                    served.push((request.frontend, request.kind));
-                }
-                if lost_cluster_ip || served.is_empty() {
+                    lost_cluster_ip |= kind == FrontendKind::ClusterIp;
                     continue;
                 }
-                let frontend = served[0].0;
-                let external_claimed: Vec<(Frontend, FrontendKind)> =
-                    served.into_iter().skip(1).collect();
-
-                let endpoints = resolve_endpoints(spec, family, slices, &mut problems, &svc.name);
-                let picked = categorize(&endpoints, svc, node);
-                let policy = |local: bool| {
-                    if local {
-                        let when_empty = if picked.any_serving {
-                            WhenEmpty::Drop
-                        } else {
-                            WhenEmpty::Refuse
-                        };
-                        (picked.local.clone(), when_empty)
-                    } else {
-                        (picked.cluster.clone(), WhenEmpty::Refuse)
-                    }
-                };
-                let (backends, when_empty) = policy(svc.internal_local);
-                let (external_backends, external_when_empty) = policy(svc.external_local);
-                // Weight 0 (IPVS's "quiesced"): no new flows, established ones continue.
-                let quiesced = |a: &SocketAddr| svc.weights.get(&a.ip()) == Some(&0);
-                let (backends, external_backends): (Vec<_>, Vec<_>) = (
-                    backends.into_iter().filter(|a| !quiesced(a)).collect(),
-                    external_backends
-                        .into_iter()
-                        .filter(|a| !quiesced(a))
-                        .collect(),
-                );
-                let draining_for = |local_only: bool, chosen: &[SocketAddr]| {
-                    let set: BTreeSet<SocketAddr> = endpoints
-                        .iter()
-                        .filter(|(a, ep)| {
-                            (!ep.ready || quiesced(a)) && (!local_only || is_local(ep, node))
-                        })
-                        .map(|(a, _)| *a)
-                        .filter(|a| !chosen.contains(a))
-                        .collect();
-                    set.into_iter().collect::<Vec<_>>()
-                };
-                let draining = draining_for(svc.internal_local, &backends);
-                let external_draining = draining_for(svc.external_local, &external_backends);
-                let external = external_claimed
-                    .into_iter()
-                    .map(|(frontend, kind)| FrontendState {
-                        frontend,
-                        kind,
-                        backends: external_backends.clone(),
-                        draining: external_draining.clone(),
-                        when_empty: external_when_empty,
-                        source_ranges: if kind == FrontendKind::LoadBalancer {
-                            svc.source_ranges
-                                .iter()
-                                .filter(|c| IpFamily::of(c.addr) == family)
-                                .cloned()
-                                .collect()
-                        } else {
-                            Vec::new()
-                        },
-                        masquerade: !svc.external_local,
-                        masquerade_all: node.masquerade_all,
-                    })
-                    .collect();
-                let remote = endpoints
-                    .iter()
-                    .filter(|(_, ep)| !is_local(ep, node))
-                    .map(|(addr, _)| *addr)
-                    .collect();
-                let health_check = svc
-                    .health_check_node_port
-                    .filter(|_| svc.external_local)
-                    .map(|p| (p, picked.local.len()));
-                ports.insert(
-                    name.clone(),
-                    Arc::new(ServicePortState {
-                        name,
-                        frontend,
-                        backends,
-                        draining,
-                        when_empty,
-                        masquerade_all: node.masquerade_all,
-                        external,
-                        remote,
-                        affinity_timeout: svc.affinity_timeout,
-                        health_check,
-                        scheduler: svc.scheduler.unwrap_or(node.default_scheduler),
-                        weights: svc
-                            .weights
-                            .iter()
-                            .filter(|(a, _)| IpFamily::of(**a) == family)
-                            .map(|(a, w)| (*a, *w))
-                            .collect(),
-                    }),
-                );
+                if let Some((_, earlier)) = served.iter().find(|(f, _)| *f == request.frontend) {
+                    problems.push(problem(
+                        ProblemKind::Invalid,
+                        format!(
+                            "{}: {} is already this port's {earlier:?} frontend; listed once",
+                            request.field, request.frontend
+                        ),
+                    ));
+                    continue;
+                }
+                served.push((request.frontend, kind));
             }
+            if lost_cluster_ip || served.is_empty() {
+                continue;
+            }
+            let frontend = served[0].0;
+            let external_claimed: Vec<(Frontend, FrontendKind)> =
+                served.into_iter().skip(1).collect();
+
+            let endpoints = resolve_endpoints(spec, family, slices, &mut problems, &svc.name);
+            let picked = categorize(&endpoints, svc, node);
+            let policy = |local: bool| {
+                if local {
+                    let when_empty = if picked.any_serving {
+                        WhenEmpty::Drop
+                    } else {
+                        WhenEmpty::Refuse
+                    };
+                    (picked.local.clone(), when_empty)
+                } else {
+                    (picked.cluster.clone(), WhenEmpty::Refuse)
+                }
+            };
+            let (backends, when_empty) = policy(svc.internal_local);
+            let (external_backends, external_when_empty) = policy(svc.external_local);
+            // Weight 0 (IPVS's "quiesced"): no new flows, established ones continue.
+            let quiesced = |a: &SocketAddr| svc.weights.get(&a.ip()) == Some(&0);
+            let (backends, external_backends): (Vec<_>, Vec<_>) = (
+                backends.into_iter().filter(|a| !quiesced(a)).collect(),
+                external_backends
+                    .into_iter()
+                    .filter(|a| !quiesced(a))
+                    .collect(),
+            );
+            let draining_for = |local_only: bool, chosen: &[SocketAddr]| {
+                let set: BTreeSet<SocketAddr> = endpoints
+                    .iter()
+                    .filter(|(a, ep)| {
+                        (!ep.ready || quiesced(a)) && (!local_only || is_local(ep, node))
+                    })
+                    .map(|(a, _)| *a)
+                    .filter(|a| !chosen.contains(a))
+                    .collect();
+                set.into_iter().collect::<Vec<_>>()
+            };
+            let draining = draining_for(svc.internal_local, &backends);
+            let external_draining = draining_for(svc.external_local, &external_backends);
+            let external = external_claimed
+                .into_iter()
+                .map(|(frontend, kind)| FrontendState {
+                    frontend,
+                    kind,
+                    backends: external_backends.clone(),
+                    draining: external_draining.clone(),
+                    when_empty: external_when_empty,
+                    source_ranges: if kind == FrontendKind::LoadBalancer {
+                        svc.source_ranges
+                            .iter()
+                            .filter(|c| IpFamily::of(c.addr) == family)
+                            .cloned()
+                            .collect()
+                    } else {
+                        Vec::new()
+                    },
+                    masquerade: !svc.external_local,
+                    masquerade_all: node.masquerade_all,
+                })
+                .collect();
+            let remote = endpoints
+                .iter()
+                .filter(|(_, ep)| !is_local(ep, node))
+                .map(|(addr, _)| *addr)
+                .collect();
+            let health_check = svc
+                .health_check_node_port
+                .filter(|_| svc.external_local)
+                .map(|p| (p, picked.local.len()));
+            ports.insert(
+                name.clone(),
+                Arc::new(ServicePortState {
+                    name,
+                    frontend,
+                    backends,
+                    draining,
+                    when_empty,
+                    masquerade_all: node.masquerade_all,
+                    external,
+                    remote,
+                    affinity_timeout: svc.affinity_timeout,
+                    health_check,
+                    scheduler: svc.scheduler.unwrap_or(node.default_scheduler),
+                    weights: svc
+                        .weights
+                        .iter()
+                        .filter(|(a, _)| IpFamily::of(**a) == family)
+                        .map(|(a, w)| (*a, *w))
+                        .collect(),
+                }),
+            );
         }
         (DesiredState { ports }, problems)
     }

@@ -14,56 +14,123 @@
 //! too, and the loser's whole service port is skipped (its other frontends claim nothing).
 //! `externalIPs` outside `--external-ip-cidrs` (when set) claim nothing either.
 
-use std::{collections::BTreeMap, fmt, net::IpAddr};
-
-use super::{
-    Cidr, Frontend, FrontendKind, IpFamily, NodeContext, ObjectName, ObjectStore, Origin,
-    ServiceInfo, ServicePortName, ServicePortSpec, ServiceType,
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
 };
 
-/// Every service port of the store in one family: a dual-stack Service gives two.
-pub(super) fn service_ports(
-    store: &ObjectStore,
-) -> impl Iterator<Item = (&ServiceInfo, &Origin, IpAddr)> {
-    store.services.values().flat_map(|(svc, origin)| {
-        let mut seen = std::collections::BTreeSet::new();
-        // `clusterIPs` holds at most one address per family (the API server enforces it).
-        svc.cluster_ips
-            .iter()
-            .filter(move |ip| seen.insert(IpFamily::of(**ip)))
-            .map(move |ip| (svc, origin, *ip))
-    })
+use super::{
+    Cidr, Frontend, FrontendKind, IpFamily, NodeContext, ObjectStore, Origin, ServiceInfo,
+    ServicePortName, ServicePortSpec, ServiceType,
+};
+
+/// The field of a Service that asks for a frontend, named in messages; it also says which
+/// kind of frontend the request is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Field {
+    ClusterIp,
+    /// `spec.ports[i].nodePort`.
+    NodePort(usize),
+    /// `spec.externalIPs[i]`.
+    ExternalIp(usize),
+    /// `status.loadBalancer.ingress[i].ip`.
+    LoadBalancer(usize),
+}
+
+impl Field {
+    pub fn kind(self) -> FrontendKind {
+        match self {
+            Field::ClusterIp => FrontendKind::ClusterIp,
+            Field::NodePort(_) => FrontendKind::NodePort,
+            Field::ExternalIp(_) => FrontendKind::ExternalIp,
+            Field::LoadBalancer(_) => FrontendKind::LoadBalancer,
+        }
+    }
+}
+
+impl fmt::Display for Field {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Field::ClusterIp => f.write_str("spec.clusterIPs"),
+            Field::NodePort(i) => write!(f, "spec.ports[{i}].nodePort"),
+            Field::ExternalIp(i) => write!(f, "spec.externalIPs[{i}]"),
+            Field::LoadBalancer(i) => write!(f, "status.loadBalancer.ingress[{i}].ip"),
+        }
+    }
 }
 
 /// A frontend a service port asks for, and the field that asked.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Request {
     pub frontend: Frontend,
-    pub kind: FrontendKind,
-    /// The object field, for messages (`spec.externalIPs[1]`).
-    pub field: String,
+    pub field: Field,
+}
+
+/// One service port (one family of one port of a Service) and the frontends it asks for.
+pub(super) struct PortClaims<'a> {
+    pub svc: &'a ServiceInfo,
+    pub origin: &'a Origin,
+    pub spec: &'a ServicePortSpec,
+    pub name: ServicePortName,
+    /// The cluster IP first.
+    pub requests: Vec<Request>,
+    /// External IPs the node's `--external-ip-cidrs` refuses.
+    pub refused: Vec<(IpAddr, Field)>,
+}
+
+/// Every service port of the store with what it asks for: a dual-stack Service gives one
+/// per family. Computed once per build; [`Owners::decide`] and the build both read it.
+pub(super) fn claims<'a>(store: &'a ObjectStore, node: &NodeContext) -> Vec<PortClaims<'a>> {
+    let mut all = Vec::new();
+    for (svc, origin) in store.services.values() {
+        // `clusterIPs` holds at most one address per family (the API server enforces it).
+        let mut seen = BTreeSet::new();
+        for cluster_ip in svc
+            .cluster_ips
+            .iter()
+            .filter(|ip| seen.insert(IpFamily::of(**ip)))
+        {
+            for (index, spec) in svc.ports.iter().enumerate() {
+                let (requests, refused) = requests(svc, *cluster_ip, index, spec, node);
+                all.push(PortClaims {
+                    svc,
+                    origin,
+                    spec,
+                    name: ServicePortName {
+                        service: svc.name.clone(),
+                        port: spec.name.clone(),
+                        protocol: spec.protocol,
+                        family: IpFamily::of(*cluster_ip),
+                    },
+                    requests,
+                    refused,
+                });
+            }
+        }
+    }
+    all
 }
 
 /// Every frontend a service port asks for, the cluster IP first, and the external IPs the
-/// node's policy refuses (with the field that listed them).
-pub(super) fn requests(
+/// node's policy refuses.
+fn requests(
     svc: &ServiceInfo,
     cluster_ip: IpAddr,
     index: usize,
     spec: &ServicePortSpec,
     node: &NodeContext,
-) -> (Vec<Request>, Vec<(IpAddr, String)>) {
+) -> (Vec<Request>, Vec<(IpAddr, Field)>) {
     let family = IpFamily::of(cluster_ip);
-    let frontend = |addr, port| Frontend {
-        addr,
-        port,
-        protocol: spec.protocol,
+    let request = |addr, port, field| Request {
+        frontend: Frontend {
+            addr,
+            port,
+            protocol: spec.protocol,
+        },
+        field,
     };
-    let mut wanted = vec![Request {
-        frontend: frontend(cluster_ip, spec.port),
-        kind: FrontendKind::ClusterIp,
-        field: "spec.clusterIPs".into(),
-    }];
+    let mut wanted = vec![request(cluster_ip, spec.port, Field::ClusterIp)];
     let mut refused = Vec::new();
     if let (Some(node_port), ServiceType::NodePort | ServiceType::LoadBalancer) =
         (spec.node_port, svc.service_type)
@@ -73,35 +140,22 @@ pub(super) fn requests(
             .iter()
             .filter(|a| IpFamily::of(**a) == family)
         {
-            wanted.push(Request {
-                frontend: frontend(*addr, node_port),
-                kind: FrontendKind::NodePort,
-                field: format!("spec.ports[{index}].nodePort"),
-            });
+            wanted.push(request(*addr, node_port, Field::NodePort(index)));
         }
     }
     for (i, addr) in svc.external_ips.iter().enumerate() {
         if IpFamily::of(*addr) != family {
             continue;
         }
-        let field = format!("spec.externalIPs[{i}]");
-        if !external_ip_allowed(&node.external_ip_cidrs, *addr) {
-            refused.push((*addr, field));
-            continue;
+        if external_ip_allowed(&node.external_ip_cidrs, *addr) {
+            wanted.push(request(*addr, spec.port, Field::ExternalIp(i)));
+        } else {
+            refused.push((*addr, Field::ExternalIp(i)));
         }
-        wanted.push(Request {
-            frontend: frontend(*addr, spec.port),
-            kind: FrontendKind::ExternalIp,
-            field,
-        });
     }
     for (i, addr) in svc.load_balancer_ips.iter().enumerate() {
         if IpFamily::of(*addr) == family {
-            wanted.push(Request {
-                frontend: frontend(*addr, spec.port),
-                kind: FrontendKind::LoadBalancer,
-                field: format!("status.loadBalancer.ingress[{i}].ip"),
-            });
+            wanted.push(request(*addr, spec.port, Field::LoadBalancer(i)));
         }
     }
     (wanted, refused)
@@ -112,30 +166,27 @@ pub fn external_ip_allowed(cidrs: &[Cidr], addr: IpAddr) -> bool {
     cidrs.is_empty() || cidrs.iter().any(|c| c.contains(addr))
 }
 
-/// How strong a claim is; the smallest wins.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct Rank {
+/// How strong a claim is; the smallest wins. The port name sorts by Service first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Rank<'a> {
     kind: u8,
     /// `creationTimestamp` in seconds; unknown (a manifest without one) sorts last.
     created: i64,
-    service: ObjectName,
-    port: ServicePortName,
+    port: &'a ServicePortName,
 }
 
-fn kind_rank(kind: FrontendKind) -> u8 {
-    match kind {
-        FrontendKind::ClusterIp => 0,
-        FrontendKind::NodePort => 1,
-        FrontendKind::ExternalIp | FrontendKind::LoadBalancer => 2,
+impl<'a> Rank<'a> {
+    fn of(claim: &'a PortClaims, kind: FrontendKind) -> Self {
+        Rank {
+            kind: match kind {
+                FrontendKind::ClusterIp => 0,
+                FrontendKind::NodePort => 1,
+                FrontendKind::ExternalIp | FrontendKind::LoadBalancer => 2,
+            },
+            created: claim.svc.created.unwrap_or(i64::MAX),
+            port: &claim.name,
+        }
     }
-}
-
-/// The service port that serves a contested frontend.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Owner {
-    pub port: ServicePortName,
-    pub kind: FrontendKind,
-    rank: Rank,
 }
 
 /// A frontend a service port asked for and does not get.
@@ -175,83 +226,43 @@ impl fmt::Display for Conflict {
 /// frontends are not listed: their one claimant serves them).
 #[derive(Debug, Default)]
 pub struct Owners {
-    contested: BTreeMap<Frontend, Owner>,
+    /// Frontend → (owning service port, as what).
+    contested: BTreeMap<Frontend, (ServicePortName, FrontendKind)>,
 }
 
 impl Owners {
-    /// Decides every contested frontend of `store` on `node`.
-    pub fn decide(store: &ObjectStore, node: &NodeContext) -> Owners {
-        let mut claims: BTreeMap<Frontend, Vec<Owner>> = BTreeMap::new();
-        let all: Vec<(Request, Rank)> = service_ports(store)
-            .flat_map(|(svc, _, cluster_ip)| {
-                svc.ports.iter().enumerate().flat_map(move |(i, spec)| {
-                    let port = ServicePortName {
-                        service: svc.name.clone(),
-                        port: spec.name.clone(),
-                        protocol: spec.protocol,
-                        family: IpFamily::of(cluster_ip),
-                    };
-                    requests(svc, cluster_ip, i, spec, node)
-                        .0
-                        .into_iter()
-                        .map(move |r| {
-                            let rank = Rank {
-                                kind: kind_rank(r.kind),
-                                created: svc.created.unwrap_or(i64::MAX),
-                                service: svc.name.clone(),
-                                port: port.clone(),
-                            };
-                            (r, rank)
-                        })
-                })
-            })
-            .collect();
+    /// Decides every contested frontend among `claims`.
+    pub(super) fn decide(claims: &[PortClaims]) -> Owners {
         // Cluster IPs first: a port that loses its cluster IP is not served, so its other
         // frontends must not take anything from anyone.
         let mut cluster_owner: BTreeMap<Frontend, Rank> = BTreeMap::new();
-        for (r, rank) in all
-            .iter()
-            .filter(|(r, _)| r.kind == FrontendKind::ClusterIp)
-        {
+        for claim in claims {
+            let rank = Rank::of(claim, FrontendKind::ClusterIp);
             let best = cluster_owner
-                .entry(r.frontend)
-                .or_insert_with(|| rank.clone());
-            if rank < best {
-                *best = rank.clone();
+                .entry(claim.requests[0].frontend)
+                .or_insert(rank);
+            *best = (*best).min(rank);
+        }
+        let mut claimants: BTreeMap<Frontend, Vec<(Rank, FrontendKind)>> = BTreeMap::new();
+        for claim in claims {
+            let lost = cluster_owner[&claim.requests[0].frontend].port != &claim.name;
+            for request in &claim.requests {
+                let kind = request.field.kind();
+                if lost && kind != FrontendKind::ClusterIp {
+                    continue;
+                }
+                claimants
+                    .entry(request.frontend)
+                    .or_default()
+                    .push((Rank::of(claim, kind), kind));
             }
         }
-        let lost_cluster_ip = |rank: &Rank, cluster: &Frontend| {
-            cluster_owner
-                .get(cluster)
-                .is_some_and(|best| best.port != rank.port)
-        };
-        let cluster_of: BTreeMap<&ServicePortName, Frontend> = all
-            .iter()
-            .filter(|(r, _)| r.kind == FrontendKind::ClusterIp)
-            .map(|(r, rank)| (&rank.port, r.frontend))
-            .collect();
-        for (r, rank) in &all {
-            if r.kind != FrontendKind::ClusterIp
-                && cluster_of
-                    .get(&rank.port)
-                    .is_some_and(|c| lost_cluster_ip(rank, c))
-            {
-                continue;
-            }
-            claims.entry(r.frontend).or_default().push(Owner {
-                port: rank.port.clone(),
-                kind: r.kind,
-                rank: rank.clone(),
-            });
-        }
-        let contested = claims
+        let contested = claimants
             .into_iter()
-            .filter(|(_, owners)| owners.iter().any(|o| o.port != owners[0].port))
-            .filter_map(|(frontend, owners)| {
-                owners
-                    .into_iter()
-                    .min_by(|a, b| a.rank.cmp(&b.rank))
-                    .map(|o| (frontend, o))
+            .filter(|(_, all)| all.iter().any(|(r, _)| r.port != all[0].0.port))
+            .filter_map(|(frontend, all)| {
+                let (rank, kind) = all.into_iter().min_by_key(|(r, _)| *r)?;
+                Some((frontend, (rank.port.clone(), kind)))
             })
             .collect();
         Owners { contested }
@@ -265,11 +276,11 @@ impl Owners {
         kind: FrontendKind,
     ) -> Result<(), Conflict> {
         match self.contested.get(&frontend) {
-            Some(owner) if owner.port != *port => Err(Conflict {
+            Some((owner, owner_kind)) if owner != port => Err(Conflict {
                 frontend,
                 kind,
-                owner: owner.port.clone(),
-                owner_kind: owner.kind,
+                owner: owner.clone(),
+                owner_kind: *owner_kind,
             }),
             _ => Ok(()),
         }
