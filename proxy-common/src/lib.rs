@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 5;
+pub const MAP_LAYOUT_VERSION: u32 = 6;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -42,6 +42,12 @@ pub mod map_names {
     pub const BACKEND_ADDRS6: &str = "BACKEND_ADDRS6";
     /// IPv6 flows, as `CONNTRACK`.
     pub const CONNTRACK6: &str = "CONNTRACK6";
+    /// Flows not yet confirmed (their client has not spoken since the first reply): same
+    /// layout as `CONNTRACK`, a separate LRU, so a flood of spoofed sources only ever
+    /// evicts its own kind and never an established flow.
+    pub const CT_NEW: &str = "CT_NEW";
+    /// Unconfirmed IPv6 flows, as `CT_NEW`.
+    pub const CT_NEW6: &str = "CT_NEW6";
     /// `sessionAffinity: ClientIP` for IPv6 clients, as `AFFINITY`.
     pub const AFFINITY6: &str = "AFFINITY6";
     /// `loadBalancerSourceRanges` of IPv6 frontends, as `SOURCE_RANGES`.
@@ -763,10 +769,24 @@ pub enum Stat {
     SocketTranslated = 17,
     /// A socket of the node's own processes named a service without endpoints: refused.
     SocketRefused = 18,
+    /// Entries the datapath created in `CT_NEW`/`CT_NEW6` (two per new flow, two more per
+    /// masqueraded one).
+    NewEntryCreated = 19,
+    /// Entries the datapath removed from `CT_NEW`/`CT_NEW6` (flows confirmed, re-balanced or
+    /// replaced).
+    NewEntryRemoved = 20,
+    /// Entries of `CT_NEW`/`CT_NEW6` the agent's garbage collector removed (user space
+    /// only, as `ConntrackCollected`).
+    NewEntryCollected = 21,
+    /// A flow's client spoke after a reply: its entries moved to `CONNTRACK`/`CONNTRACK6`.
+    FlowConfirmed = 22,
+    /// A TCP segment without SYN to a frontend matched no flow: passed untranslated, and
+    /// nothing was created (a spoofed ACK flood, or a flow from before a map rebuild).
+    UntrackedSegment = 23,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 19;
+    pub const COUNT: u32 = 24;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -787,6 +807,11 @@ impl Stat {
         Stat::FragmentTranslated,
         Stat::SocketTranslated,
         Stat::SocketRefused,
+        Stat::NewEntryCreated,
+        Stat::NewEntryRemoved,
+        Stat::NewEntryCollected,
+        Stat::FlowConfirmed,
+        Stat::UntrackedSegment,
     ];
 
     /// Label used for the metric.
@@ -811,6 +836,11 @@ impl Stat {
             Stat::FragmentTranslated => "fragment_translated",
             Stat::SocketTranslated => "socket_translated",
             Stat::SocketRefused => "socket_refused",
+            Stat::NewEntryCreated => "new_entry_created",
+            Stat::NewEntryRemoved => "new_entry_removed",
+            Stat::NewEntryCollected => "new_entry_collected",
+            Stat::FlowConfirmed => "flow_confirmed",
+            Stat::UntrackedSegment => "untracked_segment",
         }
     }
 }

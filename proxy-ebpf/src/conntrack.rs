@@ -1,8 +1,21 @@
 //! Conntrack entries of both families, handled once: creation and removal (counted, so LRU
-//! evictions are derived over both maps), the per-packet state update, and the clash rule
-//! for a new non-service flow that reuses an old service flow's reply tuple.
+//! evictions are derived over both maps), the per-packet state update, confirmation, and the
+//! clash rule for a new non-service flow that reuses an old service flow's reply tuple.
 //!
-//! The IPv4 and IPv6 maps differ only in their address type; [`Family`] names the map, the
+//! Two tables per family. A new flow's entries go to `CT_NEW`; they move to `CONNTRACK` when
+//! the flow is confirmed: its client sends again after the backend replied (for TCP, the last
+//! ACK of the handshake), as netfilter's ASSURED. A spoofed source never sees the reply, so a
+//! flood of spoofed SYN, ACK or UDP packets churns `CT_NEW` only and the LRU of `CONNTRACK`
+//! holds confirmed flows alone: a flood cannot evict them. (A TCP segment without SYN that
+//! matches nothing creates no entry at all; the caller checks that.)
+//!
+//! ```text
+//!   first packet ──► CT_NEW (original + reply entry, and the source-NAT pair if any)
+//!   backend replies ──► the entries are marked SEEN_REPLY, still in CT_NEW
+//!   client speaks again ──► all of them move to CONNTRACK (Stat::FlowConfirmed)
+//! ```
+//!
+//! The IPv4 and IPv6 maps differ only in their address type; [`Family`] names the maps, the
 //! key constructor and the fields these functions read, and each function is written once.
 
 use aya_ebpf::{
@@ -11,13 +24,50 @@ use aya_ebpf::{
 };
 use proxy_common::{
     ConntrackKey, ConntrackKey6, ConntrackValue, ConntrackValue6, Stat, CT_FLAG_CLOSING,
-    CT_FLAG_COUNTED, CT_FLAG_REPLY, IPPROTO_TCP,
+    CT_FLAG_COUNTED, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, IPPROTO_TCP,
 };
 
 use crate::{
-    bump, count_connection, ipv6::CONNTRACK6, CONNTRACK, REFRESH_NS, TCP_ACK, TCP_FIN, TCP_RST,
-    TCP_SYN,
+    bump, count_connection,
+    ipv6::{CONNTRACK6, CT_NEW6},
+    CONNTRACK, CT_NEW, REFRESH_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
 };
+
+/// Which of a family's two maps holds a flow's entries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Table {
+    /// `CONNTRACK`/`CONNTRACK6`: confirmed flows.
+    Confirmed,
+    /// `CT_NEW`/`CT_NEW6`: flows whose client has not spoken since a reply.
+    New,
+}
+
+impl Table {
+    #[inline(always)]
+    fn created(self) -> Stat {
+        match self {
+            Table::Confirmed => Stat::ConntrackCreated,
+            Table::New => Stat::NewEntryCreated,
+        }
+    }
+
+    #[inline(always)]
+    fn removed(self) -> Stat {
+        match self {
+            Table::Confirmed => Stat::ConntrackRemoved,
+            Table::New => Stat::NewEntryRemoved,
+        }
+    }
+}
+
+/// Whether a new flow may create entries: any UDP datagram, but for TCP only a SYN (without
+/// ACK). A segment of an unknown connection is passed untranslated and counted, so spoofed
+/// ACKs cost no state; kernel conntrack may still carry such a flow after a mode switch or a
+/// map rebuild.
+#[inline(always)]
+pub(crate) fn may_open(proto: u8, tcp_flags: u8) -> bool {
+    proto != IPPROTO_TCP || tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+}
 
 /// What the shared functions read and write in a conntrack value of either family.
 pub(crate) trait Entry {
@@ -34,8 +84,9 @@ pub(crate) trait Entry {
 pub(crate) trait Family {
     type Addr: Copy;
     type Key: Copy + 'static;
-    type Value: Entry<Addr = Self::Addr> + 'static;
+    type Value: Entry<Addr = Self::Addr> + Copy + 'static;
     fn map() -> &'static LruHashMap<Self::Key, Self::Value>;
+    fn new_map() -> &'static LruHashMap<Self::Key, Self::Value>;
     fn key(saddr: Self::Addr, daddr: Self::Addr, sport: u16, dport: u16, proto: u8) -> Self::Key;
     fn reversed(key: &Self::Key) -> Self::Key;
     /// Source address, source port and protocol of a key.
@@ -77,7 +128,7 @@ entry!(ConntrackValue, u32);
 entry!(ConntrackValue6, [u8; 16]);
 
 macro_rules! family {
-    ($family:ident, $map:ident, $key:ty, $value:ty, $addr:ty) => {
+    ($family:ident, $map:ident, $new_map:ident, $key:ty, $value:ty, $addr:ty) => {
         pub(crate) struct $family;
         impl Family for $family {
             type Addr = $addr;
@@ -86,6 +137,10 @@ macro_rules! family {
             #[inline(always)]
             fn map() -> &'static LruHashMap<$key, $value> {
                 &$map
+            }
+            #[inline(always)]
+            fn new_map() -> &'static LruHashMap<$key, $value> {
+                &$new_map
             }
             #[inline(always)]
             fn key(saddr: $addr, daddr: $addr, sport: u16, dport: u16, proto: u8) -> $key {
@@ -102,27 +157,117 @@ macro_rules! family {
         }
     };
 }
-family!(V4, CONNTRACK, ConntrackKey, ConntrackValue, u32);
-family!(V6, CONNTRACK6, ConntrackKey6, ConntrackValue6, [u8; 16]);
+family!(V4, CONNTRACK, CT_NEW, ConntrackKey, ConntrackValue, u32);
+family!(
+    V6,
+    CONNTRACK6,
+    CT_NEW6,
+    ConntrackKey6,
+    ConntrackValue6,
+    [u8; 16]
+);
+
+#[inline(always)]
+fn table_map<F: Family>(table: Table) -> &'static LruHashMap<F::Key, F::Value> {
+    match table {
+        Table::Confirmed => F::map(),
+        Table::New => F::new_map(),
+    }
+}
+
+/// A flow's entry and the table it is in: confirmed flows first, as nearly every packet
+/// belongs to one.
+#[inline(always)]
+pub(crate) fn lookup<F: Family>(key: &F::Key) -> Option<(*mut F::Value, Table)> {
+    if let Some(ct) = F::map().get_ptr_mut(key) {
+        return Some((ct, Table::Confirmed));
+    }
+    F::new_map().get_ptr_mut(key).map(|ct| (ct, Table::New))
+}
+
+/// An entry in a given table.
+#[inline(always)]
+pub(crate) fn get_in<F: Family>(table: Table, key: &F::Key) -> Option<*mut F::Value> {
+    table_map::<F>(table).get_ptr_mut(key)
+}
+
+/// Whether either table has an entry for `key`.
+#[inline(always)]
+pub(crate) fn in_use<F: Family>(key: &F::Key) -> bool {
+    // SAFETY: only presence is read.
+    unsafe { F::map().get(key).is_some() || F::new_map().get(key).is_some() }
+}
 
 /// Removes a conntrack entry, counting it when it was there.
 #[inline(always)]
-pub(crate) fn forget<K, V>(map: &LruHashMap<K, V>, key: &K) {
-    if map.remove(key).is_ok() {
-        bump(Stat::ConntrackRemoved);
+pub(crate) fn forget<F: Family>(table: Table, key: &F::Key) {
+    if table_map::<F>(table).remove(key).is_ok() {
+        bump(table.removed());
     }
 }
 
 /// Stores a conntrack entry; counts it as created when the key was new. Returns false when
 /// the map refused it.
 #[inline(always)]
-pub(crate) fn track<K, V>(map: &LruHashMap<K, V>, key: &K, value: &V) -> bool {
+pub(crate) fn track<F: Family>(table: Table, key: &F::Key, value: &F::Value) -> bool {
+    let map = table_map::<F>(table);
     if map.insert(key, value, BPF_NOEXIST as u64).is_ok() {
-        bump(Stat::ConntrackCreated);
+        bump(table.created());
         return true;
     }
     // Present already (another CPU raced us, or a clashing reply entry): replace it.
     map.insert(key, value, BPF_ANY as u64).is_ok()
+}
+
+/// Moves one entry from `CT_NEW` to `CONNTRACK`, if it is there.
+#[inline(always)]
+fn promote<F: Family>(key: &F::Key) -> Option<F::Value> {
+    // SAFETY: the value is copied out before the maps are written.
+    let value = *unsafe { F::new_map().get(key) }?;
+    if !track::<F>(Table::Confirmed, key, &value) {
+        bump(Stat::ConntrackInsertFailed);
+    }
+    forget::<F>(Table::New, key);
+    Some(value)
+}
+
+/// Confirms a flow whose client spoke after a reply: its original entry (`key`, whose
+/// current value is `original`), its reply entry and, for a masqueraded flow, its source-NAT
+/// pair move from `CT_NEW` to `CONNTRACK`. `to_backend` is the flow as it leaves after DNAT
+/// (client to backend), the key of its source-NAT entry.
+#[inline(always)]
+pub(crate) fn confirm<F: Family>(
+    key: &F::Key,
+    original: &F::Value,
+    reply: &F::Key,
+    to_backend: &F::Key,
+) {
+    if !track::<F>(Table::Confirmed, key, original) {
+        bump(Stat::ConntrackInsertFailed);
+    }
+    forget::<F>(Table::New, key);
+    promote::<F>(reply);
+    // SAFETY: the value is copied out before the maps are written.
+    let Some(snat) = (unsafe { F::new_map().get(to_backend) }).copied() else {
+        bump(Stat::FlowConfirmed);
+        return;
+    };
+    if snat.flags() & CT_FLAG_SNAT != 0 {
+        promote::<F>(to_backend);
+        // The backend's replies come to the masquerade address and port.
+        let (_, _, proto) = F::source(to_backend);
+        let (masq, masq_port) = snat.nat();
+        let (backend, backend_port) = original.nat();
+        promote::<F>(&F::key(backend, masq, backend_port, masq_port, proto));
+    }
+    bump(Stat::FlowConfirmed);
+}
+
+/// Whether a packet in the original direction confirms a flow: the backend has replied and
+/// the entry is still in `CT_NEW`.
+#[inline(always)]
+pub(crate) fn confirms<E: Entry>(table: Table, ct: &E) -> bool {
+    table == Table::New && ct.flags() & CT_FLAG_SEEN_REPLY != 0
 }
 
 /// Updates an entry's state for a packet with `tcp_flags`; refreshes its timestamp at most
@@ -156,24 +301,37 @@ pub(crate) fn touch<E: Entry>(ct: &mut E, tcp_flags: u8, now: u64, extra_flags: 
 #[inline(always)]
 pub(crate) fn forget_clashing_flow<F: Family>(key: &F::Key, tcp_flags: u8) {
     let (saddr, sport, proto) = F::source(key);
-    let opens = match proto {
-        IPPROTO_TCP => tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN,
-        _ => true,
-    };
-    if !opens {
+    if !may_open(proto, tcp_flags) {
         return;
     }
     let reply = F::reversed(key);
-    // SAFETY: the value is copied out before the map is written.
-    let Some(ct) = (unsafe { F::map().get(&reply) }) else {
-        return;
+    if !forget_clash_in::<F>(Table::Confirmed, &reply, saddr, sport, proto) {
+        forget_clash_in::<F>(Table::New, &reply, saddr, sport, proto);
+    }
+}
+
+/// [`forget_clashing_flow`] in one table; true when it found the clash.
+#[inline(always)]
+fn forget_clash_in<F: Family>(
+    table: Table,
+    reply: &F::Key,
+    saddr: F::Addr,
+    sport: u16,
+    proto: u8,
+) -> bool {
+    // Copied out, not held as a pointer: with a map value pointer live here, LLVM shared
+    // its register with a 32-bit value of another path and the verifier refused the spill.
+    // SAFETY: the value is copied before the map is written.
+    let Some(ct) = (unsafe { table_map::<F>(table).get(reply) }).copied() else {
+        return false;
     };
     if ct.flags() & CT_FLAG_REPLY == 0 {
-        return;
+        return false;
     }
     let (nat_addr, nat_port) = ct.nat();
     let original = F::key(saddr, nat_addr, sport, nat_port, proto);
-    forget(F::map(), &original);
-    forget(F::map(), &reply);
+    forget::<F>(table, &original);
+    forget::<F>(table, reply);
     bump(Stat::ClashResolved);
+    true
 }

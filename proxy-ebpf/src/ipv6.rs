@@ -38,7 +38,9 @@ use proxy_common::{
 
 use crate::{
     account, backend, bump, config,
-    conntrack::{forget, touch, track, V6},
+    conntrack::{
+        confirm, confirms, forget, get_in, in_use, lookup, may_open, touch, track, Table, V6,
+    },
     count_connection, pick_slot, random_below, read, Hook, SlotTable, ETH_HLEN, SERVICES,
     SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK,
     TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN, UDP_CSUM_OFF,
@@ -51,6 +53,10 @@ pub static BACKEND_ADDRS6: Array<BackendAddr6> = Array::with_max_entries(65536, 
 #[map]
 pub static CONNTRACK6: LruHashMap<ConntrackKey6, ConntrackValue6> =
     LruHashMap::with_max_entries(65536, 0);
+/// Unconfirmed IPv6 flows, as `CT_NEW`.
+#[map]
+pub static CT_NEW6: LruHashMap<ConntrackKey6, ConntrackValue6> =
+    LruHashMap::with_max_entries(16384, 0);
 #[map]
 static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::with_max_entries(65536, 0);
 #[map]
@@ -112,10 +118,11 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
 
 #[inline(always)]
 fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
-    if let Some(ct) = CONNTRACK6.get_ptr_mut(&pkt.key) {
+    // As for IPv4: a flow that had an entry may take a new backend with any segment.
+    let mut known = false;
+    if let Some((ct, table)) = lookup::<V6>(&pkt.key) {
         // SAFETY: the pointer is to a map value and valid for this program run.
         let ct = unsafe { &mut *ct };
-        let now = unsafe { bpf_ktime_get_ns() };
         let flags = ct.flags;
         // Each kind of entry acts at one hook only; elsewhere the packet passes as it is.
         if flags & CT_FLAG_SNAT != 0 {
@@ -134,14 +141,18 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
             if flags & CT_FLAG_EGRESS_ONLY != 0 && hook == Hook::Ingress {
                 return Ok(TC_ACT_UNSPEC);
             }
-            return translate_reply(ctx, &pkt, ct, now);
+            return translate_reply(ctx, &pkt, ct, table);
         }
         if hook == Hook::Egress {
             return Ok(TC_ACT_UNSPEC);
         }
-        if let Some(verdict) = translate_tracked(ctx, &pkt, ct, now)? {
+        if let Some(verdict) = translate_tracked(ctx, &pkt, ct, table)? {
+            if confirms(table, ct) {
+                confirm_flow(&pkt, ct);
+            }
             return Ok(verdict);
         }
+        known = true;
     }
     if hook == Hook::Egress {
         return Ok(TC_ACT_UNSPEC);
@@ -158,6 +169,10 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
             return Ok(TC_ACT_SHOT as i32);
         }
         return crate::refuse(ctx);
+    }
+    if !known && !may_open(pkt.key.proto, pkt.tcp_flags) {
+        bump(Stat::UntrackedSegment);
+        return Ok(TC_ACT_UNSPEC);
     }
     if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0 && !source_allowed(&pkt, header.service_id) {
         bump(Stat::SourceRangeDenied);
@@ -305,8 +320,10 @@ fn translate_reply(
     ctx: &TcContext,
     pkt: &Packet6,
     ct: &mut ConntrackValue6,
-    now: u64,
+    table: Table,
 ) -> Result<i32, Stat> {
+    // Read here: a sixth argument would not fit in registers.
+    let now = unsafe { bpf_ktime_get_ns() };
     let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
     let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
     let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
@@ -332,7 +349,7 @@ fn translate_reply(
     if first_reply || closing {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
         let original = ConntrackKey6::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
-        if let Some(orig) = CONNTRACK6.get_ptr_mut(&original) {
+        if let Some(orig) = get_in::<V6>(table, &original) {
             // SAFETY: map value pointer, valid for this run.
             touch(
                 unsafe { &mut *orig },
@@ -363,8 +380,10 @@ fn translate_tracked(
     ctx: &TcContext,
     pkt: &Packet6,
     ct: &mut ConntrackValue6,
-    now: u64,
+    table: Table,
 ) -> Result<Option<i32>, Stat> {
+    // Read here: a sixth argument would not fit in registers.
+    let now = unsafe { bpf_ktime_get_ns() };
     let expired = now.wrapping_sub(ct.last_seen_ns)
         > config().timeout_ns(pkt.key.proto, ct.flags) + CT_REFRESH_NS;
     let reopened =
@@ -376,23 +395,12 @@ fn translate_tracked(
         } else {
             Stat::BackendGone
         });
-        let client = if ct.flags & CT_FLAG_HAIRPIN != 0 {
-            HAIRPIN_SOURCE6
-        } else {
-            pkt.key.saddr
-        };
-        let reply = ConntrackKey6::new(
-            ct.nat_addr,
-            client,
-            ct.nat_port,
-            pkt.key.sport,
-            pkt.key.proto,
-        );
+        let reply = reply_key(pkt, ct);
         if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
             count_connection(ct.backend_id, u64::MAX);
         }
-        forget(&CONNTRACK6, &reply);
-        forget(&CONNTRACK6, &pkt.key);
+        forget::<V6>(table, &reply);
+        forget::<V6>(table, &pkt.key);
         return Ok(None);
     }
     let (nat_addr, nat_port, service_id, backend_id) =
@@ -413,6 +421,37 @@ fn translate_tracked(
     bump(Stat::EstablishedFlow);
     account(ctx, service_id, backend_id, false);
     Ok(Some(TC_ACT_UNSPEC))
+}
+
+/// Moves a flow whose client spoke after a reply to the confirmed map (see `conntrack`).
+// A subprogram of its own, called from the entry: its keys stay off the frames below.
+#[inline(never)]
+fn confirm_flow(pkt: &Packet6, ct: &ConntrackValue6) {
+    let to_backend = ConntrackKey6::new(
+        pkt.key.saddr,
+        ct.nat_addr,
+        pkt.key.sport,
+        ct.nat_port,
+        pkt.key.proto,
+    );
+    confirm::<V6>(&pkt.key, ct, &reply_key(pkt, ct), &to_backend);
+}
+
+/// The reply-direction key of the flow `pkt` belongs to (tracked as `ct`).
+#[inline(always)]
+fn reply_key(pkt: &Packet6, ct: &ConntrackValue6) -> ConntrackKey6 {
+    let client = if ct.flags & CT_FLAG_HAIRPIN != 0 {
+        HAIRPIN_SOURCE6
+    } else {
+        pkt.key.saddr
+    };
+    ConntrackKey6::new(
+        ct.nat_addr,
+        client,
+        ct.nat_port,
+        pkt.key.sport,
+        pkt.key.proto,
+    )
 }
 
 /// The backend a client with ClientIP affinity used last, while within the timeout and still
@@ -616,7 +655,8 @@ fn new_flow(
         pkt.key.sport,
         pkt.key.proto,
     );
-    if !track(&CONNTRACK6, &reply_key, &reply) || !track(&CONNTRACK6, &pkt.key, &original) {
+    if !track::<V6>(Table::New, &reply_key, &reply) || !track::<V6>(Table::New, &pkt.key, &original)
+    {
         bump(Stat::ConntrackInsertFailed);
     }
     rewrite(
@@ -705,7 +745,7 @@ fn free_snat_port(pkt: &Packet6, backend_id: u32) -> u32 {
     let mut tries = 0;
     while tries < SNAT_PORT_TRIES {
         let reply = ConntrackKey6::new(backend_addr, masq, backend_port, port, pkt.key.proto);
-        if unsafe { CONNTRACK6.get(&reply) }.is_none() {
+        if !in_use::<V6>(&reply) {
             // A port of 0 is never a client's, nor one of those tried.
             return port as u32;
         }
@@ -740,7 +780,7 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
         service_id,
         _pad1: [0; 4],
     };
-    if !track(&CONNTRACK6, &snat_key, &snat) {
+    if !track::<V6>(Table::New, &snat_key, &snat) {
         bump(Stat::ConntrackInsertFailed);
         return;
     }
@@ -751,7 +791,7 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
         flags: CT_FLAG_SNAT_REPLY | CT_FLAG_SEEN_REPLY,
         ..snat
     };
-    if !track(&CONNTRACK6, &unsnat_key, &unsnat) {
+    if !track::<V6>(Table::New, &unsnat_key, &unsnat) {
         bump(Stat::ConntrackInsertFailed);
     }
 }

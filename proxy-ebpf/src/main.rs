@@ -28,7 +28,7 @@ mod refuse;
 
 use core::mem::size_of;
 
-use conntrack::{forget, forget_clashing_flow, touch, track, V4};
+use conntrack::{confirm, confirms, forget, forget_clashing_flow, lookup, touch, track, Table, V4};
 
 use aya_ebpf::{
     bindings::{
@@ -65,6 +65,9 @@ static BACKENDS: Array<Backend> = Array::with_max_entries(65536, 0);
 #[map]
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackValue> =
     LruHashMap::with_max_entries(262144, 0);
+/// Flows not yet confirmed (see `conntrack`): a flood of spoofed sources churns this map only.
+#[map]
+static CT_NEW: LruHashMap<ConntrackKey, ConntrackValue> = LruHashMap::with_max_entries(65536, 0);
 #[map]
 static CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 #[map]
@@ -402,7 +405,10 @@ fn translate_fragment(ctx: &TcContext, key: &FragmentKey, hook: Hook) -> Result<
 
 #[inline(always)]
 fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat> {
-    if let Some(ct) = CONNTRACK.get_ptr_mut(pkt.key) {
+    // A flow that had an entry and needs a new backend may do so with any segment: its
+    // client is real (the backend it had left, or it timed out).
+    let mut known = false;
+    if let Some((ct, table)) = lookup::<V4>(&pkt.key) {
         let now = unsafe { bpf_ktime_get_ns() };
         // SAFETY: the pointer is to a map value and valid for this program run.
         let ct = unsafe { &mut *ct };
@@ -424,14 +430,18 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
             if flags & CT_FLAG_EGRESS_ONLY != 0 && hook == Hook::Ingress {
                 return Ok(TC_ACT_UNSPEC);
             }
-            return translate_reply(ctx, pkt, ct, now);
+            return translate_reply(ctx, pkt, ct, table, now);
         }
         if hook == Hook::Egress {
             return Ok(TC_ACT_UNSPEC);
         }
-        if let Some(verdict) = translate_tracked(ctx, pkt, ct, now)? {
+        if let Some(verdict) = translate_tracked(ctx, pkt, ct, table, now)? {
+            if confirms(table, ct) {
+                confirm_flow(pkt, ct);
+            }
             return Ok(verdict);
         }
+        known = true;
     }
     // New flows are taken at ingress, where pods and the outside send them; egress only
     // finishes what ingress started (source NAT, replies to external clients).
@@ -459,6 +469,10 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
             u16::from_be(pkt.key.dport)
         );
         return refuse(ctx);
+    }
+    if !known && !conntrack::may_open(pkt.key.proto, pkt.tcp_flags) {
+        bump(Stat::UntrackedSegment);
+        return Ok(TC_ACT_UNSPEC);
     }
     let now = unsafe { bpf_ktime_get_ns() };
     new_flow(ctx, pkt, &header, now)
@@ -571,6 +585,7 @@ fn translate_reply(
     ctx: &TcContext,
     pkt: &Packet,
     ct: &mut ConntrackValue,
+    table: Table,
     now: u64,
 ) -> Result<i32, Stat> {
     let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
@@ -599,7 +614,7 @@ fn translate_reply(
     if first_reply || closing {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
         let original = ConntrackKey::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
-        if let Some(orig) = CONNTRACK.get_ptr_mut(original) {
+        if let Some(orig) = conntrack::get_in::<V4>(table, &original) {
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
             touch(orig, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
@@ -628,6 +643,7 @@ fn translate_tracked(
     ctx: &TcContext,
     pkt: &Packet,
     ct: &mut ConntrackValue,
+    table: Table,
     now: u64,
 ) -> Result<Option<i32>, Stat> {
     let expired = now.wrapping_sub(ct.last_seen_ns)
@@ -641,18 +657,12 @@ fn translate_tracked(
         } else {
             Stat::BackendGone
         });
-        let reply = ConntrackKey::new(
-            ct.nat_addr,
-            client_as_seen(pkt.key.saddr, ct.flags),
-            ct.nat_port,
-            pkt.key.sport,
-            pkt.key.proto,
-        );
+        let reply = reply_key(pkt, ct);
         if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
             count_connection(ct.backend_id, u64::MAX);
         }
-        forget(&CONNTRACK, &reply);
-        forget(&CONNTRACK, &pkt.key);
+        forget::<V4>(table, &reply);
+        forget::<V4>(table, &pkt.key);
         return Ok(None);
     }
     let (nat_addr, nat_port, service_id, backend_id) =
@@ -673,6 +683,32 @@ fn translate_tracked(
     bump(Stat::EstablishedFlow);
     account(ctx, service_id, backend_id, false);
     Ok(Some(TC_ACT_UNSPEC))
+}
+
+/// Moves a flow whose client spoke after a reply to the confirmed map (see `conntrack`).
+// Inlined: the ingress program's frame is near the limit, and a subprogram's frame adds up.
+#[inline(always)]
+fn confirm_flow(pkt: &Packet, ct: &ConntrackValue) {
+    let to_backend = ConntrackKey::new(
+        pkt.key.saddr,
+        ct.nat_addr,
+        pkt.key.sport,
+        ct.nat_port,
+        pkt.key.proto,
+    );
+    confirm::<V4>(&pkt.key, ct, &reply_key(pkt, ct), &to_backend);
+}
+
+/// The reply-direction key of the flow `pkt` belongs to (tracked as `ct`).
+#[inline(always)]
+fn reply_key(pkt: &Packet, ct: &ConntrackValue) -> ConntrackKey {
+    ConntrackKey::new(
+        ct.nat_addr,
+        client_as_seen(pkt.key.saddr, ct.flags),
+        ct.nat_port,
+        pkt.key.sport,
+        pkt.key.proto,
+    )
 }
 
 /// First packet of a flow to a service with `count` backends.
@@ -752,7 +788,8 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         backend_id,
         service_id,
     };
-    if !track(&CONNTRACK, &reply_key, &reply) || !track(&CONNTRACK, &pkt.key, &original) {
+    if !track::<V4>(Table::New, &reply_key, &reply) || !track::<V4>(Table::New, &pkt.key, &original)
+    {
         bump(Stat::ConntrackInsertFailed);
     }
     if hairpin_flag == 0 && masquerades(header, pkt, &backend) {
@@ -1375,7 +1412,8 @@ fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id:
         backend_id,
         service_id,
     };
-    if !track(&CONNTRACK, &unsnat_key, &unsnat) || !track(&CONNTRACK, &snat_key, &snat) {
+    if !track::<V4>(Table::New, &unsnat_key, &unsnat) || !track::<V4>(Table::New, &snat_key, &snat)
+    {
         bump(Stat::ConntrackInsertFailed);
     }
 }
@@ -1388,7 +1426,7 @@ fn free_snat_port(pkt: &Packet, backend: &Backend, masq: u32) -> Option<u16> {
     let mut tries = 0;
     while tries < SNAT_PORT_TRIES {
         let reply = ConntrackKey::new(backend.addr, masq, backend.port, port, pkt.key.proto);
-        if unsafe { CONNTRACK.get(reply) }.is_none() {
+        if !conntrack::in_use::<V4>(&reply) {
             return Some(port);
         }
         port = ((unsafe { bpf_get_prandom_u32() } % SNAT_PORT_SPAN) as u16 + SNAT_PORT_MIN).to_be();

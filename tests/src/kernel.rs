@@ -140,6 +140,16 @@ impl TestDatapath {
         Ok((result.return_value as i32, out))
     }
 
+    /// Like [`TestDatapath::run`], with the kernel's time for the run in ns.
+    pub fn run_timed(&self, hook: Hook, frame: &[u8]) -> Result<(i32, Vec<u8>, f64)> {
+        let (result, out) = self.test_run(hook, frame, 1)?;
+        Ok((
+            result.return_value as i32,
+            out,
+            result.duration.as_nanos() as f64,
+        ))
+    }
+
     /// Runs `frame` `repeat` times in the kernel; returns the mean ns per run as the kernel
     /// measured it.
     pub fn time(&self, hook: Hook, frame: &[u8], repeat: u32) -> Result<f64> {

@@ -238,7 +238,28 @@ fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_eg
         let (r, _) = pass(&dp, Hook::Egress, &frame);
         assert_eq!((r.src, r.sport), (node_external, 30080));
         assert_eq!((r.dst, r.dport), (client, 40000));
+
+        // The client speaks again: the flow and its source-NAT pair are confirmed together,
+        // and keep translating as before.
+        let mut again = first.clone();
+        if let L4::Tcp { flags, .. } = &mut again.l4 {
+            *flags = TCP_ACK;
+        }
+        let (p, frame) = pass(&dp, Hook::Ingress, &again.build());
+        assert_eq!((p.dst, p.dport), (*remote.ip(), remote.port()));
+        let (p, _) = pass(&dp, Hook::Egress, &frame);
+        assert_eq!((p.src, p.sport), (node_internal, 40000));
+        let (r, _) = pass(&dp, Hook::Ingress, &reply.build());
+        assert_eq!((r.dst, r.dport), (client, 40000));
     }
+    assert_eq!(stat(&dp, Stat::FlowConfirmed), 2);
+    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+    assert_eq!(
+        (sweep.remaining, sweep.remaining_new),
+        (8, 8),
+        "the first client's flows (two entries and two source-NAT entries each) are \
+         confirmed; the second client's wait in CT_NEW: {sweep:?}"
+    );
 }
 
 #[test]
@@ -643,24 +664,22 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
     assert_eq!(left, vec![2, 3]);
 }
 
-/// One family's view for the eviction test: its service address, backends and a UDP frame
-/// from the client's port `sport`.
+/// One family's view for the conntrack tests: its service address, backends and client.
 struct Family {
     vip: IpAddr,
     backends: Vec<SocketAddr>,
-    frame: fn(u16) -> Vec<u8>,
+    client: IpAddr,
 }
 
 fn ipv4_family() -> Family {
     Family {
         vip: VIP.into(),
         backends: backends().into_iter().map(SocketAddr::V4).collect(),
-        frame: |sport| PacketSpec::udp(CLIENT, sport, VIP, 80, b"x").build(),
+        client: CLIENT.into(),
     }
 }
 
 fn ipv6_family() -> Family {
-    use proxy_tests::packet::ipv6::PacketSpec6;
     Family {
         vip: "fd00:10:96::10".parse().unwrap(),
         backends: [
@@ -671,17 +690,79 @@ fn ipv6_family() -> Family {
         .iter()
         .map(|b| b.parse().unwrap())
         .collect(),
-        frame: |sport| {
-            PacketSpec6::udp(
-                "fd00:10:244::5".parse().unwrap(),
-                sport,
-                "fd00:10:96::10".parse().unwrap(),
-                80,
-                b"x",
-            )
-            .build()
-        },
+        client: "fd00:10:244::5".parse().unwrap(),
     }
+}
+
+/// A frame from `src` to `dst` of either family: TCP with `tcp` flags, or UDP when `None`.
+fn frame(src: SocketAddr, dst: SocketAddr, tcp: Option<u8>) -> Vec<u8> {
+    use proxy_tests::packet::ipv6::PacketSpec6;
+    match (src, dst, tcp) {
+        (SocketAddr::V4(s), SocketAddr::V4(d), Some(flags)) => {
+            PacketSpec::tcp(*s.ip(), s.port(), *d.ip(), d.port(), flags).build()
+        }
+        (SocketAddr::V4(s), SocketAddr::V4(d), None) => {
+            PacketSpec::udp(*s.ip(), s.port(), *d.ip(), d.port(), b"x").build()
+        }
+        (SocketAddr::V6(s), SocketAddr::V6(d), Some(flags)) => {
+            PacketSpec6::tcp(*s.ip(), s.port(), *d.ip(), d.port(), flags).build()
+        }
+        (SocketAddr::V6(s), SocketAddr::V6(d), None) => {
+            PacketSpec6::udp(*s.ip(), s.port(), *d.ip(), d.port(), b"x").build()
+        }
+        _ => panic!("{src} and {dst} are of different families"),
+    }
+}
+
+/// Source and destination of a frame of either family.
+fn ends(frame: &[u8]) -> (SocketAddr, SocketAddr) {
+    if frame[12..14] == [0x86, 0xdd] {
+        let p = proxy_tests::packet::ipv6::parse(frame);
+        (
+            SocketAddr::new(p.src.into(), p.sport),
+            SocketAddr::new(p.dst.into(), p.dport),
+        )
+    } else {
+        let p = parse(frame);
+        (
+            SocketAddr::new(p.src.into(), p.sport),
+            SocketAddr::new(p.dst.into(), p.dport),
+        )
+    }
+}
+
+/// Opens a flow from the family's client port `sport` as a real client does: first packet,
+/// the backend's reply, then the client again (for TCP the three-way handshake), which
+/// confirms it. Returns the backend.
+fn open_confirmed(dp: &TestDatapath, family: &Family, sport: u16, tcp: bool) -> SocketAddr {
+    let client = SocketAddr::new(family.client, sport);
+    let vip = SocketAddr::new(family.vip, 80);
+    let flags = |f| tcp.then_some(f);
+    let (verdict, out) = dp
+        .run(Hook::Ingress, &frame(client, vip, flags(TCP_SYN)))
+        .unwrap();
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    let (_, backend) = ends(&out);
+    assert!(
+        family.backends.contains(&backend),
+        "{backend} is not a backend"
+    );
+    let (_, back) = dp
+        .run(
+            Hook::Ingress,
+            &frame(backend, client, flags(TCP_SYN | TCP_ACK)),
+        )
+        .unwrap();
+    assert_eq!(ends(&back), (vip, client), "reply from the service address");
+    assert_eq!(sent_to(dp, client, vip, flags(TCP_ACK)), backend);
+    backend
+}
+
+/// Where a packet from `client` to `vip` goes (its destination after the classifier).
+fn sent_to(dp: &TestDatapath, client: SocketAddr, vip: SocketAddr, tcp: Option<u8>) -> SocketAddr {
+    let (verdict, out) = dp.run(Hook::Ingress, &frame(client, vip, tcp)).unwrap();
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    ends(&out).1
 }
 
 #[test]
@@ -711,18 +792,19 @@ fn evictions_are_counted(family: Family) {
         protocol: Protocol::Udp,
     };
     dp.sync.set(&f, &family.backends).unwrap();
-    let remaining =
-        |sweep: &proxy_agent::datapath::ConntrackSweep| sweep.remaining + sweep.remaining6;
+    let vip = SocketAddr::new(family.vip, 80);
+    let remaining = |sweep: &proxy_agent::datapath::ConntrackSweep| {
+        sweep.remaining + sweep.remaining6 + sweep.remaining_new + sweep.remaining_new6
+    };
     // Fewer flows than fit: nothing evicted, although flows are re-balanced (their entries
     // removed by the datapath) when a backend goes.
     for sport in 20000..20050u16 {
-        let (verdict, out) = dp.run(Hook::Ingress, &(family.frame)(sport)).unwrap();
-        assert_eq!(verdict, TC_ACT_UNSPEC);
-        assert_ne!(out, (family.frame)(sport), "translated");
+        open_confirmed(&dp, &family, sport, false);
     }
+    assert_eq!(stat(&dp, Stat::FlowConfirmed), 50);
     dp.sync.set(&f, &family.backends[1..]).unwrap();
     for sport in 20000..20050u16 {
-        dp.run(Hook::Ingress, &(family.frame)(sport)).unwrap();
+        sent_to(&dp, SocketAddr::new(family.client, sport), vip, None);
     }
     assert!(
         stat(&dp, Stat::ConntrackRemoved) > 0,
@@ -731,32 +813,125 @@ fn evictions_are_counted(family: Family) {
     let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
     assert_eq!(remaining(&sweep), 100, "two entries per flow");
     assert_eq!(
-        sweep.evicted, 0,
-        "no eviction while the map has room: {sweep:?}"
+        (sweep.evicted, sweep.evicted_new),
+        (0, 0),
+        "no eviction while the maps have room: {sweep:?}"
     );
 
-    // Four times what fits: the LRU makes room, and the estimate accounts for all of it.
-    let flows = 2 * capacity as u16;
+    // Twice what fits: the LRU makes room, and the estimate accounts for all of it.
+    let flows = capacity as u16;
     for sport in 30000..30000 + flows {
-        dp.run(Hook::Ingress, &(family.frame)(sport)).unwrap();
+        open_confirmed(&dp, &family, sport, false);
     }
     let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
-    assert!(remaining(&sweep) <= capacity as usize, "{sweep:?}");
+    assert!(
+        sweep.remaining + sweep.remaining6 <= capacity as usize,
+        "{sweep:?}"
+    );
     let created = stat(&dp, Stat::ConntrackCreated);
     let removed = stat(&dp, Stat::ConntrackRemoved);
+    // Re-balanced flows went back to CT_NEW (they were not confirmed again).
     assert_eq!(
         created,
-        100 + removed + 2 * flows as u64,
-        "every new flow created two entries"
+        100 + 2 * flows as u64,
+        "every confirmed flow created two entries"
     );
     assert_eq!(
         sweep.evicted,
-        created - removed - remaining(&sweep) as u64,
+        created - removed - (sweep.remaining + sweep.remaining6) as u64,
         "evictions are what was created and neither removed nor left"
     );
     assert!(
-        sweep.evicted >= (2 * flows as u64 + 100).saturating_sub(capacity as u64),
+        sweep.evicted >= (2 * flows as u64 + 100).saturating_sub(capacity as u64 + 100),
         "{sweep:?}"
+    );
+}
+
+#[test]
+fn confirmed_flows_keep_their_backends_through_a_flood_of_spoofed_packets() {
+    require_kernel!();
+    flood_spares_confirmed_flows(ipv4_family());
+}
+
+#[test]
+fn confirmed_ipv6_flows_keep_their_backends_through_a_flood_of_spoofed_packets() {
+    require_kernel!();
+    flood_spares_confirmed_flows(ipv6_family());
+}
+
+/// A 1 024-entry conntrack map holding 10 established, replied flows; then 20 000 spoofed
+/// ACK and UDP frames from random sources. Before, the ACKs alone created 20 000 entries and
+/// the LRU evicted the idle established flows, whose next packet picked a new backend.
+fn flood_spares_confirmed_flows(family: Family) {
+    let mut dp = TestDatapath::load(DatapathSizes {
+        conntrack: 1024,
+        ..small()
+    })
+    .expect("load datapath");
+    for protocol in [Protocol::Tcp, Protocol::Udp] {
+        let f = Frontend {
+            addr: family.vip,
+            port: 80,
+            protocol,
+        };
+        dp.sync.set(&f, &family.backends).unwrap();
+    }
+    let vip = SocketAddr::new(family.vip, 80);
+    let flows: Vec<(SocketAddr, bool, SocketAddr)> = (0..10u16)
+        .map(|i| {
+            let tcp = i % 2 == 0;
+            let backend = open_confirmed(&dp, &family, 50000 + i, tcp);
+            (SocketAddr::new(family.client, 50000 + i), tcp, backend)
+        })
+        .collect();
+
+    // Random sources (a fixed LCG, so a failure reproduces), half TCP ACKs, half UDP.
+    let mut seed = 0x2545_f491u32;
+    let mut spoofed = || {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let port = 1024 + (seed >> 16) as u16 % 60000;
+        let ip: IpAddr = match family.client {
+            IpAddr::V4(_) => Ipv4Addr::from(0x0a80_0000 | (seed & 0x007f_ffff)).into(),
+            IpAddr::V6(_) => {
+                std::net::Ipv6Addr::from(0xfd00_0066_u128 << 96 | u128::from(seed)).into()
+            }
+        };
+        SocketAddr::new(ip, port)
+    };
+    let stray = frame(spoofed(), vip, Some(TCP_ACK));
+    assert_eq!(
+        dp.run(Hook::Ingress, &stray).unwrap(),
+        (TC_ACT_UNSPEC, stray.clone()),
+        "an ACK of no known connection passes untranslated"
+    );
+    let flood = 20_000u64;
+    for i in 0..flood {
+        let tcp = (i % 2 == 0).then_some(TCP_ACK);
+        dp.run(Hook::Ingress, &frame(spoofed(), vip, tcp)).unwrap();
+    }
+
+    for (client, tcp, backend) in &flows {
+        assert_eq!(
+            sent_to(&dp, *client, vip, tcp.then_some(TCP_ACK)),
+            *backend,
+            "{client} ({}) moved to another backend after the flood",
+            if *tcp { "tcp" } else { "udp" }
+        );
+    }
+    // The flood is counted: the ACKs as untracked segments, the datagrams as unconfirmed
+    // flows pushing each other out of CT_NEW; no confirmed flow was evicted.
+    assert_eq!(stat(&dp, Stat::UntrackedSegment), 1 + flood / 2);
+    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+    assert_eq!(sweep.evicted, 0, "{sweep:?}");
+    let new_room = proxy_agent::datapath::new_flows_size(1024) as u64;
+    assert!(
+        sweep.evicted_new >= flood - new_room,
+        "the datagrams' entries pushed each other out of CT_NEW: {sweep:?}"
+    );
+    assert_eq!(
+        sweep.remaining + sweep.remaining6,
+        20,
+        "the ten flows' entries, and only theirs, are confirmed: {sweep:?}"
     );
 }
 

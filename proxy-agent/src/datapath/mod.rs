@@ -51,6 +51,14 @@ impl Default for DatapathSizes {
     }
 }
 
+/// `CT_NEW` (and `CT_NEW6`) entries for a given `CONNTRACK` size: flows between their first
+/// packet and their client's first packet after a reply (a round trip, for TCP), so a
+/// quarter of the confirmed flows' room is ample; a flood of spoofed sources fills it and
+/// evicts only its own kind.
+pub fn new_flows_size(conntrack: u32) -> u32 {
+    (conntrack / 4).max(1024)
+}
+
 /// `FRAGMENTS` entries for a given `CONNTRACK` size.
 pub fn fragments_size(conntrack: u32) -> u32 {
     (conntrack / 8).max(1024)
@@ -115,18 +123,25 @@ pub struct Datapath {
 /// What a conntrack garbage collection found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConntrackSweep {
-    /// Expired entries removed, IPv4 and IPv6.
+    /// Expired entries removed, from all four maps.
     pub deleted: usize,
     /// Entries left in `CONNTRACK` (the IPv4 map's fill).
     pub remaining: usize,
     /// Entries left in `CONNTRACK6` (the IPv6 map's fill; the same capacity).
     pub remaining6: usize,
-    /// Entries the kernel's LRU evicted to make room, from either map, since the maps were
-    /// created: what the datapath created, less what it removed, what garbage collection
-    /// removed, and what is left (both families' entries are counted alike). Derived, as the
-    /// kernel does not count evictions; entries created while the maps are walked make it
-    /// lag (never lead) by a few.
+    /// Entries left in `CT_NEW` (unconfirmed IPv4 flows).
+    pub remaining_new: usize,
+    /// Entries left in `CT_NEW6`.
+    pub remaining_new6: usize,
+    /// Entries the kernel's LRU evicted to make room, from either confirmed map, since the
+    /// maps were created: what the datapath created, less what it removed, what garbage
+    /// collection removed, and what is left (both families' entries are counted alike).
+    /// Derived, as the kernel does not count evictions; entries created while the maps are
+    /// walked make it lag (never lead) by a few.
     pub evicted: u64,
+    /// The same for `CT_NEW`/`CT_NEW6`: unconfirmed flows pushed out by newer ones, which a
+    /// flood of spoofed sources does; confirmed flows are untouched by it.
+    pub evicted_new: u64,
 }
 
 /// Removes the expired entries of one conntrack map (IPv4 or IPv6); adds, per backend slot,
@@ -250,6 +265,7 @@ impl Datapath {
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
             .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
+            .map_max_entries(map_names::CT_NEW, new_flows_size(sizes.conntrack))
             // Service ids index it; there are never more service ports than SERVICES entries.
             .map_max_entries(map_names::SERVICE_STATS, sizes.services)
             .map_max_entries(map_names::BACKEND_STATS, sizes.backends)
@@ -271,6 +287,7 @@ impl Datapath {
             .map_max_entries(map_names::SERVICES6, sizes.services)
             .map_max_entries(map_names::BACKEND_ADDRS6, sizes.backends)
             .map_max_entries(map_names::CONNTRACK6, sizes.conntrack)
+            .map_max_entries(map_names::CT_NEW6, new_flows_size(sizes.conntrack))
             .map_max_entries(map_names::AFFINITY6, sizes.conntrack)
             .map_max_entries(map_names::SOURCE_RANGES6, sizes.services)
             .map_max_entries(map_names::SOCK_REVNAT6, sizes.conntrack)
@@ -296,6 +313,8 @@ impl Datapath {
                 map_names::SERVICES6,
                 map_names::BACKEND_ADDRS6,
                 map_names::CONNTRACK6,
+                map_names::CT_NEW,
+                map_names::CT_NEW6,
                 map_names::AFFINITY6,
                 map_names::SOURCE_RANGES6,
                 map_names::CONFIG6,
@@ -546,23 +565,37 @@ impl Datapath {
         };
         // Flows still counted as active by the least-connection schedulers, per backend slot.
         let mut released: std::collections::HashMap<u32, u64> = Default::default();
-        let (seen, deleted) = sweep(
-            &mut self.conntrack()?,
-            |k, v| (k.proto, v.flags, v.last_seen_ns, v.backend_id),
-            expired,
-            &mut released,
-        );
-        // IPv6 flows: the same sweep, into the same counts.
-        let map = self
-            .ebpf
-            .map_mut(map_names::CONNTRACK6)
-            .context("eBPF object has no CONNTRACK6 map")?;
-        let (seen6, deleted6) = sweep(
-            &mut BpfHashMap::<_, ConntrackKey6, ConntrackValue6>::try_from(map)?,
-            |k, v| (k.proto, v.flags, v.last_seen_ns, v.backend_id),
-            expired,
-            &mut released,
-        );
+        // (entries seen, entries removed) per map; IPv4 and IPv6 maps alike.
+        let mut swept = [(0, 0); 4];
+        for (i, name) in [
+            map_names::CONNTRACK,
+            map_names::CONNTRACK6,
+            map_names::CT_NEW,
+            map_names::CT_NEW6,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let map = self
+                .ebpf
+                .map_mut(name)
+                .with_context(|| format!("eBPF object has no {name} map"))?;
+            swept[i] = if i % 2 == 0 {
+                sweep(
+                    &mut BpfHashMap::<_, ConntrackKey, ConntrackValue>::try_from(map)?,
+                    |k, v| (k.proto, v.flags, v.last_seen_ns, v.backend_id),
+                    expired,
+                    &mut released,
+                )
+            } else {
+                sweep(
+                    &mut BpfHashMap::<_, ConntrackKey6, ConntrackValue6>::try_from(map)?,
+                    |k, v| (k.proto, v.flags, v.last_seen_ns, v.backend_id),
+                    expired,
+                    &mut released,
+                )
+            };
+        }
         if !released.is_empty() {
             let map = self
                 .ebpf
@@ -574,30 +607,52 @@ impl Datapath {
                 array.set(slot, before.wrapping_add(n), 0)?;
             }
         }
-        let collected = self.add_collected((deleted + deleted6) as u64)?;
+        let [(seen, deleted), (seen6, deleted6), (seen_new, deleted_new), (seen_new6, deleted_new6)] =
+            swept;
+        let collected =
+            self.add_collected(Stat::ConntrackCollected, (deleted + deleted6) as u64)?;
+        let collected_new =
+            self.add_collected(Stat::NewEntryCollected, (deleted_new + deleted_new6) as u64)?;
         let remaining = seen - deleted;
         let remaining6 = seen6 - deleted6;
-        let evicted = count(&before, Stat::ConntrackCreated)
-            .saturating_sub(count(&before, Stat::ConntrackRemoved))
-            .saturating_sub(collected)
-            .saturating_sub((remaining + remaining6) as u64);
+        let remaining_new = seen_new - deleted_new;
+        let remaining_new6 = seen_new6 - deleted_new6;
+        let evicted = |created: Stat, removed: Stat, collected: u64, left: usize| {
+            count(&before, created)
+                .saturating_sub(count(&before, removed))
+                .saturating_sub(collected)
+                .saturating_sub(left as u64)
+        };
         Ok(ConntrackSweep {
-            deleted: deleted + deleted6,
+            deleted: deleted + deleted6 + deleted_new + deleted_new6,
             remaining,
             remaining6,
-            evicted,
+            remaining_new,
+            remaining_new6,
+            evicted: evicted(
+                Stat::ConntrackCreated,
+                Stat::ConntrackRemoved,
+                collected,
+                remaining + remaining6,
+            ),
+            evicted_new: evicted(
+                Stat::NewEntryCreated,
+                Stat::NewEntryRemoved,
+                collected_new,
+                remaining_new + remaining_new6,
+            ),
         })
     }
 
-    /// Adds to the garbage collector's count in `STATS` (a slot the datapath never writes)
+    /// Adds to a garbage collector's count in `STATS` (a slot the datapath never writes)
     /// and returns the new total.
-    fn add_collected(&mut self, deleted: u64) -> Result<u64> {
+    fn add_collected(&mut self, which: Stat, deleted: u64) -> Result<u64> {
         let map = self
             .ebpf
             .map_mut(map_names::STATS)
             .context("eBPF object has no STATS map")?;
         let mut array: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(map)?;
-        let index = Stat::ConntrackCollected as u32;
+        let index = which as u32;
         let mut values: Vec<u64> = array.get(&index, 0)?.iter().copied().collect();
         if deleted > 0 {
             values[0] += deleted;

@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 25] {
+fn expected() -> [Expected; 27] {
     use std::mem::size_of;
     [
         Expected {
@@ -281,6 +281,22 @@ fn expected() -> [Expected; 25] {
             key_size: size_of::<proxy_common::ConntrackKey6>(),
             value_size: size_of::<proxy_common::ConntrackValue6>(),
             // Sized like CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::CT_NEW,
+            map_type: MapType::LruHash,
+            key_size: size_of::<ConntrackKey>(),
+            value_size: size_of::<ConntrackValue>(),
+            // Sized from CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::CT_NEW6,
+            map_type: MapType::LruHash,
+            key_size: size_of::<proxy_common::ConntrackKey6>(),
+            value_size: size_of::<proxy_common::ConntrackValue6>(),
+            // Sized from CONNTRACK.
             configurable: false,
         },
         Expected {

@@ -77,9 +77,18 @@ impl EbpfRuntime {
                     );
                 }
                 self.evicted_reported = Some(before.max(sweep.evicted));
+                // Unconfirmed flows pushed out by newer ones: a flood of spoofed sources, or
+                // more new flows per round trip than CT_NEW holds. Confirmed flows are safe
+                // from it, so it is counted, not warned about.
+                metrics
+                    .datapath_events
+                    .with_label_values(&["new_flow_evicted"])
+                    .set(sweep.evicted_new as f64);
                 for (map, entries) in [
                     (map_names::CONNTRACK, sweep.remaining),
                     (map_names::CONNTRACK6, sweep.remaining6),
+                    (map_names::CT_NEW, sweep.remaining_new),
+                    (map_names::CT_NEW6, sweep.remaining_new6),
                 ] {
                     metrics
                         .map_entries

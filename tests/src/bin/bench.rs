@@ -93,6 +93,23 @@ fn tcp_frame(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, flags: u8) -> Vec
     }
 }
 
+/// Source and destination of a frame of either family.
+fn ends(frame: &[u8]) -> (SocketAddr, SocketAddr) {
+    if frame[12..14] == [0x86, 0xdd] {
+        let p = proxy_tests::packet::ipv6::parse(frame);
+        (
+            SocketAddr::new(p.src.into(), p.sport),
+            SocketAddr::new(p.dst.into(), p.dport),
+        )
+    } else {
+        let p = proxy_tests::packet::parse(frame);
+        (
+            SocketAddr::new(p.src.into(), p.sport),
+            SocketAddr::new(p.dst.into(), p.dport),
+        )
+    }
+}
+
 struct Stats {
     mean: f64,
     p50: f64,
@@ -196,9 +213,25 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
             other_ns.push(dp.time(Hook::Ingress, &frame, 1)?);
         }
         // New flows: tuples never seen before.
+        let mut sent = Vec::new();
         for frame in frames(round, TCP_SYN) {
-            let t = dp.time(Hook::Ingress, &frame, 1)?;
+            let (_, out, t) = dp.run_timed(Hook::Ingress, &frame)?;
             new_ns.push(t);
+            sent.push(out);
+        }
+        // Untimed: each backend answers and its client speaks again, which confirms the flow
+        // (it moves to CONNTRACK), as a real connection's handshake does.
+        for (out, ack) in sent.iter().zip(frames(round, TCP_ACK)) {
+            let (from, to) = ends(out);
+            let reply = tcp_frame(
+                to.ip(),
+                to.port(),
+                from.ip(),
+                from.port(),
+                TCP_SYN | TCP_ACK,
+            );
+            dp.run(Hook::Ingress, &reply)?;
+            dp.run(Hook::Ingress, &ack)?;
         }
         // Established: the same flows again.
         for frame in frames(round, TCP_ACK) {
