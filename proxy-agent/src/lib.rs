@@ -11,7 +11,7 @@
 //! | [`proxier`] | the [`proxier::Proxier`] trait and one proxier per mode (ebpf, iptables, nftables, ipvs, userspace) |
 //! | [`datapath`] | the eBPF datapath's life cycle: loading, pins, tc attach, cgroup hooks, removal, its runtime |
 //! | [`kernel`] | kernel interfaces shared by modes: netlink framing, conntrack flows and sysctls, local routes, host facts, privileges |
-//! | [`health`] | `/healthz` and `/livez` ([`health::proxy`]); health-check node ports ([`health::services`]) |
+//! | [`health`] | `/healthz` and `/livez` ([`health::proxy`]); health-check node ports ([`health::services`]); the bounds every HTTP server runs within ([`health::http`]) |
 //! | [`metrics`] | every Prometheus metric |
 //!
 //! # Where is X
@@ -26,9 +26,10 @@
 //! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername programs |
 //! | stale conntrack flows | [`model::stale_flows`] decides; [`kernel::conntrack::flows`] deletes over ctnetlink |
 //! | cleanup and mode switches | [`agent::cleanup::remove_modes`]; the eBPF part in [`datapath::cleanup`] |
-//! | eBPF conntrack entries (both families), evictions | `proxy-ebpf/src/conntrack.rs` (`track`, `forget`, `touch`); the sweep and eviction counts in [`datapath::runtime`] |
+//! | eBPF conntrack entries (both families), evictions, flood safety (`CT_NEW`, confirmation) | `proxy-ebpf/src/conntrack.rs` (`track`, `forget`, `touch`, `confirm`, `may_open`); the sweep and eviction counts in [`datapath::runtime`] |
 //! | mode selection (`auto`) | [`agent::modes::choose`] |
 //! | health-check node ports | [`health::services`] |
+//! | HTTP timeouts, header size, connection cap (slow clients) | [`health::http`] |
 //!
 //! The same table, with the docs' view of it, is in `docs/architecture.md`.
 pub mod agent;

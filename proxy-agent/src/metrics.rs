@@ -46,6 +46,9 @@ pub struct Metrics {
     pub unprogrammed_service_ports: IntGauge,
     pub frontend_conflicts: IntGauge,
     pub external_ips_refused: IntGauge,
+    pub http_connections: IntGaugeVec,
+    pub http_connection_limit: IntGaugeVec,
+    pub http_connections_shed: IntCounterVec,
     pub map_entries: IntGaugeVec,
     pub map_capacity: IntGaugeVec,
     pub datapath_events: GaugeVec,
@@ -232,6 +235,33 @@ impl Metrics {
                  another Service owns them (cluster IP, NodePort, or an older claim); see the log",
             )
             .unwrap(),
+            http_connections: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_http_connections",
+                    "Open connections to the agent's HTTP servers, per connection budget \
+                     (agent: /healthz, /livez, /metrics; health-check-node-ports: all of them)",
+                ),
+                &["server"],
+            )
+            .unwrap(),
+            http_connection_limit: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_http_connection_limit",
+                    "Connections each budget holds at most; at the cap the oldest idle one is \
+                     closed",
+                ),
+                &["server"],
+            )
+            .unwrap(),
+            http_connections_shed: IntCounterVec::new(
+                Opts::new(
+                    "proxy_agent_http_connections_shed_total",
+                    "Connections closed because a budget was full (the oldest idle one, or \
+                     the new one when all were answering)",
+                ),
+                &["server"],
+            )
+            .unwrap(),
             external_ips_refused: IntGauge::new(
                 "proxy_agent_external_ips_refused",
                 "externalIPs entries not served because they are outside --external-ip-cidrs",
@@ -302,6 +332,9 @@ impl Metrics {
         reg(Box::new(m.unprogrammed_service_ports.clone()));
         reg(Box::new(m.frontend_conflicts.clone()));
         reg(Box::new(m.external_ips_refused.clone()));
+        reg(Box::new(m.http_connections.clone()));
+        reg(Box::new(m.http_connection_limit.clone()));
+        reg(Box::new(m.http_connections_shed.clone()));
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.datapath_events.clone()));

@@ -105,7 +105,7 @@ impl SyncLoop {
             last_sync: None,
             last_full_sync: None,
             needs_full: false,
-            service_health: ServiceHealthServers::new(health.clone()),
+            service_health: ServiceHealthServers::new(health.clone(), Some(metrics.clone())),
             health,
             metrics,
         }

@@ -174,7 +174,7 @@ pub async fn serve(
 ) -> Result<()> {
     let state = AppState {
         health,
-        metrics: metrics_registry,
+        metrics: metrics_registry.clone(),
         mode,
     };
     let health_routes = Router::new()
@@ -193,14 +193,19 @@ pub async fn serve(
         servers.push((healthz_addr, health_routes.with_state(state.clone())));
         servers.push((metrics_addr, metric_routes.with_state(state)));
     }
+    // One budget for both: whatever address they share, a flood of one cannot take more
+    // descriptors than the cap, and a probe still gets in (see `http`).
+    let connections = super::http::Connections::new(
+        "agent",
+        super::http::AGENT_CONNECTIONS,
+        Some(metrics_registry),
+    );
     for (addr, app) in servers {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("listening on {addr}"))?;
         info!(%addr, "serving HTTP");
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        tokio::spawn(super::http::serve(listener, app, connections.clone()));
     }
     Ok(())
 }

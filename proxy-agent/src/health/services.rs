@@ -19,8 +19,11 @@ use axum::{
 };
 use tracing::{info, warn};
 
-use super::proxy::ProxyHealth;
-use crate::model::{DesiredState, ObjectName};
+use super::{http::Connections, proxy::ProxyHealth};
+use crate::{
+    metrics::Metrics,
+    model::{DesiredState, ObjectName},
+};
 
 /// What one health-check port reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,13 +58,21 @@ struct Server {
 pub struct ServiceHealthServers {
     servers: BTreeMap<u16, Server>,
     proxy: ProxyHealth,
+    /// One connection budget for all of them: the ports are on every node address, and
+    /// their number is the tenants' to choose.
+    connections: Connections,
 }
 
 impl ServiceHealthServers {
-    pub fn new(proxy: ProxyHealth) -> Self {
+    pub fn new(proxy: ProxyHealth, metrics: Option<Arc<Metrics>>) -> Self {
         Self {
             servers: BTreeMap::new(),
             proxy,
+            connections: Connections::new(
+                "health-check-node-ports",
+                super::http::NODE_PORT_CONNECTIONS,
+                metrics,
+            ),
         }
     }
 
@@ -97,9 +108,7 @@ impl ServiceHealthServers {
             let app = Router::new()
                 .fallback(respond)
                 .with_state((state.clone(), self.proxy.clone()));
-            let task = tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
-            });
+            let task = tokio::spawn(super::http::serve(listener, app, self.connections.clone()));
             self.servers.insert(port, Server { state, task });
         }
     }
