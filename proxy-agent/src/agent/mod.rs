@@ -1,7 +1,8 @@
 //! The agent process: start-up order and the event loop.
 //!
 //! Start-up, in this order (each step fails before the node is touched where it can):
-//! 1. capabilities for the mode; `--cleanup` removes every mode's state and stops here;
+//! 1. capabilities for the mode; the bpffs root locked (one agent per root, see
+//!    [`crate::datapath::owner`]); `--cleanup` removes every mode's state and stops here;
 //! 2. `auto` resolved to a mode ([`modes::choose`]); kernel conntrack tuned, open-files
 //!    limit raised;
 //! 3. the source (manifest watch or API-server watchers) — a missing API server or path
@@ -29,6 +30,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     cli::Settings,
+    datapath::{owner::RootLock, pins::BpffsRoot},
     health::proxy::{self as health, ProxyHealth},
     kernel::{
         conntrack::sysctls::{self, Outcome},
@@ -40,6 +42,20 @@ use crate::{
     source::{api, manifests},
 };
 use sync_loop::{LoopOptions, SyncLoop};
+
+/// One agent per bpffs root ([`RootLock`]). The eBPF mode and `--cleanup` (`uses_bpffs`)
+/// take it, mounting the root if needed; the other modes write no pins but remove the eBPF
+/// mode's at a switch, so they take it when the root exists.
+fn lock_root(s: &Settings, uses_bpffs: bool) -> Result<Option<RootLock>> {
+    if uses_bpffs {
+        let root = BpffsRoot::prepare(&s.bpffs_root)?;
+        return RootLock::acquire(&root.path).map(Some);
+    }
+    if s.bpffs_root.is_dir() {
+        return RootLock::acquire(&s.bpffs_root).map(Some);
+    }
+    Ok(None)
+}
 
 /// How often expired conntrack entries are swept from user space.
 const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(60);
@@ -53,7 +69,11 @@ pub async fn run(mut s: Settings) -> Result<()> {
     let needs_bpf = s.cli.cleanup || s.mode == ProxyMode::Ebpf;
     privileges::check_datapath(caps, needs_bpf, s.mode == ProxyMode::Userspace)?;
     if s.cli.cleanup {
+        let lock = lock_root(&s, true)?;
         cleanup::remove_modes(None, &s).await?;
+        if let Some(lock) = lock {
+            lock.remove_record();
+        }
         info!("cleanup done");
         return Ok(());
     }
@@ -61,6 +81,8 @@ pub async fn run(mut s: Settings) -> Result<()> {
     if s.mode == ProxyMode::Auto {
         s.mode = modes::choose(&s)?;
     }
+    // Held until the process exits.
+    let root_lock = lock_root(&s, s.mode == ProxyMode::Ebpf)?;
     info!("Using {} Proxier", s.mode);
     tune_kernel_conntrack(&s);
     host::raise_open_files_limit();
@@ -121,6 +143,13 @@ pub async fn run(mut s: Settings) -> Result<()> {
     // kube-proxy's) goes, so switching modes by restart leaves no gap. Best effort: each
     // failure is logged.
     let _ = cleanup::remove_modes(Some(s.mode), &s).await;
+    if s.mode != ProxyMode::Ebpf {
+        // The eBPF mode's pins are gone: so goes the root this agent locked to remove them
+        // (an eBPF agent started later makes a new one and locks that).
+        if let Some(lock) = &root_lock {
+            lock.remove_record();
+        }
+    }
     if let Some(client) = api_client {
         // As kube-proxy announces itself on its Node; best effort.
         tokio::spawn(api::announce_start(

@@ -4,6 +4,7 @@
 pub mod attach;
 pub mod cgroup;
 pub mod cleanup;
+pub mod owner;
 pub mod pins;
 pub mod runtime;
 
