@@ -2,15 +2,11 @@
 //! `ip6tables-restore` (whichever backend, nft or legacy, the host's `iptables` is), or an
 //! in-memory model of `--noflush` restores for tests without a kernel.
 
-use std::{
-    collections::BTreeMap,
-    io::Write,
-    process::{Command, Stdio},
-};
+use std::{collections::BTreeMap, process::Command};
 
 use anyhow::{bail, Context, Result};
 
-use crate::model::IpFamily;
+use crate::{kernel::command, model::IpFamily};
 
 /// Tables that take `iptables-restore` input.
 pub trait RuleTables {
@@ -48,10 +44,12 @@ impl IptablesCommands {
     /// Whether the commands run at all (the binaries exist and the kernel has the tables).
     pub fn probe(&self, family: IpFamily) -> Result<()> {
         let bin = self.binary(family, "save");
-        let out = Command::new(&bin)
-            .args(["-t", "nat"])
-            .output()
-            .with_context(|| format!("running {bin} (install the iptables package)"))?;
+        let out = command::run(
+            Command::new(&bin).args(["-t", "nat"]),
+            None,
+            command::PROBE_TIMEOUT,
+        )
+        .with_context(|| format!("running {bin} (install the iptables package)"))?;
         if !out.status.success() {
             bail!(
                 "{bin} -t nat failed: {}",
@@ -65,20 +63,12 @@ impl IptablesCommands {
 impl RuleTables for IptablesCommands {
     fn restore(&mut self, family: IpFamily, input: &str) -> Result<()> {
         let bin = self.binary(family, "restore");
-        let mut child = Command::new(&bin)
-            .args(["-w", "5", "--noflush"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running {bin} (install the iptables package)"))?;
-        child
-            .stdin
-            .take()
-            .expect("piped stdin")
-            .write_all(input.as_bytes())
-            .with_context(|| format!("writing to {bin}"))?;
-        let out = child.wait_with_output()?;
+        let out = command::run(
+            Command::new(&bin).args(["-w", "5", "--noflush"]),
+            Some(input.as_bytes()),
+            command::RULESET_TIMEOUT,
+        )
+        .with_context(|| format!("running {bin} (install the iptables package)"))?;
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
             // "line N failed": quote the line, which names the service in its comment.
@@ -98,10 +88,12 @@ impl RuleTables for IptablesCommands {
 
     fn save(&mut self, family: IpFamily, table: &str) -> Result<String> {
         let bin = self.binary(family, "save");
-        let out = Command::new(&bin)
-            .args(["-t", table])
-            .output()
-            .with_context(|| format!("running {bin} (install the iptables package)"))?;
+        let out = command::run(
+            Command::new(&bin).args(["-t", table]),
+            None,
+            command::RULESET_TIMEOUT,
+        )
+        .with_context(|| format!("running {bin} (install the iptables package)"))?;
         if !out.status.success() {
             bail!(
                 "{bin} -t {table}: {}",

@@ -6,13 +6,12 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    io::Write as _,
-    process::{Command, Stdio},
+    process::Command,
 };
 
 use anyhow::{bail, Context, Result};
 
-use crate::model::IpFamily;
+use crate::{kernel::command, model::IpFamily};
 
 /// The sets, by role. Names are kube-proxy's where the role is the same; IPv6 sets carry
 /// `-6` after `KUBE` (`KUBE-6-CLUSTER-IP`), as kube-proxy's do.
@@ -86,11 +85,12 @@ pub struct IpsetCommand;
 impl IpsetCommand {
     /// Whether `ipset` runs and the kernel has ip_set.
     pub fn probe(&self) -> Result<()> {
-        let out = Command::new("ipset")
-            .arg("list")
-            .arg("-n")
-            .output()
-            .context("running ipset (install the ipset package)")?;
+        let out = command::run(
+            Command::new("ipset").args(["list", "-n"]),
+            None,
+            command::PROBE_TIMEOUT,
+        )
+        .context("running ipset (install the ipset package)")?;
         if !out.status.success() {
             bail!(
                 "ipset list failed: {}",
@@ -103,20 +103,12 @@ impl IpsetCommand {
 
 impl IpSets for IpsetCommand {
     fn restore(&mut self, input: &str) -> Result<()> {
-        let mut child = Command::new("ipset")
-            .args(["-exist", "restore"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("running ipset restore (install the ipset package)")?;
-        child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(input.as_bytes())
-            .context("writing to ipset restore")?;
-        let out = child.wait_with_output().context("waiting for ipset")?;
+        let out = command::run(
+            Command::new("ipset").args(["-exist", "restore"]),
+            Some(input.as_bytes()),
+            command::RULESET_TIMEOUT,
+        )
+        .context("running ipset restore (install the ipset package)")?;
         if !out.status.success() {
             bail!(
                 "ipset restore failed: {}",
@@ -127,10 +119,12 @@ impl IpSets for IpsetCommand {
     }
 
     fn names(&mut self) -> Result<Vec<String>> {
-        let out = Command::new("ipset")
-            .args(["list", "-n"])
-            .output()
-            .context("running ipset list")?;
+        let out = command::run(
+            Command::new("ipset").args(["list", "-n"]),
+            None,
+            command::RULESET_TIMEOUT,
+        )
+        .context("running ipset list")?;
         if !out.status.success() {
             bail!(
                 "ipset list failed: {}",

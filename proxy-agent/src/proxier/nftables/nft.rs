@@ -3,11 +3,12 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io::Write,
-    process::{Command, Stdio},
+    process::Command,
 };
 
 use anyhow::{bail, Context, Result};
+
+use crate::kernel::command;
 
 /// The chains and sets (maps included) of one table.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -38,10 +39,12 @@ impl NftCommand {
     /// Whether `nft` runs and the kernel has nf_tables. Not `nft list tables`: nft fetches
     /// the whole ruleset even for that, minutes behind 100 000 services' chains.
     pub fn probe(&self) -> Result<()> {
-        let out = Command::new("nft")
-            .arg("--version")
-            .output()
-            .context("running nft (install the nftables package)")?;
+        let out = command::run(
+            Command::new("nft").arg("--version"),
+            None,
+            command::PROBE_TIMEOUT,
+        )
+        .context("running nft (install the nftables package)")?;
         if !out.status.success() {
             bail!(
                 "nft --version: {}",
@@ -60,20 +63,12 @@ impl Nft for NftCommand {
     }
 
     fn apply(&mut self, script: &str) -> Result<()> {
-        let mut child = Command::new("nft")
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("running nft (install the nftables package)")?;
-        child
-            .stdin
-            .take()
-            .expect("piped stdin")
-            .write_all(script.as_bytes())
-            .context("writing to nft")?;
-        let out = child.wait_with_output()?;
+        let out = command::run(
+            Command::new("nft").args(["-f", "-"]),
+            Some(script.as_bytes()),
+            command::RULESET_TIMEOUT,
+        )
+        .context("running nft (install the nftables package)")?;
         if !out.status.success() {
             // nft quotes the failing line itself (it names the service port's chain).
             let stderr = String::from_utf8_lossy(&out.stderr);
@@ -84,10 +79,12 @@ impl Nft for NftCommand {
     }
 
     fn objects(&mut self, family: &str, table: &str) -> Result<TableObjects> {
-        let out = Command::new("nft")
-            .args(["list", "table", family, table])
-            .output()
-            .context("running nft (install the nftables package)")?;
+        let out = command::run(
+            Command::new("nft").args(["list", "table", family, table]),
+            None,
+            command::RULESET_TIMEOUT,
+        )
+        .context("running nft (install the nftables package)")?;
         if !out.status.success() {
             return Ok(TableObjects::default());
         }
