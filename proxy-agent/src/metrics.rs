@@ -36,6 +36,10 @@ pub struct Metrics {
     pub iptables_partial_restore_failures: IntCounter,
     pub nftables_rules: IntGauge,
     pub userspace_listeners: IntGauge,
+    pub userspace_udp_sessions: IntGauge,
+    pub userspace_udp_session_limit: IntGauge,
+    pub userspace_udp_sessions_evicted: IntCounter,
+    pub userspace_udp_sessions_refused: IntCounter,
     pub ipvs_virtual_servers: IntGauge,
     pub ipvs_sync_failures: IntCounter,
     pub nftables_sync_failures: IntCounter,
@@ -177,6 +181,28 @@ impl Metrics {
             nftables_rules: IntGauge::new(
                 "proxy_agent_nftables_rules",
                 "Rules and verdict-map elements in the nftables mode's tables",
+            )
+            .unwrap(),
+            userspace_udp_sessions: IntGauge::new(
+                "proxy_agent_userspace_udp_sessions",
+                "UDP sessions (one per client address and frontend) the userspace mode holds",
+            )
+            .unwrap(),
+            userspace_udp_session_limit: IntGauge::new(
+                "proxy_agent_userspace_udp_session_limit",
+                "UDP sessions the userspace mode holds at most over all frontends",
+            )
+            .unwrap(),
+            userspace_udp_sessions_evicted: IntCounter::new(
+                "proxy_agent_userspace_udp_sessions_evicted_total",
+                "UDP sessions closed to make room for a new client (a frontend's least \
+                 recently active)",
+            )
+            .unwrap(),
+            userspace_udp_sessions_refused: IntCounter::new(
+                "proxy_agent_userspace_udp_sessions_refused_total",
+                "New UDP clients given no session because every frontend's sessions together \
+                 were at the limit",
             )
             .unwrap(),
             userspace_listeners: IntGauge::new(
@@ -323,6 +349,10 @@ impl Metrics {
         reg(Box::new(m.iptables_partial_restore_failures.clone()));
         reg(Box::new(m.nftables_rules.clone()));
         reg(Box::new(m.userspace_listeners.clone()));
+        reg(Box::new(m.userspace_udp_sessions.clone()));
+        reg(Box::new(m.userspace_udp_session_limit.clone()));
+        reg(Box::new(m.userspace_udp_sessions_evicted.clone()));
+        reg(Box::new(m.userspace_udp_sessions_refused.clone()));
         reg(Box::new(m.ipvs_virtual_servers.clone()));
         reg(Box::new(m.ipvs_sync_failures.clone()));
         reg(Box::new(m.nftables_sync_failures.clone()));

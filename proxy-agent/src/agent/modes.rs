@@ -408,6 +408,16 @@ impl ModeProxier for ActiveProxier {
             }
             ActiveProxier::Userspace(p) => {
                 metrics.userspace_listeners.set(p.listening() as i64);
+                let udp = p.udp_sessions();
+                metrics.userspace_udp_sessions.set(udp.open() as i64);
+                metrics.userspace_udp_session_limit.set(udp.limit() as i64);
+                // Counters follow the proxier's own totals.
+                for (counter, total) in [
+                    (&metrics.userspace_udp_sessions_evicted, udp.evicted()),
+                    (&metrics.userspace_udp_sessions_refused, udp.refused()),
+                ] {
+                    counter.inc_by(total.saturating_sub(counter.get()));
+                }
             }
         }
     }

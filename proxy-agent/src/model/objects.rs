@@ -350,10 +350,71 @@ fn object_name(
         .clone()
         .filter(|n| !n.is_empty())
         .ok_or_else(|| field_error("metadata.name", "missing"))?;
-    Ok(ObjectName {
-        namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
-        name,
-    })
+    dns_subdomain("metadata.name", &name)?;
+    let namespace = meta.namespace.clone().unwrap_or_else(|| "default".into());
+    dns_label("metadata.namespace", &namespace)?;
+    Ok(ObjectName { namespace, name })
+}
+
+/// Names end up in rule text (iptables and nft comments, chain names' hashes, logs): they
+/// are held to the API server's own rules, so a manifest or a replayed object cannot carry
+/// a quote, a newline or a rule of its own into an `iptables-restore` or `nft` script.
+fn dns_label(field: &str, value: &str) -> Result<(), FieldError> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if ok {
+        return Ok(());
+    }
+    Err(field_error(
+        field,
+        format!(
+            "{:?} is not a DNS-1123 label (at most 63 lowercase letters, digits and '-', \
+             starting and ending with a letter or digit)",
+            truncated(value)
+        ),
+    ))
+}
+
+/// A DNS-1123 subdomain: dot-separated labels, at most 253 characters.
+fn dns_subdomain(field: &str, value: &str) -> Result<(), FieldError> {
+    let ok = value.len() <= 253
+        && value.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if ok {
+        return Ok(());
+    }
+    Err(field_error(
+        field,
+        format!(
+            "{:?} is not a DNS-1123 subdomain (at most 253 lowercase letters, digits, '-' \
+             and '.')",
+            truncated(value)
+        ),
+    ))
+}
+
+/// A port's name: empty (a single unnamed port) or a DNS-1123 label.
+fn port_name(field: &str, value: Option<&String>) -> Result<String, FieldError> {
+    match value.map(String::as_str) {
+        None | Some("") => Ok(String::new()),
+        Some(v) => dns_label(field, v).map(|()| v.to_string()),
+    }
+}
+
+/// At most 80 characters of a hostile value, for an error message.
+fn truncated(value: &str) -> String {
+    value.chars().take(80).collect()
 }
 
 /// Name of the object for messages, even when it is otherwise invalid.
@@ -395,7 +456,10 @@ impl ServiceInfo {
                     Ok(n) => {
                         TargetPort::Number(port_number(n, &format!("spec.ports[{i}].targetPort"))?)
                     }
-                    Err(_) => TargetPort::Name(s.clone()),
+                    Err(_) => {
+                        dns_label(&format!("spec.ports[{i}].targetPort"), s)?;
+                        TargetPort::Name(s.clone())
+                    }
                 },
             };
             let node_port = match p.node_port {
@@ -403,7 +467,7 @@ impl ServiceInfo {
                 Some(n) => Some(port_number(n, &format!("spec.ports[{i}].nodePort"))?),
             };
             ports.push(ServicePortSpec {
-                name: p.name.clone().unwrap_or_default(),
+                name: port_name(&format!("spec.ports[{i}].name"), p.name.as_ref())?,
                 protocol,
                 port,
                 target_port,
@@ -600,6 +664,10 @@ impl SliceInfo {
                 "missing: the slice belongs to no Service",
             )
         })?;
+        dns_subdomain(
+            &format!("metadata.labels[{SERVICE_NAME_LABEL}]"),
+            &service_name,
+        )?;
         let address_type = match slice.address_type.as_str() {
             "IPv4" => AddressType::IPv4,
             "IPv6" => AddressType::IPv6,
@@ -623,7 +691,7 @@ impl SliceInfo {
                     let protocol = Protocol::parse(p.protocol.as_deref())
                         .map_err(|m| field_error(format!("ports[{i}].protocol"), m))?;
                     ports.push(SlicePort {
-                        name: p.name.clone().unwrap_or_default(),
+                        name: port_name(&format!("ports[{i}].name"), p.name.as_ref())?,
                         protocol,
                         port,
                     });

@@ -84,6 +84,8 @@ pub struct UserspaceProxier {
     failed: BTreeSet<ServicePortName>,
     sources: Sources,
     udp_idle: Duration,
+    /// The caps on UDP sessions, shared by every UDP frontend.
+    udp_budget: Arc<udp::UdpBudget>,
 }
 
 /// Whether a frontend's address is made local by a route (NodePort addresses are the
@@ -102,7 +104,19 @@ impl UserspaceProxier {
             failed: BTreeSet::new(),
             sources: Sources::default(),
             udp_idle,
+            udp_budget: Arc::default(),
         }
+    }
+
+    /// The UDP sessions' caps and counts (metrics).
+    pub fn udp_sessions(&self) -> &udp::UdpBudget {
+        &self.udp_budget
+    }
+
+    /// The same proxier with other UDP session caps (tests).
+    pub fn with_udp_caps(mut self, per_frontend: usize, total: usize) -> Self {
+        self.udp_budget = Arc::new(udp::UdpBudget::new(per_frontend, total));
+        self
     }
 
     /// Frontends listening right now (tests and metrics).
@@ -197,7 +211,13 @@ impl UserspaceProxier {
             }
             Protocol::Udp => {
                 let socket = sockets::bind_udp(addr)?;
-                tokio::spawn(udp::serve(socket, balancer, sources, self.udp_idle))
+                tokio::spawn(udp::serve(
+                    socket,
+                    balancer,
+                    sources,
+                    self.udp_idle,
+                    self.udp_budget.clone(),
+                ))
             }
             _ => return Ok(()),
         };

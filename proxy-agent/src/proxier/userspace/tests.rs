@@ -307,3 +307,70 @@ async fn a_frontend_that_cannot_be_bound_is_reported_and_the_others_are_served()
         "a"
     );
 }
+
+/// Every client address costs a session (a socket, a task, a buffer): a flood from many
+/// sources is held to the caps. Over its own cap a frontend gives up its least recently
+/// active session; at the total, a frontend with no sessions of its own gets none rather
+/// than closing another frontend's.
+#[tokio::test]
+async fn udp_sessions_are_capped_and_the_least_recently_active_goes_first() {
+    let a = udp_endpoint("127.0.0.2", "a").await;
+    // Sessions that never idle out during the test.
+    let mut p = UserspaceProxier::new(
+        Box::new(MemoryLocalRoutes::default()),
+        Duration::from_secs(60),
+    )
+    .with_udp_caps(3, 4);
+    let mut other = port("ns", "127.0.10.11", 18053, Protocol::Udp, vec![a]);
+    other.name.service.name = "other".into();
+    let mut third = port("ns", "127.0.10.12", 18053, Protocol::Udp, vec![a]);
+    third.name.service.name = "third".into();
+    let both = state(&[
+        port("ns", "127.0.10.10", 18053, Protocol::Udp, vec![a]),
+        other,
+        third,
+    ]);
+    sync(&mut p, &DesiredState::default(), &both);
+    let flooded: SocketAddr = "127.0.10.10:18053".parse().unwrap();
+    let quiet: SocketAddr = "127.0.10.11:18053".parse().unwrap();
+    async fn ask(client: &UdpSocket, vip: SocketAddr) -> bool {
+        client.send_to(b"?", vip).await.unwrap();
+        let mut buf = [0u8; 16];
+        tokio::time::timeout(Duration::from_millis(500), client.recv_from(&mut buf))
+            .await
+            .is_ok()
+    }
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let c = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        assert!(ask(&c, flooded).await);
+        clients.push(c);
+    }
+    assert_eq!(p.udp_sessions().open(), 3);
+    // The first client speaks again, so the second is now the least recently active.
+    assert!(ask(&clients[0], flooded).await);
+    let fourth = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    assert!(ask(&fourth, flooded).await, "a new client gets a session");
+    assert_eq!(p.udp_sessions().open(), 3, "held to the frontend's cap");
+    assert_eq!(p.udp_sessions().evicted(), 1);
+    // The other frontend is unaffected and takes the last place of the total.
+    let q = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    assert!(ask(&q, quiet).await);
+    assert_eq!(p.udp_sessions().open(), 4);
+    // At the total, the flooded frontend evicts its own, never the other's.
+    for _ in 0..5 {
+        let c = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        assert!(ask(&c, flooded).await);
+    }
+    assert_eq!(p.udp_sessions().open(), 4);
+    assert!(
+        ask(&q, quiet).await,
+        "the other frontend's session survived"
+    );
+    assert_eq!(p.udp_sessions().refused(), 0);
+    // A frontend with no session of its own gets none while the total is reached.
+    let t = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    assert!(!ask(&t, "127.0.10.12:18053".parse().unwrap()).await);
+    assert_eq!(p.udp_sessions().refused(), 1);
+    assert_eq!(p.udp_sessions().limit(), 4);
+}

@@ -322,3 +322,72 @@ async fn watching_a_file_ignores_its_neighbours_and_reads() {
     fs::write(&file, "").unwrap();
     expect_event(&mut rx, "a write to the file").await;
 }
+
+/// Names reach iptables and nft scripts (comments, chain names): a name that could end a
+/// quoted comment or start a new rule is refused, naming the field, and costs only its own
+/// object.
+#[test]
+fn names_that_could_inject_rule_text_are_refused_with_the_field() {
+    let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: "web\" -j ACCEPT\n-A KUBE-SERVICES", namespace: shop}
+spec:
+  clusterIP: 10.96.0.30
+  ports: [{name: http, port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: "shop\nCOMMIT"}
+spec:
+  clusterIP: 10.96.0.31
+  ports: [{name: http, port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: ports, namespace: shop}
+spec:
+  clusterIP: 10.96.0.32
+  ports: [{name: "http\" ; flush ruleset", port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: target, namespace: shop}
+spec:
+  clusterIP: 10.96.0.33
+  ports: [{name: http, port: 80, targetPort: "a b"}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: fine-1
+  namespace: shop
+  labels: {kubernetes.io/service-name: "x\ny"}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints: [{addresses: [10.244.1.1]}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: fine, namespace: shop}
+spec:
+  clusterIP: 10.96.0.34
+  ports: [{name: http, port: 80}]
+"#;
+    let set = parse(yaml);
+    assert_eq!(
+        set.store.services.len(),
+        1,
+        "only the valid Service is kept"
+    );
+    for field in [
+        "metadata.name: \"web\\\" -j ACCEPT\\n-A KUBE-SERVICES\" is not a DNS-1123 subdomain",
+        "metadata.namespace: \"shop\\nCOMMIT\" is not a DNS-1123 label",
+        "spec.ports[0].name: \"http\\\" ; flush ruleset\" is not a DNS-1123 label",
+        "spec.ports[0].targetPort: \"a b\" is not a DNS-1123 label",
+        "metadata.labels[kubernetes.io/service-name]: \"x\\ny\" is not a DNS-1123 subdomain",
+    ] {
+        problem_with(&set, field);
+    }
+    assert_eq!(set.problems.len(), 5, "{:#?}", set.problems);
+}
