@@ -848,94 +848,6 @@ fn evictions_are_counted(family: Family) {
 }
 
 #[test]
-fn confirmed_flows_keep_their_backends_through_a_flood_of_spoofed_packets() {
-    require_kernel!();
-    flood_spares_confirmed_flows(ipv4_family());
-}
-
-#[test]
-fn confirmed_ipv6_flows_keep_their_backends_through_a_flood_of_spoofed_packets() {
-    require_kernel!();
-    flood_spares_confirmed_flows(ipv6_family());
-}
-
-/// A 1 024-entry conntrack map holding 10 established, replied flows; then 20 000 spoofed
-/// ACK and UDP frames from random sources. Before, the ACKs alone created 20 000 entries and
-/// the LRU evicted the idle established flows, whose next packet picked a new backend.
-fn flood_spares_confirmed_flows(family: Family) {
-    let mut dp = TestDatapath::load(DatapathSizes {
-        conntrack: 1024,
-        ..small()
-    })
-    .expect("load datapath");
-    for protocol in [Protocol::Tcp, Protocol::Udp] {
-        let f = Frontend {
-            addr: family.vip,
-            port: 80,
-            protocol,
-        };
-        dp.sync.set(&f, &family.backends).unwrap();
-    }
-    let vip = SocketAddr::new(family.vip, 80);
-    let flows: Vec<(SocketAddr, bool, SocketAddr)> = (0..10u16)
-        .map(|i| {
-            let tcp = i % 2 == 0;
-            let backend = open_confirmed(&dp, &family, 50000 + i, tcp);
-            (SocketAddr::new(family.client, 50000 + i), tcp, backend)
-        })
-        .collect();
-
-    // Random sources (a fixed LCG, so a failure reproduces), half TCP ACKs, half UDP.
-    let mut seed = 0x2545_f491u32;
-    let mut spoofed = || {
-        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-        let port = 1024 + (seed >> 16) as u16 % 60000;
-        let ip: IpAddr = match family.client {
-            IpAddr::V4(_) => Ipv4Addr::from(0x0a80_0000 | (seed & 0x007f_ffff)).into(),
-            IpAddr::V6(_) => {
-                std::net::Ipv6Addr::from(0xfd00_0066_u128 << 96 | u128::from(seed)).into()
-            }
-        };
-        SocketAddr::new(ip, port)
-    };
-    let stray = frame(spoofed(), vip, Some(TCP_ACK));
-    assert_eq!(
-        dp.run(Hook::Ingress, &stray).unwrap(),
-        (TC_ACT_UNSPEC, stray.clone()),
-        "an ACK of no known connection passes untranslated"
-    );
-    let flood = 20_000u64;
-    for i in 0..flood {
-        let tcp = (i % 2 == 0).then_some(TCP_ACK);
-        dp.run(Hook::Ingress, &frame(spoofed(), vip, tcp)).unwrap();
-    }
-
-    for (client, tcp, backend) in &flows {
-        assert_eq!(
-            sent_to(&dp, *client, vip, tcp.then_some(TCP_ACK)),
-            *backend,
-            "{client} ({}) moved to another backend after the flood",
-            if *tcp { "tcp" } else { "udp" }
-        );
-    }
-    // The flood is counted: the ACKs as untracked segments, the datagrams as unconfirmed
-    // flows pushing each other out of CT_NEW; no confirmed flow was evicted.
-    assert_eq!(stat(&dp, Stat::UntrackedSegment), 1 + flood / 2);
-    let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
-    assert_eq!(sweep.evicted, 0, "{sweep:?}");
-    let new_room = proxy_agent::datapath::new_flows_size(1024) as u64;
-    assert!(
-        sweep.evicted_new >= flood - new_room,
-        "the datagrams' entries pushed each other out of CT_NEW: {sweep:?}"
-    );
-    assert_eq!(
-        sweep.remaining + sweep.remaining6,
-        20,
-        "the ten flows' entries, and only theirs, are confirmed: {sweep:?}"
-    );
-}
-
-#[test]
 fn traffic_is_counted_per_service_port_in_both_directions() {
     require_kernel!();
     let dp = datapath();
@@ -1507,4 +1419,97 @@ fn kernel_release() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|r| r.trim().to_string())
         .unwrap_or_default()
+}
+
+/// [W2-2] tenant and fault safety: `cargo xtask test` runs and times these as their own part.
+mod safety {
+    use super::*;
+
+    #[test]
+    fn confirmed_flows_keep_their_backends_through_a_flood_of_spoofed_packets() {
+        require_kernel!();
+        flood_spares_confirmed_flows(ipv4_family());
+    }
+
+    #[test]
+    fn confirmed_ipv6_flows_keep_their_backends_through_a_flood_of_spoofed_packets() {
+        require_kernel!();
+        flood_spares_confirmed_flows(ipv6_family());
+    }
+
+    /// A 1 024-entry conntrack map holding 10 established, replied flows; then 20 000 spoofed
+    /// ACK and UDP frames from random sources. Before, the ACKs alone created 20 000 entries and
+    /// the LRU evicted the idle established flows, whose next packet picked a new backend.
+    fn flood_spares_confirmed_flows(family: Family) {
+        let mut dp = TestDatapath::load(DatapathSizes {
+            conntrack: 1024,
+            ..small()
+        })
+        .expect("load datapath");
+        for protocol in [Protocol::Tcp, Protocol::Udp] {
+            let f = Frontend {
+                addr: family.vip,
+                port: 80,
+                protocol,
+            };
+            dp.sync.set(&f, &family.backends).unwrap();
+        }
+        let vip = SocketAddr::new(family.vip, 80);
+        let flows: Vec<(SocketAddr, bool, SocketAddr)> = (0..10u16)
+            .map(|i| {
+                let tcp = i % 2 == 0;
+                let backend = open_confirmed(&dp, &family, 50000 + i, tcp);
+                (SocketAddr::new(family.client, 50000 + i), tcp, backend)
+            })
+            .collect();
+
+        // Random sources (a fixed LCG, so a failure reproduces), half TCP ACKs, half UDP.
+        let mut seed = 0x2545_f491u32;
+        let mut spoofed = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let port = 1024 + (seed >> 16) as u16 % 60000;
+            let ip: IpAddr = match family.client {
+                IpAddr::V4(_) => Ipv4Addr::from(0x0a80_0000 | (seed & 0x007f_ffff)).into(),
+                IpAddr::V6(_) => {
+                    std::net::Ipv6Addr::from(0xfd00_0066_u128 << 96 | u128::from(seed)).into()
+                }
+            };
+            SocketAddr::new(ip, port)
+        };
+        let stray = frame(spoofed(), vip, Some(TCP_ACK));
+        assert_eq!(
+            dp.run(Hook::Ingress, &stray).unwrap(),
+            (TC_ACT_UNSPEC, stray.clone()),
+            "an ACK of no known connection passes untranslated"
+        );
+        let flood = 20_000u64;
+        for i in 0..flood {
+            let tcp = (i % 2 == 0).then_some(TCP_ACK);
+            dp.run(Hook::Ingress, &frame(spoofed(), vip, tcp)).unwrap();
+        }
+
+        for (client, tcp, backend) in &flows {
+            assert_eq!(
+                sent_to(&dp, *client, vip, tcp.then_some(TCP_ACK)),
+                *backend,
+                "{client} ({}) moved to another backend after the flood",
+                if *tcp { "tcp" } else { "udp" }
+            );
+        }
+        // The flood is counted: the ACKs as untracked segments, the datagrams as unconfirmed
+        // flows pushing each other out of CT_NEW; no confirmed flow was evicted.
+        assert_eq!(stat(&dp, Stat::UntrackedSegment), 1 + flood / 2);
+        let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+        assert_eq!(sweep.evicted, 0, "{sweep:?}");
+        let new_room = proxy_agent::datapath::new_flows_size(1024) as u64;
+        assert!(
+            sweep.evicted_new >= flood - new_room,
+            "the datagrams' entries pushed each other out of CT_NEW: {sweep:?}"
+        );
+        assert_eq!(
+            sweep.remaining + sweep.remaining6,
+            20,
+            "the ten flows' entries, and only theirs, are confirmed: {sweep:?}"
+        );
+    }
 }

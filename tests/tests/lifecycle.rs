@@ -704,50 +704,55 @@ fn the_ipvs_mode_without_ipvs_in_the_kernel_exits_naming_the_modules() {
     );
 }
 
-/// Two owners of one bpffs root: a second agent, and `--cleanup` during a run, each stop
-/// with one line naming the running agent (its pid and host), and the running agent keeps
-/// its pins and keeps serving. Before, both went ahead and wrote (or removed) the same maps.
-#[test]
-fn a_second_agent_or_cleanup_during_a_run_is_refused_naming_the_holder() {
-    require_kernel!();
-    let (mut lab, path) = started_lab(&[]);
-    let pid = lab.agent().unwrap().pid();
-    let maps = lab.bpffs.root().join("maps");
-    let pinned = || std::fs::read_dir(&maps).unwrap().count();
-    let before = pinned();
-    let manifests = path.to_str().unwrap().to_string();
-    for args in [vec!["--manifests", manifests.as_str()], vec!["--cleanup"]] {
-        let (ok, out) = lab.run_agent_once(&args).unwrap();
-        assert!(!ok, "{args:?} ran beside the agent: {out}");
-        let refusals: Vec<&str> = out
-            .lines()
-            .filter(|l| l.contains("another proxy-agent owns"))
-            .collect();
-        assert_eq!(refusals.len(), 1, "{args:?}: {out}");
+/// [W2-2] tenant and fault safety: `cargo xtask test` runs and times these as their own part.
+mod safety {
+    use super::*;
+
+    /// Two owners of one bpffs root: a second agent, and `--cleanup` during a run, each stop
+    /// with one line naming the running agent (its pid and host), and the running agent keeps
+    /// its pins and keeps serving. Before, both went ahead and wrote (or removed) the same maps.
+    #[test]
+    fn a_second_agent_or_cleanup_during_a_run_is_refused_naming_the_holder() {
+        require_kernel!();
+        let (mut lab, path) = started_lab(&[]);
+        let pid = lab.agent().unwrap().pid();
+        let maps = lab.bpffs.root().join("maps");
+        let pinned = || std::fs::read_dir(&maps).unwrap().count();
+        let before = pinned();
+        let manifests = path.to_str().unwrap().to_string();
+        for args in [vec!["--manifests", manifests.as_str()], vec!["--cleanup"]] {
+            let (ok, out) = lab.run_agent_once(&args).unwrap();
+            assert!(!ok, "{args:?} ran beside the agent: {out}");
+            let refusals: Vec<&str> = out
+                .lines()
+                .filter(|l| l.contains("another proxy-agent owns"))
+                .collect();
+            assert_eq!(refusals.len(), 1, "{args:?}: {out}");
+            assert!(
+                refusals[0].contains(&format!("pid {pid} on ")),
+                "{args:?} does not name the holder: {out}"
+            );
+        }
+        assert_eq!(pinned(), before, "the running agent's maps are all pinned");
+        let served = lab
+            .client
+            .ns
+            .run(|| {
+                (0..10)
+                    .filter(|_| {
+                        proxy_tests::lab::client::tcp_hello(WEB, Duration::from_secs(2)).is_ok()
+                    })
+                    .count()
+            })
+            .unwrap();
+        assert_eq!(served, 10, "the running agent still serves");
+        // Its lock goes with it.
+        lab.stop_agent().unwrap();
+        let (ok, out) = lab.run_agent_once(&["--cleanup"]).unwrap();
+        assert!(ok, "--cleanup after the agent stopped: {out}");
         assert!(
-            refusals[0].contains(&format!("pid {pid} on ")),
-            "{args:?} does not name the holder: {out}"
+            !lab.bpffs.root().exists(),
+            "--cleanup leaves the root behind"
         );
     }
-    assert_eq!(pinned(), before, "the running agent's maps are all pinned");
-    let served = lab
-        .client
-        .ns
-        .run(|| {
-            (0..10)
-                .filter(|_| {
-                    proxy_tests::lab::client::tcp_hello(WEB, Duration::from_secs(2)).is_ok()
-                })
-                .count()
-        })
-        .unwrap();
-    assert_eq!(served, 10, "the running agent still serves");
-    // Its lock goes with it.
-    lab.stop_agent().unwrap();
-    let (ok, out) = lab.run_agent_once(&["--cleanup"]).unwrap();
-    assert!(ok, "--cleanup after the agent stopped: {out}");
-    assert!(
-        !lab.bpffs.root().exists(),
-        "--cleanup leaves the root behind"
-    );
 }

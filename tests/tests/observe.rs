@@ -417,103 +417,109 @@ fn auto_mode_runs_the_first_mode_this_kernel_supports_and_says_why() {
     assert!(served(&lab));
 }
 
-/// Open descriptors of process `pid`.
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0)
-}
+/// [W2-2] tenant and fault safety: `cargo xtask test` runs and times these as their own part.
+mod safety {
+    use super::*;
 
-/// A slowloris against the health port (the DaemonSet's default, 0.0.0.0:10256): 2 000
-/// connections that send half a header and stall. A fresh /healthz still answers at once,
-/// the agent holds no more descriptors than its connection cap allows, and a manifest change
-/// is still programmed. Before, every stalled connection kept a descriptor and a task for as
-/// long as the client liked.
-#[test]
-fn slow_clients_neither_starve_health_nor_exhaust_descriptors() {
-    require_kernel!();
-    const STALLED: usize = 2000;
-    // The test holds the stalled connections' descriptors itself.
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
-    if (limit.rlim_max as usize) < STALLED + 256 {
-        eprintln!(
-            "skipped: this process may open {} descriptors, the test needs {}",
-            limit.rlim_max,
-            STALLED + 256
-        );
-        return;
-    }
-    limit.rlim_cur = limit.rlim_max;
-    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
-
-    let mut lab = Lab::new(LabOptions::default()).expect("lab");
-    let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
-    let web = |ips: &[Ipv4Addr]| service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], ips);
-    let manifests = lab.write_manifests(&web(&ips)).unwrap();
-    lab.start_agent(&manifests, &[]).unwrap();
-    let healthz = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10256);
-    let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
-    assert_eq!(get(&lab, healthz, "/healthz").0, 200);
-    let pid = lab.agent().unwrap().pid();
-    let before = open_fds(pid);
-
-    let stalled: Vec<TcpStream> = lab
-        .node
-        .run(move || {
-            (0..STALLED)
-                .filter_map(|_| {
-                    let mut s = TcpStream::connect(healthz).ok()?;
-                    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: ag").ok()?;
-                    Some(s)
-                })
-                .collect()
-        })
-        .unwrap();
-    assert_eq!(stalled.len(), STALLED, "the kernel took every connection");
-
-    let started = Instant::now();
-    let (code, body) = get(&lab, healthz, "/healthz");
-    let took = started.elapsed();
-    assert_eq!(code, 200, "{body}");
-    assert!(
-        took <= proxy_tests::scaled(Duration::from_secs(1)),
-        "/healthz took {took:?} behind {STALLED} stalled connections"
-    );
-    let during = open_fds(pid);
-    let cap = proxy_agent::health::http::AGENT_CONNECTIONS;
-    assert!(
-        during <= before + cap + 8,
-        "the agent holds {during} descriptors ({before} before; cap {cap})"
-    );
-
-    // A change is still programmed while they stall.
-    lab.write_manifests(&web(&ips[..2])).unwrap();
-    let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(5));
-    loop {
-        let (_, now) = get(&lab, metrics, "/metrics");
-        if metric(&now, "proxy_agent_backends{mode=\"ebpf\"}") == 2.0 {
-            assert!(
-                metric(
-                    &now,
-                    "proxy_agent_http_connections_shed_total{server=\"agent\"}"
-                ) >= (STALLED - cap) as f64,
-                "the oldest stalled connections were shed:\n{now}"
+    /// A slowloris against the health port (the DaemonSet's default, 0.0.0.0:10256): 2 000
+    /// connections that send half a header and stall. A fresh /healthz still answers at once,
+    /// the agent holds no more descriptors than its connection cap allows, and a manifest change
+    /// is still programmed. Before, every stalled connection kept a descriptor and a task for as
+    /// long as the client liked.
+    #[test]
+    fn slow_clients_neither_starve_health_nor_exhaust_descriptors() {
+        require_kernel!();
+        const STALLED: usize = 2000;
+        // The test holds the stalled connections' descriptors itself.
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+        if (limit.rlim_max as usize) < STALLED + 256 {
+            eprintln!(
+                "skipped: this process may open {} descriptors, the test needs {}",
+                limit.rlim_max,
+                STALLED + 256
             );
-            assert_eq!(
-                metric(&now, "proxy_agent_http_connection_limit{server=\"agent\"}"),
-                cap as f64
-            );
-            break;
+            return;
         }
+        limit.rlim_cur = limit.rlim_max;
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+
+        let mut lab = Lab::new(LabOptions::default()).expect("lab");
+        let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+        let web =
+            |ips: &[Ipv4Addr]| service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], ips);
+        let manifests = lab.write_manifests(&web(&ips)).unwrap();
+        lab.start_agent(&manifests, &[]).unwrap();
+        let healthz = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10256);
+        let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
+        assert_eq!(get(&lab, healthz, "/healthz").0, 200);
+        let pid = lab.agent().unwrap().pid();
+        let before = open_fds(pid);
+
+        let stalled: Vec<TcpStream> = lab
+            .node
+            .run(move || {
+                (0..STALLED)
+                    .filter_map(|_| {
+                        let mut s = TcpStream::connect(healthz).ok()?;
+                        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: ag").ok()?;
+                        Some(s)
+                    })
+                    .collect()
+            })
+            .unwrap();
+        assert_eq!(stalled.len(), STALLED, "the kernel took every connection");
+
+        let started = Instant::now();
+        let (code, body) = get(&lab, healthz, "/healthz");
+        let took = started.elapsed();
+        assert_eq!(code, 200, "{body}");
         assert!(
-            Instant::now() < deadline,
-            "the change was not programmed:\n{now}"
+            took <= proxy_tests::scaled(Duration::from_secs(1)),
+            "/healthz took {took:?} behind {STALLED} stalled connections"
         );
-        std::thread::sleep(Duration::from_millis(100));
+        let during = open_fds(pid);
+        let cap = proxy_agent::health::http::AGENT_CONNECTIONS;
+        assert!(
+            during <= before + cap + 8,
+            "the agent holds {during} descriptors ({before} before; cap {cap})"
+        );
+
+        // A change is still programmed while they stall.
+        lab.write_manifests(&web(&ips[..2])).unwrap();
+        let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(5));
+        loop {
+            let (_, now) = get(&lab, metrics, "/metrics");
+            if metric(&now, "proxy_agent_backends{mode=\"ebpf\"}") == 2.0 {
+                assert!(
+                    metric(
+                        &now,
+                        "proxy_agent_http_connections_shed_total{server=\"agent\"}"
+                    ) >= (STALLED - cap) as f64,
+                    "the oldest stalled connections were shed:\n{now}"
+                );
+                assert_eq!(
+                    metric(&now, "proxy_agent_http_connection_limit{server=\"agent\"}"),
+                    cap as f64
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the change was not programmed:\n{now}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        drop(stalled);
     }
-    drop(stalled);
+
+    /// Open descriptors of process `pid`.
+    fn open_fds(pid: u32) -> usize {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
 }

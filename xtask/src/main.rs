@@ -302,6 +302,9 @@ fn cargo(args: &[&str]) -> Command {
     cmd
 }
 
+/// The test modules named `safety` (floods, slow clients, two agents on one root).
+const SAFETY_TESTS: &str = "safety::";
+
 fn test(extra: &[String]) -> Result<()> {
     let mut parts = parts::Parts::default();
     parts.start("test: build the eBPF object");
@@ -330,11 +333,21 @@ fn test(extra: &[String]) -> Result<()> {
     parts.start("test: unit, in-kernel and lab tests (and their build)");
     // Lab tests start the agent binary as a child process in a network namespace.
     run(&mut cargo(&["build", "--quiet", "-p", "proxy-agent"]))?;
-    let mut cmd = cargo(&["test", "--workspace"]);
-    cmd.args(extra)
-        // Kernel tests must run, not skip, when this command runs them.
-        .env("PROXY_REQUIRE_KERNEL_TESTS", "1");
-    run(&mut cmd)?;
+    // Kernel tests must run, not skip, when this command runs them.
+    let workspace_tests = |args: &[&str]| {
+        let mut cmd = cargo(&["test", "--workspace"]);
+        cmd.args(args).env("PROXY_REQUIRE_KERNEL_TESTS", "1");
+        cmd
+    };
+    if extra.is_empty() {
+        run(&mut workspace_tests(&["--", "--skip", SAFETY_TESTS]))?;
+        // Their own part, so what [W2-2] added to a CI run shows on its own.
+        parts.start("test: tenant and fault safety (floods, slow clients, two agents)");
+        run(&mut workspace_tests(&[SAFETY_TESTS]))?;
+    } else {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        run(&mut workspace_tests(&extra))?;
+    }
     if !extra.is_empty() {
         step("test: a filtered run: the VM suite is left out (cargo xtask vm-test runs it)");
         parts.report();
