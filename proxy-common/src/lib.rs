@@ -394,7 +394,9 @@ pub const MAX_BACKENDS: u32 = 1 << BACKEND_INDEX_BITS;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Backend {
-    /// The full id this slot currently holds; 0 when the slot is free.
+    /// The full id this slot currently holds. A free slot holds only the generation of the
+    /// id it held last (index bits 0, see [`Backend::retired`]), so no id can match it and
+    /// the next agent, even after a restart, hands the slot out under a new generation.
     pub id: u32,
     /// IPv4 address, network byte order.
     pub addr: u32,
@@ -422,6 +424,19 @@ impl Backend {
         _pad0: 0,
         service_id: 0,
     };
+
+    /// What a slot holds once the backend with `id` left it: its generation, nothing else.
+    pub const fn retired(id: u32) -> Self {
+        Self {
+            id: id & !BACKEND_INDEX_MASK,
+            ..Self::EMPTY
+        }
+    }
+
+    /// Whether the slot holds a backend (not free, not retired).
+    pub const fn in_use(&self) -> bool {
+        self.id & BACKEND_INDEX_MASK != 0
+    }
 
     pub const fn new(id: u32, addr_be: u32, port_be: u16, flags: u8, service_id: u32) -> Self {
         Self {

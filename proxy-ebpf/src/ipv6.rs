@@ -472,7 +472,9 @@ fn sticky_backend(pkt: &Packet6, header: &ServiceValue) -> u32 {
     };
     if let Some(last) = unsafe { AFFINITY6.get(&key) } {
         let id = last.backend_id;
-        if now.wrapping_sub(last.last_seen_ns) <= affinity_ns && backend(id).is_some() {
+        // Still this frontend's backend (as for IPv4).
+        let ours = backend(id).is_some_and(|b| b.service_id == header.service_id);
+        if now.wrapping_sub(last.last_seen_ns) <= affinity_ns && ours {
             remember_affinity(&key, id, now);
             return id;
         }

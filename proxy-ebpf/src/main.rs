@@ -1351,7 +1351,10 @@ fn sticky_backend(key: &AffinityKey, timeout_ns: u64, now: u64) -> Option<(u32, 
         return None;
     }
     let id = last.backend_id;
-    Some((id, backend(id)?))
+    let b = backend(id)?;
+    // The remembered backend must still be this frontend's: ids are never reused while
+    // entries may name them, and this holds even if they were.
+    (b.service_id == key.service_id).then_some((id, b))
 }
 
 /// Whether a new flow is source-NATed to the node: always under `masqueradeAll`; to a

@@ -1424,6 +1424,7 @@ fn kernel_release() -> String {
 /// [W2-2] tenant and fault safety: `cargo xtask test` runs and times these as their own part.
 mod safety {
     use super::*;
+    use proxy_common::{AffinityKey, AffinityValue};
 
     #[test]
     fn confirmed_flows_keep_their_backends_through_a_flood_of_spoofed_packets() {
@@ -1511,5 +1512,97 @@ mod safety {
             20,
             "the ten flows' entries, and only theirs, are confirmed: {sweep:?}"
         );
+    }
+
+    /// A client with ClientIP affinity to a Service that is removed must never be steered
+    /// by that memory to another Service's backend. The ids: after the Service goes and a
+    /// full sync reloads the maps, its backends' slots come back under new generations, so
+    /// the remembered id names nothing (before, a reload restarted generations and the id
+    /// named another Service's pod). The service check: even an id that does name a live
+    /// backend is ignored when that backend is another frontend's.
+    #[test]
+    fn a_removed_services_client_is_never_sent_to_another_services_backend() {
+        require_kernel!();
+        let mut dp = TestDatapath::load(small()).expect("load datapath");
+        let sticky = HeaderSettings {
+            flags: 0,
+            affinity_timeout: 600,
+        };
+        let tcp = |addr: Ipv4Addr| Frontend {
+            addr: addr.into(),
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        let pod = |i: u8| SocketAddrV4::new(Ipv4Addr::new(10, 244, 7, i), 8080);
+        let (b_vip, c_vip) = (Ipv4Addr::new(10, 96, 0, 21), Ipv4Addr::new(10, 96, 0, 22));
+        let (a, b, c) = (tcp(VIP), tcp(b_vip), tcp(c_vip));
+        dp.set_service_with(a, &[pod(1), pod(2)], sticky, &[])
+            .unwrap();
+        let second = dp
+            .sync
+            .backend_ids()
+            .map(|(_, addr, id)| (id, addr))
+            .max()
+            .map(|(_, addr)| addr)
+            .unwrap();
+        // A client whose remembered backend is A's second slot.
+        let client = (1..=250u8)
+            .map(|i| Ipv4Addr::new(10, 244, 9, i))
+            .find(|client| {
+                let to = assert_dnat_to(&dp, *client, VIP);
+                SocketAddr::V4(to) == second
+            })
+            .expect("some client lands on the second backend");
+
+        // A goes; a full sync reloads the maps; B takes A's service id, C its slots.
+        dp.sync.remove(&a).unwrap();
+        dp.sync.reload_from_maps().unwrap();
+        dp.set_service_with(b, &[pod(11)], sticky, &[]).unwrap();
+        dp.set_service_with(c, &[pod(21)], HeaderSettings::default(), &[])
+            .unwrap();
+        for sport in 0..5 {
+            let syn = PacketSpec::tcp(client, 45000 + sport, b_vip, 80, TCP_SYN);
+            let (_, out) = dp.run(Hook::Ingress, &syn.build()).unwrap();
+            assert_eq!(
+                SocketAddrV4::new(parse(&out).dst, parse(&out).dport),
+                pod(11),
+                "the client of the removed Service went elsewhere than B's own pod"
+            );
+        }
+
+        // An affinity entry naming C's live backend, under B's service id: ignored.
+        let b_id = dp.sync.service_ids().find(|(f, _)| **f == b).unwrap().1;
+        let c_backend = dp.sync.backend_ids().find(|(f, _, _)| **f == c).unwrap().2;
+        let other = Ipv4Addr::new(10, 244, 9, 251);
+        {
+            let map = dp.datapath.ebpf.map_mut("AFFINITY").unwrap();
+            let mut affinity: aya::maps::HashMap<_, AffinityKey, AffinityValue> =
+                aya::maps::HashMap::try_from(map).unwrap();
+            let key = AffinityKey {
+                client: u32::from(other).to_be(),
+                service_id: b_id,
+            };
+            let value = AffinityValue {
+                last_seen_ns: proxy_agent::datapath::monotonic_ns(),
+                backend_id: c_backend,
+                _pad0: 0,
+            };
+            affinity.insert(key, value, 0).unwrap();
+        }
+        let syn = PacketSpec::tcp(other, 46000, b_vip, 80, TCP_SYN);
+        let (_, out) = dp.run(Hook::Ingress, &syn.build()).unwrap();
+        assert_eq!(
+            SocketAddrV4::new(parse(&out).dst, parse(&out).dport),
+            pod(11),
+            "an affinity entry naming another Service's backend steered the client"
+        );
+    }
+
+    /// Sends a SYN from `client` to `vip`:80 and returns where it went.
+    fn assert_dnat_to(dp: &TestDatapath, client: Ipv4Addr, vip: Ipv4Addr) -> SocketAddrV4 {
+        let syn = PacketSpec::tcp(client, 44000, vip, 80, TCP_SYN);
+        let (_, out) = dp.run(Hook::Ingress, &syn.build()).unwrap();
+        let p = parse(&out);
+        SocketAddrV4::new(p.dst, p.dport)
     }
 }

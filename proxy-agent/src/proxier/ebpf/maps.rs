@@ -78,6 +78,9 @@ pub trait ServiceMaps {
 pub struct MapContents {
     pub services: Vec<(ServiceMapKey, ServiceValue)>,
     pub backends: Vec<Backend>,
+    /// Free `BACKENDS` slots that held a backend: (slot, the id it held last), so ids are
+    /// never handed out again while conntrack or affinity entries may name them.
+    pub retired: Vec<(u32, u32)>,
     /// Addresses of the IPv6 backends (`BACKEND_FLAG_IPV6`), by backend slot.
     pub backend_addrs6: BTreeMap<u32, BackendAddr6>,
     pub source_ranges: Vec<SourceRange>,
@@ -91,6 +94,8 @@ pub struct MapContents {
 pub struct InMemoryMaps {
     pub services: BTreeMap<ServiceMapKey, ServiceValue>,
     pub backends: BTreeMap<u32, Backend>,
+    /// Free slots' last ids (what the kernel array keeps as [`Backend::retired`]).
+    pub retired: BTreeMap<u32, u32>,
     /// `BACKEND_ADDRS6`, by backend slot.
     pub backend_addrs6: BTreeMap<u32, BackendAddr6>,
     pub source_ranges: BTreeSet<SourceRange>,
@@ -109,6 +114,7 @@ impl Default for InMemoryMaps {
         Self {
             services: BTreeMap::new(),
             backends: BTreeMap::new(),
+            retired: BTreeMap::new(),
             backend_addrs6: BTreeMap::new(),
             source_ranges: BTreeSet::new(),
             maglev: BTreeMap::new(),
@@ -168,6 +174,7 @@ impl ServiceMaps for InMemoryMaps {
         if let Some(a) = addr6 {
             self.backend_addrs6.insert(id & BACKEND_INDEX_MASK, a);
         }
+        self.retired.remove(&(id & BACKEND_INDEX_MASK));
         self.backends.insert(id, backend);
         Ok(())
     }
@@ -175,6 +182,7 @@ impl ServiceMaps for InMemoryMaps {
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError> {
         self.operations += 1;
         self.backends.remove(&id);
+        self.retired.insert(id & BACKEND_INDEX_MASK, id);
         Ok(())
     }
 
@@ -216,6 +224,7 @@ impl ServiceMaps for InMemoryMaps {
         Ok(MapContents {
             services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
             backends: self.backends.values().copied().collect(),
+            retired: self.retired.iter().map(|(s, id)| (*s, *id)).collect(),
             backend_addrs6: self.backend_addrs6.clone(),
             source_ranges: self.source_ranges.iter().copied().collect(),
         })
@@ -348,8 +357,9 @@ impl ServiceMaps for KernelMaps {
 
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError> {
         let capacity = self.backends.len();
+        // The generation stays: see `Backend::retired`.
         self.backends
-            .set(id & BACKEND_INDEX_MASK, Backend::EMPTY, 0)
+            .set(id & BACKEND_INDEX_MASK, Backend::retired(id), 0)
             .map_err(|e| classify("BACKENDS", capacity, e))
     }
 
@@ -415,9 +425,15 @@ impl ServiceMaps for KernelMaps {
             let (k, v) = entry.map_err(other("SERVICES6"))?;
             contents.services.push((ServiceMapKey::V6(k), v));
         }
-        for b in self.backends.iter() {
+        for (slot, b) in self.backends.iter().enumerate() {
             let b = b.map_err(other("BACKENDS"))?;
-            if b.id != 0 {
+            if !b.in_use() {
+                if b.id != 0 {
+                    contents.retired.push((slot as u32, b.id | slot as u32));
+                }
+                continue;
+            }
+            {
                 if b.flags & BACKEND_FLAG_IPV6 != 0 {
                     let slot = b.id & BACKEND_INDEX_MASK;
                     let a = self

@@ -239,6 +239,15 @@ impl SlotIds {
         true
     }
 
+    /// Records the id a free slot held last (found in adopted maps), so the slot's next id
+    /// has a newer generation.
+    fn retired(&mut self, id: u32) {
+        let i = self.index(id);
+        if self.tagged && i != 0 && i < self.in_use.len() && !self.in_use[i] {
+            self.generations[i] = (id >> BACKEND_INDEX_BITS) as u8;
+        }
+    }
+
     fn release(&mut self, id: u32) {
         let i = self.index(id);
         if i < self.in_use.len() && self.in_use[i] {
@@ -319,6 +328,9 @@ impl<M: ServiceMaps> MapSync<M> {
     /// removing whatever is inconsistent. Returns the number of frontends taken over.
     pub fn adopt(&mut self) -> Result<usize, MapError> {
         let contents = self.maps.entries()?;
+        for (_, id) in &contents.retired {
+            self.backend_ids.retired(*id);
+        }
         let backends: HashMap<u32, Backend> =
             contents.backends.iter().map(|b| (b.id, *b)).collect();
         let mut headers: HashMap<Frontend, ServiceValue> = HashMap::new();
@@ -413,6 +425,7 @@ impl<M: ServiceMaps> MapSync<M> {
         }
         for id in backends.keys().filter(|id| !referenced.contains(id)) {
             self.maps.remove_backend(*id)?;
+            self.backend_ids.retired(*id);
         }
         // Ranges of frontends that are gone.
         for (id, set) in ranges {

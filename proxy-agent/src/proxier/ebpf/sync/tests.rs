@@ -1,5 +1,5 @@
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::{Ipv4Addr, SocketAddr},
 };
 
@@ -531,4 +531,40 @@ fn ipv6_frontends_go_to_their_own_map_and_share_backend_ids_with_ipv4() {
         .services
         .keys()
         .all(|k| matches!(k, ServiceMapKey::V4(_))));
+}
+
+/// Conntrack and affinity entries name backend ids; a removed backend's id must not come
+/// back for another backend, neither after a restart (a new agent adopting the maps) nor
+/// after a full sync (which reloads what the maps hold). Before, both started every slot
+/// at generation 0 again, so the first reuse of a slot repeated an old id.
+#[test]
+fn removed_backend_ids_never_come_back_after_a_restart_or_a_full_sync() {
+    // Four BACKENDS slots (slot 0 is never used), so every set below reuses them.
+    let mut sync = MapSync::new(InMemoryMaps::with_capacity(100, 5));
+    sync.set(&frontend(1), &pods(1..5)).unwrap();
+    let mut seen: BTreeSet<u32> = sync.maps().backends.keys().copied().collect();
+    sync.remove(&frontend(1)).unwrap();
+
+    // A restart: a new agent adopts the maps.
+    let mut restarted = MapSync::new(sync.maps().clone());
+    restarted.adopt().unwrap();
+    restarted.set(&frontend(2), &pods(10..14)).unwrap();
+    for id in restarted.maps().backends.keys() {
+        assert!(
+            seen.insert(*id),
+            "id {id:#x} handed out again after a restart"
+        );
+    }
+    restarted.remove(&frontend(2)).unwrap();
+
+    // A full sync: the same agent reloads from the maps.
+    restarted.reload_from_maps().unwrap();
+    restarted.set(&frontend(3), &pods(20..24)).unwrap();
+    for id in restarted.maps().backends.keys() {
+        assert!(
+            seen.insert(*id),
+            "id {id:#x} handed out again after a full sync"
+        );
+    }
+    assert_eq!(seen.len(), 12);
 }
