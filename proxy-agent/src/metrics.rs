@@ -48,6 +48,7 @@ pub struct Metrics {
     pub programmed_service_ports: IntGaugeVec,
     pub programmed_backends: IntGaugeVec,
     pub unprogrammed_service_ports: IntGauge,
+    pub sync_failures: IntCounterVec,
     pub frontend_conflicts: IntGauge,
     pub external_ips_refused: IntGauge,
     pub http_connections: IntGaugeVec,
@@ -255,6 +256,16 @@ impl Metrics {
                 "Service ports that could not be programmed (map full, ...); see the log",
             )
             .unwrap(),
+            sync_failures: IntCounterVec::new(
+                Opts::new(
+                    "proxy_agent_sync_failures_total",
+                    "Service port writes that failed, by reason (services_full, \
+                     backends_full, maglev_full, ...); the port keeps what served before \
+                     and is retried with backoff",
+                ),
+                &["reason"],
+            )
+            .unwrap(),
             frontend_conflicts: IntGauge::new(
                 "proxy_agent_frontend_conflicts",
                 "Frontends (address:port:protocol) a Service asks for and does not get because \
@@ -360,6 +371,7 @@ impl Metrics {
         reg(Box::new(m.programmed_service_ports.clone()));
         reg(Box::new(m.programmed_backends.clone()));
         reg(Box::new(m.unprogrammed_service_ports.clone()));
+        reg(Box::new(m.sync_failures.clone()));
         reg(Box::new(m.frontend_conflicts.clone()));
         reg(Box::new(m.external_ips_refused.clone()));
         reg(Box::new(m.http_connections.clone()));

@@ -278,6 +278,12 @@ impl SyncLoop {
                 self.metrics
                     .unprogrammed_service_ports
                     .set(report.services_failed as i64);
+                for (reason, n) in &report.failure_reasons {
+                    self.metrics
+                        .sync_failures
+                        .with_label_values(&[reason])
+                        .inc_by(*n as u64);
+                }
                 // The sync completed: health follows the loop, not each service port (those
                 // that failed are in the metric and the log, and retried).
                 let now = SystemTime::now();

@@ -77,6 +77,9 @@ pub struct SyncReport {
     pub full: bool,
     /// Kernel conntrack entries of ended flows deleted after the sync.
     pub flows_deleted: usize,
+    /// Write attempts that failed in this sync, by reason (`services_full`, ...):
+    /// `proxy_agent_sync_failures_total{reason}`.
+    pub failure_reasons: std::collections::BTreeMap<String, usize>,
 }
 
 /// Ends flows in the kernel's connection tracking (see [`crate::model::stale_flows`]).

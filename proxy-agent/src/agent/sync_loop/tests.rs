@@ -67,6 +67,7 @@ impl FakeProxier {
             services_failed: self.unprogrammed,
             full,
             flows_deleted: 0,
+            failure_reasons: Default::default(),
         })
     }
 }

@@ -47,6 +47,17 @@ pub enum MapError {
     Other { map: &'static str, message: String },
 }
 
+impl MapError {
+    /// A short label for metrics: the map and what went wrong (`services_full`,
+    /// `maglev_error`, ...), from a fixed set.
+    pub fn reason(&self) -> String {
+        match self {
+            MapError::Full { map, .. } => format!("{}_full", map.to_ascii_lowercase()),
+            MapError::Other { map, .. } => format!("{}_error", map.to_ascii_lowercase()),
+        }
+    }
+}
+
 /// `BACKENDS` is an array: the agent allocates its slots (see `sync::BackendIds`), so only
 /// `SERVICES` can be full at write time.
 pub trait ServiceMaps {

@@ -4,7 +4,10 @@ pub mod maglev;
 pub mod maps;
 pub mod sync;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    time::{Duration, Instant},
+};
 
 use anyhow::Result;
 use tracing::{debug, error};
@@ -25,8 +28,9 @@ use crate::model::{
 
 pub struct EbpfProxier<M: ServiceMaps> {
     sync: MapSync<M>,
-    /// Service ports whose last write failed (map full, ...): retried on every sync.
-    failed: BTreeMap<ServicePortName, String>,
+    /// Service ports whose last write failed (map full, ...): retried with backoff, and at
+    /// once when they change.
+    failed: BTreeMap<ServicePortName, Failed>,
     /// Set after adopting pinned maps: the next sync also removes what the previous agent
     /// programmed that is no longer desired.
     prune_on_next_sync: bool,
@@ -129,10 +133,28 @@ impl<M: ServiceMaps> EbpfProxier<M> {
         Ok(ops)
     }
 
-    /// Service ports not currently programmed, with the reason.
-    pub fn failed(&self) -> &BTreeMap<ServicePortName, String> {
-        &self.failed
+    /// Service ports not currently programmed (as asked), with the reason.
+    pub fn failed(&self) -> BTreeMap<&ServicePortName, &str> {
+        self.failed
+            .iter()
+            .map(|(name, f)| (name, f.message.as_str()))
+            .collect()
     }
+}
+
+/// A service port whose write failed.
+#[derive(Debug)]
+struct Failed {
+    message: String,
+    attempts: u32,
+    retry_at: Instant,
+}
+
+/// The wait before retrying a service port that failed `attempts` times: 1 s, doubling, at
+/// most 5 min, so a Service that cannot fit costs a write attempt now and then, not at
+/// every sync.
+fn retry_backoff(attempts: u32) -> Duration {
+    Duration::from_secs(1u64 << attempts.saturating_sub(1).min(9)).min(Duration::from_secs(300))
 }
 
 impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
@@ -193,8 +215,19 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
             .filter(|c| !matches!(c, ServiceChange::Removed(_)))
             .map(ServiceChange::name)
             .collect();
-        // Earlier failures are retried with their current desired state.
-        let retries: Vec<ServicePortName> = self.failed.keys().cloned().collect();
+        // Earlier failures are retried with their current desired state, once their backoff
+        // has passed; at once when they changed (they are in `changes`) or when this sync
+        // removed something, which may have made the room they lacked.
+        let now = Instant::now();
+        let room_made = changes
+            .iter()
+            .any(|c| !matches!(c, ServiceChange::Added(_)));
+        let retries: Vec<ServicePortName> = self
+            .failed
+            .iter()
+            .filter(|(_, f)| room_made || f.retry_at <= now)
+            .map(|(name, _)| name.clone())
+            .collect();
         to_write.extend(retries.iter());
         to_write.sort();
         to_write.dedup();
@@ -210,12 +243,28 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
                     report.services_written += 1;
                 }
                 Err(e) => {
-                    error!(service = %name, "not programmed: {e}");
-                    self.failed.insert(name.clone(), e.to_string());
-                    report.services_failed += 1;
+                    let attempts = self.failed.get(name).map_or(0, |f| f.attempts) + 1;
+                    let wait = retry_backoff(attempts);
+                    error!(
+                        service = %name,
+                        attempts,
+                        retry_in_s = wait.as_secs(),
+                        "not programmed (what served before still does): {e}"
+                    );
+                    *report.failure_reasons.entry(e.reason()).or_default() += 1;
+                    self.failed.insert(
+                        name.clone(),
+                        Failed {
+                            message: e.to_string(),
+                            attempts,
+                            retry_at: now + wait,
+                        },
+                    );
                 }
             }
         }
+        // Every port not programmed as asked, retried now or waiting for its turn.
+        report.services_failed = self.failed.len();
         Ok(report)
     }
 

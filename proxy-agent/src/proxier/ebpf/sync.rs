@@ -604,8 +604,44 @@ impl<M: ServiceMaps> MapSync<M> {
                 for index in 0..old_maglev.len().max(maglev.len()) as u32 {
                     let _ = self.maps.remove_maglev(MaglevKey { service_id, index });
                 }
-                self.service_ids.release(service_id);
+                match old {
+                    // An update that failed: what served before is written back, with its
+                    // ids (conntrack entries name them), so the Service keeps serving as it
+                    // did while the update is retried.
+                    Some(old) => self.restore(frontend, old, spec.remote),
+                    None => self.service_ids.release(service_id),
+                }
                 Err(e)
+            }
+        }
+    }
+
+    /// Writes `old` back after a failed update purged `frontend`.
+    fn restore(&mut self, frontend: &Frontend, old: Written, remote: &BTreeSet<SocketAddr>) {
+        for (id, _) in old.slots.iter().chain(&old.draining) {
+            self.backend_ids.mark_used(*id);
+        }
+        let none = RangeSet::new();
+        let restore = Transition {
+            service_id: old.service_id,
+            header: old.header,
+            header_changed: true,
+            slots: (&[], &old.slots),
+            draining: (&[], &old.draining),
+            remote,
+            ranges: (&none, &old.source_ranges),
+            cumulative: (&[], &old.cumulative),
+            maglev: (&[], &old.maglev),
+        };
+        match self.write(frontend, &restore) {
+            Ok(_) => {
+                self.written.insert(*frontend, old);
+            }
+            Err(e) => {
+                tracing::error!(%frontend, "the previous state could not be written back: {e}");
+                let ids = old.slots.iter().chain(&old.draining).map(|s| s.0).collect();
+                let _ = self.purge(frontend, old.slots.len(), ids);
+                self.service_ids.release(old.service_id);
             }
         }
     }

@@ -58,8 +58,20 @@ fn a_service_that_did_not_fit_is_retried_on_later_syncs() {
         .unwrap();
     assert_eq!((report.services_written, report.services_failed), (1, 1));
     // Service ports are written in name order: `a` fits, `b` does not.
-    assert_eq!(proxier.failed().keys().collect::<Vec<_>>(), vec![&b.name]);
+    assert_eq!(
+        proxier.failed().into_keys().collect::<Vec<_>>(),
+        vec![&b.name]
+    );
     assert!(proxier.failed()[&b.name].contains("SERVICES is full"));
+    assert_eq!(report.failure_reasons.get("services_full"), Some(&1));
+    // Unchanged and within its backoff, it is not tried again at every sync, yet it still
+    // counts as not programmed.
+    let report = proxier.sync(&both, &[]).unwrap();
+    assert_eq!((report.services_written, report.services_failed), (0, 1));
+    assert!(
+        report.failure_reasons.is_empty(),
+        "no attempt within the backoff"
+    );
 
     // `a` goes away; nothing about `b` changes, yet it gets its turn.
     let only_b = desired(std::slice::from_ref(&b));

@@ -255,6 +255,7 @@ impl UserspaceProxier {
             services_failed: self.failed.len(),
             full,
             flows_deleted: 0,
+            failure_reasons: Default::default(),
         })
     }
 }

@@ -568,3 +568,44 @@ fn removed_backend_ids_never_come_back_after_a_restart_or_a_full_sync() {
     }
     assert_eq!(seen.len(), 12);
 }
+
+/// An update that cannot be written (here SERVICES fills up) leaves the frontend as it was,
+/// with the same backend ids, instead of without any state: the Service keeps serving its
+/// old endpoints, established flows keep theirs, and the update is retried later.
+#[test]
+fn a_failed_update_keeps_what_was_serving() {
+    // Room for 10 SERVICES entries: f1 (1 + 4) and f2 (1 + 2) use 8.
+    let mut sync = MapSync::new(InMemoryMaps::with_capacity(10, 64));
+    sync.set(&frontend(1), &pods(1..5)).unwrap();
+    sync.set(&frontend(2), &pods(20..22)).unwrap();
+    let before = sync.maps().clone();
+    let err = sync.set(&frontend(1), &pods(1..8)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            MapError::Full {
+                map: "SERVICES",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        datapath_view(sync.maps(), &frontend(1)).unwrap(),
+        pods(1..5),
+        "the old endpoints still serve"
+    );
+    assert_eq!(sync.maps().services, before.services);
+    assert_eq!(sync.maps().backends, before.backends, "same ids");
+    assert_eq!(
+        datapath_view(sync.maps(), &frontend(2)).unwrap(),
+        pods(20..22)
+    );
+    // Once there is room, the update goes through from the old state.
+    sync.remove(&frontend(2)).unwrap();
+    sync.set(&frontend(1), &pods(1..8)).unwrap();
+    assert_eq!(
+        datapath_view(sync.maps(), &frontend(1)).unwrap(),
+        pods(1..8)
+    );
+}
