@@ -315,6 +315,24 @@ pub mod ipv6 {
     }
 }
 
+/// Source and destination of a frame of either family.
+pub fn ends(frame: &[u8]) -> (std::net::SocketAddr, std::net::SocketAddr) {
+    use std::net::SocketAddr;
+    if frame[12..14] == [0x86, 0xdd] {
+        let p = ipv6::parse(frame);
+        (
+            SocketAddr::new(p.src.into(), p.sport),
+            SocketAddr::new(p.dst.into(), p.dport),
+        )
+    } else {
+        let p = parse(frame);
+        (
+            SocketAddr::new(p.src.into(), p.sport),
+            SocketAddr::new(p.dst.into(), p.dport),
+        )
+    }
+}
+
 /// A parsed view of an IPv4 frame, for assertions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Parsed {

@@ -714,23 +714,6 @@ fn frame(src: SocketAddr, dst: SocketAddr, tcp: Option<u8>) -> Vec<u8> {
     }
 }
 
-/// Source and destination of a frame of either family.
-fn ends(frame: &[u8]) -> (SocketAddr, SocketAddr) {
-    if frame[12..14] == [0x86, 0xdd] {
-        let p = proxy_tests::packet::ipv6::parse(frame);
-        (
-            SocketAddr::new(p.src.into(), p.sport),
-            SocketAddr::new(p.dst.into(), p.dport),
-        )
-    } else {
-        let p = parse(frame);
-        (
-            SocketAddr::new(p.src.into(), p.sport),
-            SocketAddr::new(p.dst.into(), p.dport),
-        )
-    }
-}
-
 /// Opens a flow from the family's client port `sport` as a real client does: first packet,
 /// the backend's reply, then the client again (for TCP the three-way handshake), which
 /// confirms it. Returns the backend.
@@ -742,7 +725,7 @@ fn open_confirmed(dp: &TestDatapath, family: &Family, sport: u16, tcp: bool) -> 
         .run(Hook::Ingress, &frame(client, vip, flags(TCP_SYN)))
         .unwrap();
     assert_eq!(verdict, TC_ACT_UNSPEC);
-    let (_, backend) = ends(&out);
+    let (_, backend) = proxy_tests::packet::ends(&out);
     assert!(
         family.backends.contains(&backend),
         "{backend} is not a backend"
@@ -753,7 +736,11 @@ fn open_confirmed(dp: &TestDatapath, family: &Family, sport: u16, tcp: bool) -> 
             &frame(backend, client, flags(TCP_SYN | TCP_ACK)),
         )
         .unwrap();
-    assert_eq!(ends(&back), (vip, client), "reply from the service address");
+    assert_eq!(
+        proxy_tests::packet::ends(&back),
+        (vip, client),
+        "reply from the service address"
+    );
     assert_eq!(sent_to(dp, client, vip, flags(TCP_ACK)), backend);
     backend
 }
@@ -762,7 +749,7 @@ fn open_confirmed(dp: &TestDatapath, family: &Family, sport: u16, tcp: bool) -> 
 fn sent_to(dp: &TestDatapath, client: SocketAddr, vip: SocketAddr, tcp: Option<u8>) -> SocketAddr {
     let (verdict, out) = dp.run(Hook::Ingress, &frame(client, vip, tcp)).unwrap();
     assert_eq!(verdict, TC_ACT_UNSPEC);
-    ends(&out).1
+    proxy_tests::packet::ends(&out).1
 }
 
 #[test]

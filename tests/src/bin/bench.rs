@@ -93,23 +93,6 @@ fn tcp_frame(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, flags: u8) -> Vec
     }
 }
 
-/// Source and destination of a frame of either family.
-fn ends(frame: &[u8]) -> (SocketAddr, SocketAddr) {
-    if frame[12..14] == [0x86, 0xdd] {
-        let p = proxy_tests::packet::ipv6::parse(frame);
-        (
-            SocketAddr::new(p.src.into(), p.sport),
-            SocketAddr::new(p.dst.into(), p.dport),
-        )
-    } else {
-        let p = proxy_tests::packet::parse(frame);
-        (
-            SocketAddr::new(p.src.into(), p.sport),
-            SocketAddr::new(p.dst.into(), p.dport),
-        )
-    }
-}
-
 struct Stats {
     mean: f64,
     p50: f64,
@@ -222,7 +205,7 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
         // Untimed: each backend answers and its client speaks again, which confirms the flow
         // (it moves to CONNTRACK), as a real connection's handshake does.
         for (out, ack) in sent.iter().zip(frames(round, TCP_ACK)) {
-            let (from, to) = ends(out);
+            let (from, to) = proxy_tests::packet::ends(out);
             let reply = tcp_frame(
                 to.ip(),
                 to.port(),
