@@ -150,6 +150,10 @@ fn start_api(lab: &Lab, api: Api) {
                     "/apis/events.k8s.io/v1/namespaces/default/events",
                     axum::routing::post(|State(a): State<Api>, body: Bytes| a.record_event(body)),
                 )
+                .route(
+                    "/apis/events.k8s.io/v1/namespaces/shop/events",
+                    axum::routing::post(|State(a): State<Api>, body: Bytes| a.record_event(body)),
+                )
                 .with_state(api);
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", API_PORT))
                 .await
@@ -218,6 +222,11 @@ fn the_agent_serves_what_the_api_server_says_and_follows_its_watch() {
     let mut foreign = service("other", Ipv4Addr::new(10, 96, 0, 77));
     foreign["metadata"]["labels"] = json!({"service.kubernetes.io/service-proxy-name": "other"});
     api.change("services", "ADDED", foreign);
+    // A tenant's Service claiming web's cluster IP as an external IP: it does not get it,
+    // and is told so with an Event on it.
+    let mut evil = service("evil", Ipv4Addr::new(10, 96, 0, 78));
+    evil["spec"]["externalIPs"] = json!([WEB.ip().to_string()]);
+    api.change("services", "ADDED", evil);
     start_api(&lab, api.clone());
 
     let kubeconfig = lab.dir.path().join("kubeconfig");
@@ -256,6 +265,32 @@ fn the_agent_serves_what_the_api_server_says_and_follows_its_watch() {
     assert_eq!(event["regarding"]["name"], "node-a");
     assert_eq!(event["note"], "Using ebpf Proxier");
     assert_eq!(event["reportingController"], "proxy-agent");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let conflict = loop {
+        if let Some(e) = api
+            .events()
+            .into_iter()
+            .find(|e| e["reason"] == "FrontendConflict")
+        {
+            break e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no FrontendConflict event: {:?}",
+            api.events()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(conflict["regarding"]["kind"], "Service");
+    assert_eq!(conflict["regarding"]["namespace"], "shop");
+    assert_eq!(conflict["regarding"]["name"], "evil");
+    assert_eq!(conflict["type"], "Warning");
+    assert!(
+        conflict["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("spec.externalIPs[0]")),
+        "{conflict}"
+    );
 
     // Wait for the three watches, then change an EndpointSlice through the watch.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -302,4 +337,11 @@ fn the_agent_serves_what_the_api_server_says_and_follows_its_watch() {
         !log.contains("10.96.0.77"),
         "the foreign Service was programmed: {log}"
     );
+    // Seen at every sync, the conflict was posted once.
+    let conflicts = api
+        .events()
+        .into_iter()
+        .filter(|e| e["reason"] == "FrontendConflict")
+        .count();
+    assert_eq!(conflicts, 1, "{:?}", api.events());
 }

@@ -127,6 +127,12 @@ pub async fn run(mut s: Settings) -> Result<()> {
     config_sync_tick.tick().await;
 
     let mut syncs = SyncLoop::new(LoopOptions::from(&s), health, metrics.clone());
+    if let Some(client) = &api_client {
+        syncs.set_events(crate::source::events::ServiceEvents::start(
+            client.clone(),
+            s.node_name.clone(),
+        ));
+    }
     match &manifests_path {
         Some(path) => syncs.ingest(manifests::load(path)?),
         // Nothing is programmed before the API server has been listed once.

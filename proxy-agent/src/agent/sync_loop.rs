@@ -23,10 +23,11 @@ use crate::{
     kernel::host::local_addresses,
     metrics::{unix_seconds, Metrics},
     model::{
-        objects::NodeInfo, ChangeTracker, DesiredState, NodeContext, NodePortAddress, ProblemKind,
-        Scheduler, ServiceChange, WhenEmpty,
+        objects::NodeInfo, ChangeTracker, DesiredState, NodeContext, NodePortAddress, ObjectStore,
+        Problem, ProblemKind, Scheduler, ServiceChange, WhenEmpty,
     },
     proxier::Proxier,
+    source::events::{Notice, ServiceEvents},
     source::Snapshot,
 };
 
@@ -35,6 +36,36 @@ use crate::{
 /// of CPU in the netfilter modes, so the periodic syncs in between are partial, as
 /// kube-proxy's are.
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+
+/// The problems worth an Event on their Service: what a tenant must fix in it.
+fn notices(problems: &[Problem]) -> Vec<Notice> {
+    problems
+        .iter()
+        .filter_map(|p| {
+            let reason = match p.kind {
+                ProblemKind::FrontendConflict => "FrontendConflict",
+                ProblemKind::ExternalIpRefused => "ExternalIPRefused",
+                ProblemKind::Invalid => return None,
+            };
+            Some(Notice {
+                service: p.service()?,
+                reason,
+                note: p.message.clone(),
+            })
+        })
+        .collect()
+}
+
+/// The nodes the EndpointSlices name: every agent sees the same, so they agree on which of
+/// them post an Event (see [`crate::source::events`]).
+fn endpoint_nodes(store: &ObjectStore) -> std::collections::BTreeSet<String> {
+    store
+        .slices
+        .values()
+        .flat_map(|(slice, _)| slice.endpoints.iter())
+        .filter_map(|e| e.node_name.clone())
+        .collect()
+}
 
 /// A proxier as the sync loop drives it: the common interface and the mode's own metrics.
 pub trait ModeProxier: Proxier {
@@ -89,6 +120,8 @@ pub struct SyncLoop {
     health: ProxyHealth,
     metrics: Arc<Metrics>,
     service_health: ServiceHealthServers,
+    /// Problems in Services, posted back as Events (API source only).
+    events: Option<ServiceEvents>,
 }
 
 impl SyncLoop {
@@ -106,6 +139,7 @@ impl SyncLoop {
             last_full_sync: None,
             needs_full: false,
             service_health: ServiceHealthServers::new(health.clone(), Some(metrics.clone())),
+            events: None,
             health,
             metrics,
         }
@@ -119,6 +153,11 @@ impl SyncLoop {
     /// Changes read but not yet handed to the proxier.
     pub fn pending(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Posts the problems the model finds in Services as Events on them (API source).
+    pub fn set_events(&mut self, events: ServiceEvents) {
+        self.events = Some(events);
     }
 
     /// Takes a new view of the cluster and queues the changes it makes.
@@ -155,6 +194,9 @@ impl SyncLoop {
             warn!("{p}");
         }
         self.reported = problems;
+        if let Some(events) = &self.events {
+            events.notice(notices(&model_problems), &endpoint_nodes(&set.store));
+        }
         let node = set
             .nodes
             .into_iter()

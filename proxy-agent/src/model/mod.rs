@@ -43,6 +43,18 @@ pub enum ProblemKind {
     ExternalIpRefused,
 }
 
+impl Problem {
+    /// The Service a problem is about, when it is one (its `object` is `Service ns/name`;
+    /// names are DNS-1123, so the one `/` splits them).
+    pub fn service(&self) -> Option<ObjectName> {
+        let (namespace, name) = self.object.strip_prefix("Service ")?.split_once('/')?;
+        Some(ObjectName {
+            namespace: namespace.into(),
+            name: name.into(),
+        })
+    }
+}
+
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}: {}", self.origin, self.object, self.message)

@@ -1,6 +1,9 @@
 //! Sources of Services, EndpointSlices and Nodes: manifest files ([`manifests`]) or the API
-//! server ([`api`]). Each hands the agent whole [`Snapshot`]s; the model diffs them.
+//! server ([`api`]). Each hands the agent whole [`Snapshot`]s; the model diffs them. With
+//! the API server, the problems the model finds in a Service go back to it as Events
+//! ([`events`]).
 pub mod api;
+pub mod events;
 pub mod manifests;
 
 use crate::model::{objects::NodeInfo, ObjectStore, Problem};
