@@ -361,6 +361,17 @@ impl ActiveProxier {
 }
 
 impl ModeProxier for ActiveProxier {
+    fn unprogrammed(&self) -> Vec<(crate::model::ServicePortName, String)> {
+        match self {
+            ActiveProxier::Ebpf(p) => p
+                .failed()
+                .into_iter()
+                .map(|(name, why)| (name.clone(), why.to_string()))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     fn report(&self, metrics: &Metrics) {
         match self {
             ActiveProxier::Ebpf(p) => {

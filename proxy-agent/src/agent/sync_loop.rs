@@ -24,7 +24,7 @@ use crate::{
     metrics::{unix_seconds, Metrics},
     model::{
         objects::NodeInfo, ChangeTracker, DesiredState, NodeContext, NodePortAddress, ObjectStore,
-        Problem, ProblemKind, Scheduler, ServiceChange, WhenEmpty,
+        Problem, ProblemKind, Scheduler, ServiceChange, ServicePortName, WhenEmpty,
     },
     proxier::Proxier,
     source::events::{Notice, ServiceEvents},
@@ -71,6 +71,12 @@ fn endpoint_nodes(store: &ObjectStore) -> std::collections::BTreeSet<String> {
 pub trait ModeProxier: Proxier {
     /// Updates the mode's own metrics, after a sync.
     fn report(&self, _metrics: &Metrics) {}
+
+    /// Service ports the mode could not program as asked, with why (modes that program
+    /// service ports one by one; the others fail a whole sync instead).
+    fn unprogrammed(&self) -> Vec<(ServicePortName, String)> {
+        Vec::new()
+    }
 }
 
 /// What the sync loop takes from the settings.
@@ -122,6 +128,8 @@ pub struct SyncLoop {
     service_health: ServiceHealthServers,
     /// Problems in Services, posted back as Events (API source only).
     events: Option<ServiceEvents>,
+    /// The nodes the EndpointSlices name (who posts an Event).
+    endpoint_nodes: std::collections::BTreeSet<String>,
 }
 
 impl SyncLoop {
@@ -140,6 +148,7 @@ impl SyncLoop {
             needs_full: false,
             service_health: ServiceHealthServers::new(health.clone(), Some(metrics.clone())),
             events: None,
+            endpoint_nodes: Default::default(),
             health,
             metrics,
         }
@@ -194,8 +203,9 @@ impl SyncLoop {
             warn!("{p}");
         }
         self.reported = problems;
+        self.endpoint_nodes = endpoint_nodes(&set.store);
         if let Some(events) = &self.events {
-            events.notice(notices(&model_problems), &endpoint_nodes(&set.store));
+            events.notice(notices(&model_problems), &self.endpoint_nodes);
         }
         let node = set
             .nodes
@@ -312,6 +322,18 @@ impl SyncLoop {
             .with_label_values(&[mode])
             .set(backends as i64);
         proxier.report(&self.metrics);
+        if let Some(events) = &self.events {
+            let notices = proxier
+                .unprogrammed()
+                .into_iter()
+                .map(|(name, why)| Notice {
+                    service: name.service.clone(),
+                    reason: "NotProgrammed",
+                    note: format!("port {} ({}): {why}", name.port, name.protocol),
+                })
+                .collect();
+            events.notice(notices, &self.endpoint_nodes);
+        }
         match result {
             Ok(report) => {
                 self.metrics

@@ -30,6 +30,8 @@ struct FakeProxier {
     fail: usize,
     /// Service ports each sync reports as not programmed.
     unprogrammed: usize,
+    /// Which, and why (for the Events).
+    unprogrammed_names: Vec<(ServicePortName, String)>,
     ports: usize,
 }
 
@@ -53,7 +55,11 @@ impl Proxier for FakeProxier {
     }
 }
 
-impl ModeProxier for FakeProxier {}
+impl ModeProxier for FakeProxier {
+    fn unprogrammed(&self) -> Vec<(ServicePortName, String)> {
+        self.unprogrammed_names.clone()
+    }
+}
 
 impl FakeProxier {
     fn outcome(&mut self, desired: &DesiredState, full: bool) -> Result<SyncReport> {
@@ -287,4 +293,44 @@ fn a_node_being_removed_is_ineligible_until_it_is_not() {
         "metadata: {name: node-b, deletionTimestamp: \"2026-12-01T00:00:00Z\"}\n",
     ));
     assert_eq!(health.ineligible(), None);
+}
+
+/// A service port the proxier could not program is told on its Service with an Event
+/// (posted by the nodes that host endpoints; here the only node).
+#[tokio::test]
+async fn an_unprogrammed_service_port_gets_an_event_on_its_service() {
+    use http::{Request, Response};
+    use kube::client::Body;
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let (mut syncs, _, _) = sync_loop(Duration::ZERO);
+    syncs.set_events(ServiceEvents::start(
+        kube::Client::new(service, "default"),
+        "node-a".into(),
+    ));
+    syncs.ingest(snapshot(1, &["10.244.1.1"]));
+    let name = syncs.tracker.current().ports.keys().next().unwrap().clone();
+    let mut proxier = FakeProxier {
+        unprogrammed: 1,
+        unprogrammed_names: vec![(
+            name,
+            "eBPF map SERVICES is full (6 entries); raise its size in the configuration".into(),
+        )],
+        ..FakeProxier::default()
+    };
+    syncs.sync(&mut proxier, false);
+    let (request, _reply) = handle.next_request().await.expect("a POST");
+    assert_eq!(
+        request.uri().path(),
+        "/apis/events.k8s.io/v1/namespaces/default/events"
+    );
+    let body = request.into_body().collect_bytes().await.unwrap();
+    let event: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(event["reason"], "NotProgrammed");
+    assert_eq!(event["regarding"]["name"], "web-0");
+    assert!(
+        event["note"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("port http (TCP): eBPF map SERVICES is full")),
+        "{event}"
+    );
 }
