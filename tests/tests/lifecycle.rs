@@ -755,4 +755,72 @@ mod safety {
             "--cleanup leaves the root behind"
         );
     }
+
+    /// A mode switch where the new mode cannot program every Service (here the eBPF
+    /// SERVICES map has room for one of two): the old mode's state stays and keeps serving
+    /// the Service the new mode lacks, and goes once the new mode serves everything. Before,
+    /// the old mode's state went right after the first sync and that Service went dark.
+    #[test]
+    fn a_mode_switch_keeps_the_old_modes_state_while_the_new_one_cannot_serve_everything() {
+        require_kernel!();
+        let mut lab = Lab::new(LabOptions::default()).expect("lab");
+        let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+        let big = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 20), 80);
+        let web =
+            |ips: &[Ipv4Addr]| service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], ips);
+        let mut both = web(&ips);
+        both.push_str(&service(
+            "big",
+            *big.ip(),
+            &[("http", "TCP", 80, TCP_PORT)],
+            &ips,
+        ));
+        let manifests = lab.write_manifests(&both).unwrap();
+        lab.start_agent(&manifests, &["--proxy-mode", "iptables"])
+            .unwrap();
+        lab.stop_agent().unwrap();
+        // SERVICES has room for one Service (a header and three slots) and not two.
+        lab.start_agent(
+            &manifests,
+            &["--proxy-mode", "ebpf", "--services-map-size", "6"],
+        )
+        .unwrap();
+        let log = lab.agent().unwrap().log_text();
+        assert!(
+            log.contains("other proxy modes' state kept on the node"),
+            "{log}"
+        );
+        assert!(!kube_rules(&lab).is_empty(), "the iptables rules went");
+        let served = |to: SocketAddrV4| {
+            lab.client
+                .ns
+                .run(move || {
+                    (0..10)
+                        .filter(|_| {
+                            proxy_tests::lab::client::tcp_hello(to, Duration::from_secs(2)).is_ok()
+                        })
+                        .count()
+                })
+                .unwrap()
+        };
+        assert_eq!(served(WEB), 10, "the Service eBPF serves");
+        assert_eq!(
+            served(big),
+            10,
+            "the Service only the old mode's rules serve"
+        );
+
+        // Once eBPF serves every Service, the old mode's state goes.
+        lab.write_manifests(&web(&ips)).unwrap();
+        let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
+        while !kube_rules(&lab).is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the iptables rules stayed: {:?}",
+                kube_rules(&lab)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert_eq!(served(WEB), 10);
+    }
 }

@@ -9,8 +9,9 @@
 //!    fails here;
 //! 4. the mode's proxier ([`modes::start`]; eBPF: the datapath loaded or adopted);
 //! 5. the health and metrics servers;
-//! 6. the first snapshot, the first sync, and only then the other modes' leftovers removed
-//!    ([`cleanup::remove_modes`]), so a mode switch by restart leaves no gap;
+//! 6. the first snapshot, the first sync, and only once this mode serves every service port
+//!    the other modes' leftovers removed ([`cleanup::remove_modes`]), so a mode switch by
+//!    restart leaves no gap and a port the new mode cannot program stays served;
 //! 7. the event loop: snapshots → [`sync_loop::SyncLoop`], periodic syncs, and the eBPF
 //!    mode's interface events, conntrack sweeps and counters, until SIGTERM.
 
@@ -42,6 +43,47 @@ use crate::{
     source::{api, manifests},
 };
 use sync_loop::{LoopOptions, SyncLoop};
+
+/// What the other modes (ours or upstream kube-proxy's) left on the node. It goes only once
+/// this mode serves every service port, so switching modes by restart leaves no gap, and a
+/// Service the new mode cannot program (a full map, say) is still served by the old mode's
+/// state meanwhile; the log says which service ports hold it back.
+#[derive(Default)]
+struct Leftovers {
+    removed: bool,
+    reported: bool,
+}
+
+impl Leftovers {
+    async fn take_over(&mut self, syncs: &SyncLoop, s: &Settings, lock: Option<&RootLock>) {
+        if self.removed {
+            return;
+        }
+        if !syncs.all_served() {
+            if !self.reported {
+                warn!(
+                    "other proxy modes' state kept on the node until {} serves every service port (see the sync log); `--cleanup` removes it",
+                    s.mode
+                );
+                self.reported = true;
+            }
+            return;
+        }
+        // Best effort: each failure is logged.
+        let _ = cleanup::remove_modes(Some(s.mode), s).await;
+        if s.mode != ProxyMode::Ebpf {
+            // The eBPF mode's pins are gone: so goes the root this agent locked to remove
+            // them (an eBPF agent started later makes a new one and locks that).
+            if let Some(lock) = lock {
+                lock.remove_record();
+            }
+        }
+        if self.reported {
+            info!("every service port served: other proxy modes' state removed");
+        }
+        self.removed = true;
+    }
+}
 
 /// One agent per bpffs root ([`RootLock`]). The eBPF mode and `--cleanup` (`uses_bpffs`)
 /// take it, mounting the root if needed; the other modes write no pins but remove the eBPF
@@ -145,17 +187,8 @@ pub async fn run(mut s: Settings) -> Result<()> {
         e.follow_masquerade_addresses(syncs.masquerade_addr, syncs.masquerade_addr6);
     }
     syncs.first_sync(&mut proxier);
-    // Only now that this mode serves: what the other modes left (ours or upstream
-    // kube-proxy's) goes, so switching modes by restart leaves no gap. Best effort: each
-    // failure is logged.
-    let _ = cleanup::remove_modes(Some(s.mode), &s).await;
-    if s.mode != ProxyMode::Ebpf {
-        // The eBPF mode's pins are gone: so goes the root this agent locked to remove them
-        // (an eBPF agent started later makes a new one and locks that).
-        if let Some(lock) = &root_lock {
-            lock.remove_record();
-        }
-    }
+    let mut leftovers = Leftovers::default();
+    leftovers.take_over(&syncs, &s, root_lock.as_ref()).await;
     if let Some(client) = api_client {
         // As kube-proxy announces itself on its Node; best effort.
         tokio::spawn(api::announce_start(
@@ -167,6 +200,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
 
     let mut deferred: Option<Instant> = None;
     loop {
+        leftovers.take_over(&syncs, &s, root_lock.as_ref()).await;
         let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));
         let flow_log = ebpf.as_mut().and_then(|e| e.flow_logger.as_mut());
         let has_flow_log = flow_log.is_some();

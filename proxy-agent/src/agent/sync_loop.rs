@@ -130,6 +130,8 @@ pub struct SyncLoop {
     events: Option<ServiceEvents>,
     /// The nodes the EndpointSlices name (who posts an Event).
     endpoint_nodes: std::collections::BTreeSet<String>,
+    /// The last sync completed with every service port programmed.
+    all_served: bool,
 }
 
 impl SyncLoop {
@@ -149,6 +151,7 @@ impl SyncLoop {
             service_health: ServiceHealthServers::new(health.clone(), Some(metrics.clone())),
             events: None,
             endpoint_nodes: Default::default(),
+            all_served: false,
             health,
             metrics,
         }
@@ -162,6 +165,12 @@ impl SyncLoop {
     /// Changes read but not yet handed to the proxier.
     pub fn pending(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Whether the last sync completed with every service port programmed: the other modes'
+    /// leftovers may go then (see `agent::run`).
+    pub fn all_served(&self) -> bool {
+        self.all_served
     }
 
     /// Posts the problems the model finds in Services as Events on them (API source).
@@ -334,6 +343,8 @@ impl SyncLoop {
                 .collect();
             events.notice(notices, &self.endpoint_nodes);
         }
+        self.all_served =
+            matches!(&result, Ok(r) if r.services_failed == 0) && proxier.unprogrammed().is_empty();
         match result {
             Ok(report) => {
                 self.metrics
