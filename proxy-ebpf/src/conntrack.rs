@@ -242,7 +242,10 @@ pub(crate) fn confirm<F: Family>(
     reply: &F::Key,
     to_backend: &F::Key,
 ) {
-    if !track::<F>(Table::Confirmed, key, original) {
+    // A copy: `original` may point into CT_NEW, whose entry goes below (an LRU map hands a
+    // freed element to another CPU's insert at once).
+    let original = *original;
+    if !track::<F>(Table::Confirmed, key, &original) {
         bump(Stat::ConntrackInsertFailed);
     }
     forget::<F>(Table::New, key);

@@ -657,6 +657,9 @@ fn new_flow(
         pkt.key.sport,
         pkt.key.proto,
     );
+    // A confirmed reply entry left of an earlier flow with this tuple (its original entry
+    // evicted or collected) would be found first and keep this flow from ever confirming.
+    forget::<V6>(Table::Confirmed, &reply_key);
     if !track::<V6>(Table::New, &reply_key, &reply) || !track::<V6>(Table::New, &pkt.key, &original)
     {
         bump(Stat::ConntrackInsertFailed);

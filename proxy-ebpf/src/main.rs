@@ -788,6 +788,9 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         backend_id,
         service_id,
     };
+    // A confirmed reply entry left of an earlier flow with this tuple (its original entry
+    // evicted or collected) would be found first and keep this flow from ever confirming.
+    forget::<V4>(Table::Confirmed, &reply_key);
     if !track::<V4>(Table::New, &reply_key, &reply) || !track::<V4>(Table::New, &pkt.key, &original)
     {
         bump(Stat::ConntrackInsertFailed);

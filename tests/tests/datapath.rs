@@ -1592,4 +1592,39 @@ mod safety {
         let p = parse(&out);
         SocketAddrV4::new(p.dst, p.dport)
     }
+
+    /// A confirmed flow that lost its original entry (evicted or collected) leaves its reply
+    /// entry behind; the flow that takes the tuple again must still be confirmed, or it
+    /// stays in CT_NEW, exposed to floods, for ever.
+    #[test]
+    fn a_flow_reusing_a_tuple_whose_reply_entry_was_left_is_confirmed_again() {
+        require_kernel!();
+        let family = Family {
+            backends: vec![ipv4_family().backends[0]],
+            ..ipv4_family()
+        };
+        let mut dp = TestDatapath::load(small()).expect("load datapath");
+        let f = Frontend {
+            addr: family.vip,
+            port: 80,
+            protocol: Protocol::Udp,
+        };
+        dp.sync.set(&f, &family.backends).unwrap();
+        open_confirmed(&dp, &family, 52000, false);
+        assert_eq!(stat(&dp, Stat::FlowConfirmed), 1);
+        let original = proxy_common::ConntrackKey::new(
+            u32::from(CLIENT).to_be(),
+            u32::from(VIP).to_be(),
+            52000u16.to_be(),
+            80u16.to_be(),
+            proxy_common::IPPROTO_UDP,
+        );
+        dp.datapath.conntrack().unwrap().remove(&original).unwrap();
+        open_confirmed(&dp, &family, 52000, false);
+        assert_eq!(
+            stat(&dp, Stat::FlowConfirmed),
+            2,
+            "the new flow was never confirmed"
+        );
+    }
 }

@@ -51,6 +51,7 @@ fn notices(problems: &[Problem]) -> Vec<Notice> {
                 service: p.service()?,
                 reason,
                 note: p.message.clone(),
+                node: None,
             })
         })
         .collect()
@@ -339,6 +340,8 @@ impl SyncLoop {
                     service: name.service.clone(),
                     reason: "NotProgrammed",
                     note: format!("port {} ({}): {why}", name.port, name.protocol),
+                    // This node's maps: its own problem, posted by itself.
+                    node: Some(self.options.node_name.clone()),
                 })
                 .collect();
             events.notice(notices, &self.endpoint_nodes);

@@ -9,6 +9,7 @@
 
 use std::{
     io::{Read, Write},
+    os::unix::process::CommandExt,
     process::{Command, ExitStatus, Stdio},
     sync::mpsc,
     time::Duration,
@@ -35,7 +36,10 @@ pub struct Output {
 /// output; kills it past `timeout`. The child is waited for on every path.
 pub fn run(command: &mut Command, input: Option<&[u8]>, timeout: Duration) -> Result<Output> {
     let program = command.get_program().to_string_lossy().into_owned();
+    // Its own process group, so a kill at the timeout reaches whatever it started too (a
+    // wrapper's children would otherwise hold the pipes open).
     let mut child = command
+        .process_group(0)
         .stdin(if input.is_some() {
             Stdio::piped()
         } else {
@@ -85,17 +89,22 @@ pub fn run(command: &mut Command, input: Option<&[u8]>, timeout: Duration) -> Re
     });
     let (status, timed_out) = match done_rx.recv_timeout(timeout) {
         Ok(status) => (status, false),
-        Err(_) => {
-            // Still running (the waiter has not reaped it, so the pid is still its own).
-            // SAFETY: sending a signal to a pid has no memory effects.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-            (
-                done_rx
-                    .recv()
-                    .map_err(|_| anyhow!("{program}: its waiter went away"))?,
-                true,
-            )
-        }
+        Err(_) => match done_rx.try_recv() {
+            // It ended just now: no kill (its pid may already be another's).
+            Ok(status) => (status, false),
+            Err(_) => {
+                // Still running: the waiter has not reaped it, so its pid (and group) are
+                // still its own.
+                // SAFETY: sending a signal to a process group has no memory effects.
+                unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
+                (
+                    done_rx
+                        .recv()
+                        .map_err(|_| anyhow!("{program}: its waiter went away"))?,
+                    true,
+                )
+            }
+        },
     };
     let _ = waiter.join();
     if let Some(w) = writer {

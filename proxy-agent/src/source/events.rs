@@ -11,6 +11,9 @@
 //! * **One object per problem**: the Event's name is derived from the problem (Service,
 //!   reason, message), so a second poster's create fails with 409 and nothing is added.
 //!
+//! A problem of one node alone (a map of its own full: `NotProgrammed`) is posted by that
+//! node, with its name in the Event's name and note.
+//!
 //! Each agent also posts a problem once per run and at most [`MAX_PER_MINUTE`] Events a
 //! minute (the rest are counted in the log only: the metric and the log already carry every
 //! problem). Best effort: a failed post is logged at debug level, never retried in a loop.
@@ -42,9 +45,12 @@ const POSTERS: usize = 2;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Notice {
     pub service: ObjectName,
-    /// `FrontendConflict`, `ExternalIPRefused`.
+    /// `FrontendConflict`, `ExternalIPRefused`, `NotProgrammed`.
     pub reason: &'static str,
     pub note: String,
+    /// The node where it is true, for a problem of this node alone (a map of its own is
+    /// full): that node posts it, under a name of its own. `None`: every node finds it.
+    pub node: Option<String>,
 }
 
 impl Notice {
@@ -55,6 +61,7 @@ impl Notice {
             &self.service.name,
             self.reason,
             &self.note,
+            self.node.as_deref().unwrap_or(""),
         ]);
         // At most 253 characters: the Service's name (≤ 253 minus the suffix) and a hash.
         let prefix: String = self.service.name.chars().take(200).collect();
@@ -123,7 +130,11 @@ async fn post_loop(
     let mut recent: Vec<Instant> = Vec::new();
     while let Some((notice, nodes)) = rx.recv().await {
         let name = notice.event_name();
-        if done.contains(&name) || !posts(&node, &nodes, &name) {
+        let ours = match &notice.node {
+            Some(n) => *n == node,
+            None => posts(&node, &nodes, &name),
+        };
+        if done.contains(&name) || !ours {
             continue;
         }
         recent.retain(|t| t.elapsed() < Duration::from_secs(60));
@@ -156,7 +167,15 @@ fn event(notice: &Notice, name: &str, node: &str) -> Event {
         event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
         action: Some("ProgramService".into()),
         reason: Some(notice.reason.into()),
-        note: Some(notice.note.chars().take(1024).collect()),
+        note: Some(
+            match &notice.node {
+                Some(n) => format!("on node {n}: {}", notice.note),
+                None => notice.note.clone(),
+            }
+            .chars()
+            .take(1024)
+            .collect(),
+        ),
         type_: Some("Warning".into()),
         regarding: Some(ObjectReference {
             api_version: Some("v1".into()),
@@ -187,6 +206,7 @@ mod tests {
             },
             reason: "FrontendConflict",
             note: "port 53: spec.externalIPs[0]: 10.96.0.10:53/UDP is kube-system/kube-dns's cluster IP".into(),
+            node: None,
         }
     }
 

@@ -295,8 +295,8 @@ fn a_node_being_removed_is_ineligible_until_it_is_not() {
     assert_eq!(health.ineligible(), None);
 }
 
-/// A service port the proxier could not program is told on its Service with an Event
-/// (posted by the nodes that host endpoints; here the only node).
+/// A service port the proxier could not program is told on its Service with an Event,
+/// posted by the node whose maps could not take it (not by the endpoints' nodes).
 #[tokio::test]
 async fn an_unprogrammed_service_port_gets_an_event_on_its_service() {
     use http::{Request, Response};
@@ -307,6 +307,8 @@ async fn an_unprogrammed_service_port_gets_an_event_on_its_service() {
         kube::Client::new(service, "default"),
         "node-a".into(),
     ));
+    // The endpoints are on other nodes (the slices name none here, so every node may post
+    // a cluster-wide problem); this one is node-a's own.
     syncs.ingest(snapshot(1, &["10.244.1.1"]));
     let name = syncs.tracker.current().ports.keys().next().unwrap().clone();
     let mut proxier = FakeProxier {
@@ -328,9 +330,9 @@ async fn an_unprogrammed_service_port_gets_an_event_on_its_service() {
     assert_eq!(event["reason"], "NotProgrammed");
     assert_eq!(event["regarding"]["name"], "web-0");
     assert!(
-        event["note"]
-            .as_str()
-            .is_some_and(|n| n.starts_with("port http (TCP): eBPF map SERVICES is full")),
+        event["note"].as_str().is_some_and(
+            |n| n.starts_with("on node node-a: port http (TCP): eBPF map SERVICES is full")
+        ),
         "{event}"
     );
 }

@@ -217,11 +217,12 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
             .collect();
         // Earlier failures are retried with their current desired state, once their backoff
         // has passed; at once when they changed (they are in `changes`) or when this sync
-        // removed something, which may have made the room they lacked.
+        // removed a service port, which may have made the room they lacked (not at every
+        // endpoint change: a retry that fails again costs the port a moment of service).
         let now = Instant::now();
         let room_made = changes
             .iter()
-            .any(|c| !matches!(c, ServiceChange::Added(_)));
+            .any(|c| matches!(c, ServiceChange::Removed(_)));
         let retries: Vec<ServicePortName> = self
             .failed
             .iter()

@@ -179,6 +179,13 @@ fn open(
 ) -> Option<Arc<Session>> {
     let endpoint = balancer.pick(client.ip(), Instant::now())?;
     let (sessions, budget) = (&frontend.sessions, &frontend.budget);
+    // The client's own stale session (its endpoint left) gives up its place first, so it is
+    // not counted against the cap and no other client is evicted for it.
+    let stale = sessions.lock().expect("not poisoned").remove(&client);
+    if let Some(old) = stale {
+        budget.open.fetch_sub(1, Ordering::Relaxed);
+        old.evicted.notify_one();
+    }
     if !make_room(sessions, budget) {
         debug!(%client, "UDP session refused: the sessions of all frontends are at their cap");
         return None;
@@ -205,13 +212,12 @@ fn open(
         .lock()
         .expect("not poisoned")
         .insert(client, session.clone());
-    match replaced {
-        // The client's old session (its endpoint left): its task ends on its own.
-        Some(old) => old.evicted.notify_one(),
-        None => {
-            budget.open.fetch_add(1, Ordering::Relaxed);
-        }
+    if let Some(old) = replaced {
+        // Raced in since the removal above: it ends, and its place is this one.
+        old.evicted.notify_one();
+        budget.open.fetch_sub(1, Ordering::Relaxed);
     }
+    budget.open.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(replies(
         frontend.clone(),
         session.clone(),
