@@ -66,6 +66,22 @@ impl Api {
         self.1.lock().unwrap().clone()
     }
 
+    /// The first Event with `reason` the agent records, waiting 5 s at most.
+    fn wait_for_event(&self, reason: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(e) = self.events().into_iter().find(|e| e["reason"] == reason) {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {reason} event: {:?}",
+                self.events()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     async fn record_event(self, body: Bytes) -> axum::response::Response {
         let event: Value = serde_json::from_slice(&body).unwrap();
         self.1.lock().unwrap().push(event.clone());
@@ -249,38 +265,12 @@ fn the_agent_serves_what_the_api_server_says_and_follows_its_watch() {
     let counts = spread(&lab, 60);
     assert_eq!(counts.len(), 3, "{counts:?}");
     // The agent announces itself on its Node, as kube-proxy does.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let event = loop {
-        if let Some(e) = api.events().into_iter().find(|e| e["reason"] == "Starting") {
-            break e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no Starting event: {:?}",
-            api.events()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let event = api.wait_for_event("Starting");
     assert_eq!(event["regarding"]["kind"], "Node");
     assert_eq!(event["regarding"]["name"], "node-a");
     assert_eq!(event["note"], "Using ebpf Proxier");
     assert_eq!(event["reportingController"], "proxy-agent");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let conflict = loop {
-        if let Some(e) = api
-            .events()
-            .into_iter()
-            .find(|e| e["reason"] == "FrontendConflict")
-        {
-            break e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no FrontendConflict event: {:?}",
-            api.events()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let conflict = api.wait_for_event("FrontendConflict");
     assert_eq!(conflict["regarding"]["kind"], "Service");
     assert_eq!(conflict["regarding"]["namespace"], "shop");
     assert_eq!(conflict["regarding"]["name"], "evil");
