@@ -80,6 +80,9 @@ pub trait ServiceMaps {
     fn backend_slots(&self) -> u32;
     /// Number of `SERVICE_STATS` slots, which service ids index (slot 0 is never used).
     fn service_slots(&self) -> u32;
+    /// `SERVICES`' capacity in entries, and whether `SERVICES6` has as many of its own
+    /// (else both families share it); `None`: unbounded.
+    fn services_capacity(&self) -> Option<(usize, bool)>;
     /// Everything in the maps, for adopting maps a previous agent left pinned: `SERVICES`
     /// entries, and the `BACKENDS` slots in use.
     fn entries(&self) -> Result<MapContents, MapError>;
@@ -229,6 +232,10 @@ impl ServiceMaps for InMemoryMaps {
         self.services_capacity
             .map(|c| c as u32 + 1)
             .unwrap_or(65536)
+    }
+
+    fn services_capacity(&self) -> Option<(usize, bool)> {
+        self.services_capacity.map(|c| (c, false))
     }
 
     fn entries(&self) -> Result<MapContents, MapError> {
@@ -418,6 +425,10 @@ impl ServiceMaps for KernelMaps {
 
     fn service_slots(&self) -> u32 {
         self.services_capacity
+    }
+
+    fn services_capacity(&self) -> Option<(usize, bool)> {
+        Some((self.services_capacity as usize, true))
     }
 
     fn entries(&self) -> Result<MapContents, MapError> {

@@ -260,6 +260,9 @@ impl SlotIds {
 pub struct MapSync<M: ServiceMaps> {
     maps: M,
     written: HashMap<Frontend, Written>,
+    /// `SERVICES` (index 0) and `SERVICES6` (1) entries `written` accounts for: a header
+    /// and a slot per backend each. Kept with `written` by `take_written`/`put_written`.
+    service_entries: [usize; 2],
     backend_ids: SlotIds,
     service_ids: SlotIds,
     maglev_size: u32,
@@ -272,6 +275,7 @@ impl<M: ServiceMaps> MapSync<M> {
             service_ids: SlotIds::new("SERVICE_STATS", maps.service_slots(), false),
             maps,
             written: HashMap::new(),
+            service_entries: [0; 2],
             maglev_size: 0,
         }
     }
@@ -298,6 +302,7 @@ impl<M: ServiceMaps> MapSync<M> {
     /// writes that follow). Returns the number of frontends found.
     pub fn reload_from_maps(&mut self) -> Result<usize, MapError> {
         self.written.clear();
+        self.service_entries = [0; 2];
         self.backend_ids = SlotIds::new("BACKENDS", self.maps.backend_slots(), true);
         self.service_ids = SlotIds::new("SERVICE_STATS", self.maps.service_slots(), false);
         self.adopt()
@@ -388,7 +393,7 @@ impl<M: ServiceMaps> MapSync<M> {
                     draining.sort_by_key(|d| d.1);
                     referenced.extend(draining.iter().map(|d| d.0));
                     self.service_ids.mark_used(header.service_id);
-                    self.written.insert(
+                    self.put_written(
                         frontend,
                         Written {
                             service_id: header.service_id,
@@ -436,6 +441,48 @@ impl<M: ServiceMaps> MapSync<M> {
         Ok(self.written.len())
     }
 
+    fn family_index(frontend: &Frontend) -> usize {
+        usize::from(frontend.addr.is_ipv6())
+    }
+
+    fn take_written(&mut self, frontend: &Frontend) -> Option<Written> {
+        let w = self.written.remove(frontend)?;
+        self.service_entries[Self::family_index(frontend)] -= 1 + w.slots.len();
+        Some(w)
+    }
+
+    fn put_written(&mut self, frontend: Frontend, w: Written) {
+        self.service_entries[Self::family_index(&frontend)] += 1 + w.slots.len();
+        if let Some(old) = self.written.insert(frontend, w) {
+            self.service_entries[Self::family_index(&frontend)] -= 1 + old.slots.len();
+        }
+    }
+
+    /// Whether `SERVICES` (or `SERVICES6`) has room for `frontend` with `slots` backends
+    /// once its current entries (already taken out of the count) are replaced: checked
+    /// before writing, so a Service that does not fit leaves what it had untouched.
+    fn services_room(&self, frontend: &Frontend, slots: usize) -> Result<(), MapError> {
+        let Some((capacity, per_family)) = self.maps.services_capacity() else {
+            return Ok(());
+        };
+        let used = if per_family {
+            self.service_entries[Self::family_index(frontend)]
+        } else {
+            self.service_entries.iter().sum()
+        };
+        if used + 1 + slots > capacity {
+            return Err(MapError::Full {
+                map: if frontend.addr.is_ipv6() && per_family {
+                    "SERVICES6"
+                } else {
+                    "SERVICES"
+                },
+                capacity: capacity as u32,
+            });
+        }
+        Ok(())
+    }
+
     /// Makes `frontend` select among `backends` (empty: refuse connections). Returns the
     /// number of map operations it took. On error the frontend is removed from the maps (a
     /// half-written service is worse than none) and a later call retries it from scratch.
@@ -467,7 +514,7 @@ impl<M: ServiceMaps> MapSync<M> {
                 ),
             });
         }
-        let old = self.written.remove(frontend);
+        let old = self.take_written(frontend);
         let service_id = match old.as_ref() {
             Some(w) => w.service_id,
             None => self.service_ids.allocate()?,
@@ -523,6 +570,21 @@ impl<M: ServiceMaps> MapSync<M> {
                 }
                 Ok((slots, draining))
             });
+        let assigned = assigned.and_then(|(slots, draining)| {
+            // Room in SERVICES first: nothing of the old state is touched when there is none.
+            match self.services_room(frontend, slots.len()) {
+                Ok(()) => Ok((slots, draining)),
+                Err(e) => {
+                    let fresh: Vec<u32> = slots
+                        .iter()
+                        .chain(&draining)
+                        .map(|s| s.0)
+                        .filter(|id| !old_slots.iter().chain(&old_draining).any(|o| o.0 == *id))
+                        .collect();
+                    Err((e, fresh))
+                }
+            }
+        });
         let (new_slots, new_draining) = match assigned {
             Ok(assigned) => assigned,
             Err((e, allocated)) => {
@@ -530,7 +592,7 @@ impl<M: ServiceMaps> MapSync<M> {
                     self.backend_ids.release(id);
                 }
                 if let Some(old) = old {
-                    self.written.insert(*frontend, old);
+                    self.put_written(*frontend, old);
                 } else {
                     self.service_ids.release(service_id);
                 }
@@ -574,7 +636,7 @@ impl<M: ServiceMaps> MapSync<M> {
         };
         match self.write(frontend, &transition) {
             Ok(ops) => {
-                self.written.insert(
+                self.put_written(
                     *frontend,
                     Written {
                         service_id,
@@ -635,7 +697,7 @@ impl<M: ServiceMaps> MapSync<M> {
         };
         match self.write(frontend, &restore) {
             Ok(_) => {
-                self.written.insert(*frontend, old);
+                self.put_written(*frontend, old);
             }
             Err(e) => {
                 tracing::error!(%frontend, "the previous state could not be written back: {e}");
@@ -803,7 +865,7 @@ impl<M: ServiceMaps> MapSync<M> {
     /// Removes `frontend` from the maps: header first (no new flow picks it), then slots,
     /// then backends.
     pub fn remove(&mut self, frontend: &Frontend) -> Result<usize, MapError> {
-        let Some(old) = self.written.remove(frontend) else {
+        let Some(old) = self.take_written(frontend) else {
             return Ok(0);
         };
         self.service_ids.release(old.service_id);

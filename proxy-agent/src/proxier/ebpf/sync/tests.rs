@@ -147,6 +147,10 @@ impl ServiceMaps for CheckedMaps {
     fn service_slots(&self) -> u32 {
         self.inner.service_slots()
     }
+
+    fn services_capacity(&self) -> Option<(usize, bool)> {
+        self.inner.services_capacity()
+    }
     fn entries(&self) -> Result<crate::proxier::ebpf::maps::MapContents, MapError> {
         self.inner.entries()
     }
@@ -580,6 +584,11 @@ fn a_failed_update_keeps_what_was_serving() {
     sync.set(&frontend(2), &pods(20..22)).unwrap();
     let before = sync.maps().clone();
     let err = sync.set(&frontend(1), &pods(1..8)).unwrap_err();
+    assert_eq!(
+        sync.maps().operations,
+        before.operations,
+        "the room is checked first: not one entry was touched, so no packet saw a gap"
+    );
     assert!(
         matches!(
             err,
