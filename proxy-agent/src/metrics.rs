@@ -48,6 +48,7 @@ pub struct Metrics {
     pub programmed_service_ports: IntGaugeVec,
     pub programmed_backends: IntGaugeVec,
     pub unprogrammed_service_ports: IntGauge,
+    pub other_modes_state_kept: IntGauge,
     pub sync_failures: IntCounterVec,
     pub frontend_conflicts: IntGauge,
     pub external_ips_refused: IntGauge,
@@ -256,6 +257,12 @@ impl Metrics {
                 "Service ports that could not be programmed (map full, ...); see the log",
             )
             .unwrap(),
+            other_modes_state_kept: IntGauge::new(
+                "proxy_agent_other_modes_state_kept",
+                "1 while removing other proxy modes' state (rules, maps, if a mode switch left \
+                 any) waits for this mode to serve every service port",
+            )
+            .unwrap(),
             sync_failures: IntCounterVec::new(
                 Opts::new(
                     "proxy_agent_sync_failures_total",
@@ -372,6 +379,7 @@ impl Metrics {
         reg(Box::new(m.programmed_backends.clone()));
         reg(Box::new(m.unprogrammed_service_ports.clone()));
         reg(Box::new(m.sync_failures.clone()));
+        reg(Box::new(m.other_modes_state_kept.clone()));
         reg(Box::new(m.frontend_conflicts.clone()));
         reg(Box::new(m.external_ips_refused.clone()));
         reg(Box::new(m.http_connections.clone()));

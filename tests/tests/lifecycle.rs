@@ -809,6 +809,7 @@ mod safety {
             10,
             "the Service only the old mode's rules serve"
         );
+        assert_eq!(kept_gauge(&lab), "1", "proxy_agent_other_modes_state_kept");
 
         // Once eBPF serves every Service, the old mode's state goes.
         lab.write_manifests(&web(&ips)).unwrap();
@@ -822,5 +823,24 @@ mod safety {
             std::thread::sleep(Duration::from_millis(200));
         }
         assert_eq!(served(WEB), 10);
+        assert_eq!(kept_gauge(&lab), "0");
+    }
+
+    /// `proxy_agent_other_modes_state_kept` from the agent's /metrics (its default address).
+    fn kept_gauge(lab: &Lab) -> String {
+        use std::io::{Read, Write};
+        lab.node
+            .run(|| {
+                let mut s = std::net::TcpStream::connect("127.0.0.1:10249").unwrap();
+                s.write_all(b"GET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+                    .unwrap();
+                let mut text = String::new();
+                s.read_to_string(&mut text).unwrap();
+                text.lines()
+                    .find_map(|l| l.strip_prefix("proxy_agent_other_modes_state_kept "))
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .unwrap()
     }
 }

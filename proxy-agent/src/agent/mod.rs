@@ -55,10 +55,19 @@ struct Leftovers {
 }
 
 impl Leftovers {
-    async fn take_over(&mut self, syncs: &SyncLoop, s: &Settings, lock: Option<&RootLock>) {
+    async fn take_over(
+        &mut self,
+        syncs: &SyncLoop,
+        s: &Settings,
+        lock: Option<&RootLock>,
+        metrics: &Metrics,
+    ) {
         if self.removed {
             return;
         }
+        metrics
+            .other_modes_state_kept
+            .set(i64::from(!syncs.all_served()));
         if !syncs.all_served() {
             if !self.reported {
                 warn!(
@@ -188,7 +197,9 @@ pub async fn run(mut s: Settings) -> Result<()> {
     }
     syncs.first_sync(&mut proxier);
     let mut leftovers = Leftovers::default();
-    leftovers.take_over(&syncs, &s, root_lock.as_ref()).await;
+    leftovers
+        .take_over(&syncs, &s, root_lock.as_ref(), &metrics)
+        .await;
     if let Some(client) = api_client {
         // As kube-proxy announces itself on its Node; best effort.
         tokio::spawn(api::announce_start(
@@ -200,7 +211,9 @@ pub async fn run(mut s: Settings) -> Result<()> {
 
     let mut deferred: Option<Instant> = None;
     loop {
-        leftovers.take_over(&syncs, &s, root_lock.as_ref()).await;
+        leftovers
+            .take_over(&syncs, &s, root_lock.as_ref(), &metrics)
+            .await;
         let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));
         let flow_log = ebpf.as_mut().and_then(|e| e.flow_logger.as_mut());
         let has_flow_log = flow_log.is_some();
