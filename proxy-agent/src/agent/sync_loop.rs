@@ -129,8 +129,6 @@ pub struct SyncLoop {
     service_health: ServiceHealthServers,
     /// Problems in Services, posted back as Events (API source only).
     events: Option<ServiceEvents>,
-    /// The nodes the EndpointSlices name (who posts an Event).
-    endpoint_nodes: std::collections::BTreeSet<String>,
     /// The last sync completed with every service port programmed.
     all_served: bool,
 }
@@ -151,7 +149,6 @@ impl SyncLoop {
             needs_full: false,
             service_health: ServiceHealthServers::new(health.clone(), Some(metrics.clone())),
             events: None,
-            endpoint_nodes: Default::default(),
             all_served: false,
             health,
             metrics,
@@ -213,9 +210,12 @@ impl SyncLoop {
             warn!("{p}");
         }
         self.reported = problems;
-        self.endpoint_nodes = endpoint_nodes(&set.store);
         if let Some(events) = &self.events {
-            events.notice(notices(&model_problems), &self.endpoint_nodes);
+            let notices = notices(&model_problems);
+            // Walked only when there is something to post: it reads every endpoint.
+            if !notices.is_empty() {
+                events.notice(notices, endpoint_nodes(&set.store));
+            }
         }
         let node = set
             .nodes
@@ -344,10 +344,11 @@ impl SyncLoop {
                     node: Some(self.options.node_name.clone()),
                 })
                 .collect();
-            events.notice(notices, &self.endpoint_nodes);
+            // Node-local notices: the endpoints' nodes play no part.
+            events.notice(notices, Default::default());
         }
-        self.all_served =
-            matches!(&result, Ok(r) if r.services_failed == 0) && proxier.unprogrammed().is_empty();
+        // `services_failed` counts every port not programmed as asked.
+        self.all_served = matches!(&result, Ok(r) if r.services_failed == 0);
         match result {
             Ok(report) => {
                 self.metrics

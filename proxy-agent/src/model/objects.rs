@@ -359,15 +359,19 @@ fn object_name(
 /// Names end up in rule text (iptables and nft comments, chain names' hashes, logs): they
 /// are held to the API server's own rules, so a manifest or a replayed object cannot carry
 /// a quote, a newline or a rule of its own into an `iptables-restore` or `nft` script.
-fn dns_label(field: &str, value: &str) -> Result<(), FieldError> {
-    let ok = !value.is_empty()
-        && value.len() <= 63
+/// Lowercase letters, digits and '-', starting and ending with a letter or digit: a
+/// label's characters (a subdomain's labels have no length of their own).
+fn label_chars(value: &str) -> bool {
+    !value.is_empty()
         && value
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !value.starts_with('-')
-        && !value.ends_with('-');
-    if ok {
+        && !value.ends_with('-')
+}
+
+fn dns_label(field: &str, value: &str) -> Result<(), FieldError> {
+    if value.len() <= 63 && label_chars(value) {
         return Ok(());
     }
     Err(field_error(
@@ -382,16 +386,7 @@ fn dns_label(field: &str, value: &str) -> Result<(), FieldError> {
 
 /// A DNS-1123 subdomain: dot-separated labels, at most 253 characters.
 fn dns_subdomain(field: &str, value: &str) -> Result<(), FieldError> {
-    let ok = value.len() <= 253
-        && value.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        });
-    if ok {
+    if value.len() <= 253 && value.split('.').all(label_chars) {
         return Ok(());
     }
     Err(field_error(

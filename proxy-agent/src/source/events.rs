@@ -101,7 +101,7 @@ pub fn posts(node: &str, nodes: &BTreeSet<String>, event: &str) -> bool {
 /// Where the sync loop hands its notices; the posting happens on a task of its own.
 #[derive(Clone)]
 pub struct ServiceEvents {
-    tx: mpsc::Sender<(Notice, BTreeSet<String>)>,
+    tx: mpsc::Sender<(Vec<Notice>, BTreeSet<String>)>,
 }
 
 impl ServiceEvents {
@@ -112,11 +112,12 @@ impl ServiceEvents {
         Self { tx }
     }
 
-    /// Queues `notices` (problems of this build), with the nodes the EndpointSlices name;
-    /// dropped when the queue is full, as the log and the metrics already carry them.
-    pub fn notice(&self, notices: Vec<Notice>, nodes: &BTreeSet<String>) {
-        for n in notices {
-            let _ = self.tx.try_send((n, nodes.clone()));
+    /// Queues `notices` (problems of this build), with the nodes the EndpointSlices name
+    /// (only cluster-wide notices need them); dropped when the queue is full, as the log
+    /// and the metrics already carry them.
+    pub fn notice(&self, notices: Vec<Notice>, nodes: BTreeSet<String>) {
+        if !notices.is_empty() {
+            let _ = self.tx.try_send((notices, nodes));
         }
     }
 }
@@ -124,35 +125,37 @@ impl ServiceEvents {
 async fn post_loop(
     client: Client,
     node: String,
-    mut rx: mpsc::Receiver<(Notice, BTreeSet<String>)>,
+    mut rx: mpsc::Receiver<(Vec<Notice>, BTreeSet<String>)>,
 ) {
     let mut done: HashSet<String> = HashSet::new();
     let mut recent: Vec<Instant> = Vec::new();
-    while let Some((notice, nodes)) = rx.recv().await {
-        let name = notice.event_name();
-        let ours = match &notice.node {
-            Some(n) => *n == node,
-            None => posts(&node, &nodes, &name),
-        };
-        if done.contains(&name) || !ours {
-            continue;
-        }
-        recent.retain(|t| t.elapsed() < Duration::from_secs(60));
-        if recent.len() >= MAX_PER_MINUTE {
-            debug!(service = %notice.service, reason = notice.reason, "Event not posted: {MAX_PER_MINUTE} a minute at most");
-            continue;
-        }
-        recent.push(Instant::now());
-        done.insert(name.clone());
-        let api: Api<Event> = Api::namespaced(client.clone(), &notice.service.namespace);
-        match api
-            .create(&PostParams::default(), &event(&notice, &name, &node))
-            .await
-        {
-            Ok(_) => debug!(service = %notice.service, reason = notice.reason, "Event posted"),
-            // Another node posted it first: that is the point.
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => debug!(service = %notice.service, "posting an Event: {e}"),
+    while let Some((notices, nodes)) = rx.recv().await {
+        for notice in notices {
+            let name = notice.event_name();
+            let ours = match &notice.node {
+                Some(n) => *n == node,
+                None => posts(&node, &nodes, &name),
+            };
+            if done.contains(&name) || !ours {
+                continue;
+            }
+            recent.retain(|t| t.elapsed() < Duration::from_secs(60));
+            if recent.len() >= MAX_PER_MINUTE {
+                debug!(service = %notice.service, reason = notice.reason, "Event not posted: {MAX_PER_MINUTE} a minute at most");
+                continue;
+            }
+            recent.push(Instant::now());
+            done.insert(name.clone());
+            let api: Api<Event> = Api::namespaced(client.clone(), &notice.service.namespace);
+            match api
+                .create(&PostParams::default(), &event(&notice, &name, &node))
+                .await
+            {
+                Ok(_) => debug!(service = %notice.service, reason = notice.reason, "Event posted"),
+                // Another node posted it first: that is the point.
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => debug!(service = %notice.service, "posting an Event: {e}"),
+            }
         }
     }
 }
@@ -232,7 +235,7 @@ mod tests {
         let client = Client::new(service, "default");
         let events = ServiceEvents::start(client, "node-a".into());
         let nodes: BTreeSet<String> = ["node-a".to_string()].into();
-        events.notice(vec![notice("evil"), notice("evil")], &nodes);
+        events.notice(vec![notice("evil"), notice("evil")], nodes.clone());
         let (request, reply) = handle.next_request().await.expect("one POST");
         assert_eq!(request.method(), http::Method::POST);
         assert_eq!(
@@ -259,7 +262,7 @@ mod tests {
                 .body(Body::from(serde_json::to_vec(&conflict).unwrap()))
                 .unwrap(),
         );
-        events.notice(vec![notice("evil")], &nodes);
+        events.notice(vec![notice("evil")], nodes);
         assert!(
             tokio::time::timeout(Duration::from_millis(300), handle.next_request())
                 .await
