@@ -826,6 +826,72 @@ mod safety {
         assert_eq!(kept_gauge(&lab), "0");
     }
 
+    /// The userspace mode relays after the old mode's DNAT has run, so the old rules would
+    /// send the Services it serves to the endpoints of the day of the switch. They go after
+    /// its first sync even when a frontend cannot be opened (here a NodePort another
+    /// process holds), and that frontend is reported instead.
+    #[test]
+    fn a_switch_to_userspace_removes_old_rules_that_would_shadow_what_it_serves() {
+        require_kernel!();
+        let mut lab = Lab::new(LabOptions::default()).expect("lab");
+        let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+        let web =
+            |ips: &[Ipv4Addr]| service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], ips);
+        let manifests = lab.write_manifests(&web(&ips)).unwrap();
+        lab.start_agent(&manifests, &["--proxy-mode", "iptables"])
+            .unwrap();
+        lab.stop_agent().unwrap();
+        assert!(!kube_rules(&lab).is_empty(), "iptables programmed nothing");
+
+        // While no agent runs, web shrinks to one endpoint, and a NodePort Service arrives
+        // whose port another process on the node holds.
+        const HELD: u16 = 30090;
+        let held = lab
+            .node
+            .run(|| std::net::TcpListener::bind(("0.0.0.0", HELD)))
+            .unwrap()
+            .expect("holding the NodePort");
+        let blocked = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: blocked, namespace: lab}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.21\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: {TCP_PORT}, nodePort: {HELD}}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: blocked-1\n  namespace: lab\n  labels: {{kubernetes.io/service-name: blocked}}\naddressType: IPv4\nports:\n- {{name: http, protocol: TCP, port: {TCP_PORT}}}\nendpoints:\n- addresses: [\"{}\"]\n  conditions: {{ready: true}}\n---\n",
+            ips[0]
+        );
+        lab.write_manifests(&(web(&ips[..1]) + &blocked)).unwrap();
+        lab.start_agent(&manifests, &["--proxy-mode", "userspace"])
+            .unwrap();
+
+        let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
+        while !kube_rules(&lab).is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the old rules stayed: {:?}\n{}",
+                kube_rules(&lab),
+                lab.agent().unwrap().log_text()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let reached: std::collections::BTreeSet<String> = lab
+            .client
+            .ns
+            .run(|| {
+                (0..12)
+                    .map(|_| {
+                        proxy_tests::lab::client::tcp_hello(WEB, Duration::from_secs(2))
+                            .expect("web answers")
+                    })
+                    .collect()
+            })
+            .unwrap();
+        let only = std::collections::BTreeSet::from([lab.backends[0].name.clone()]);
+        assert_eq!(reached, only, "web reached endpoints it no longer has");
+        let log = lab.agent().unwrap().log_text();
+        assert!(
+            log.contains("failed=1"),
+            "the held NodePort is not reported: {log}"
+        );
+        assert_eq!(kept_gauge(&lab), "0", "proxy_agent_other_modes_state_kept");
+        drop(held);
+    }
+
     /// `proxy_agent_other_modes_state_kept` from the agent's /metrics (its default address).
     fn kept_gauge(lab: &Lab) -> String {
         use std::io::{Read, Write};

@@ -9,9 +9,9 @@
 //!    fails here;
 //! 4. the mode's proxier ([`modes::start`]; eBPF: the datapath loaded or adopted);
 //! 5. the health and metrics servers;
-//! 6. the first snapshot, the first sync, and only once this mode serves every service port
-//!    the other modes' leftovers removed ([`cleanup::remove_modes`]), so a mode switch by
-//!    restart leaves no gap and a port the new mode cannot program stays served;
+//! 6. the first snapshot, the first sync, and only once this mode serves its service ports
+//!    the other modes' leftovers removed ([`cleanup::remove_modes`], when: `Leftovers`), so
+//!    a mode switch by restart leaves no gap and a port eBPF cannot program stays served;
 //! 7. the event loop: snapshots → [`sync_loop::SyncLoop`], periodic syncs, and the eBPF
 //!    mode's interface events, conntrack sweeps and counters, until SIGTERM.
 
@@ -44,10 +44,21 @@ use crate::{
 };
 use sync_loop::{LoopOptions, SyncLoop};
 
-/// What the other modes (ours or upstream kube-proxy's) left on the node. It goes only once
-/// this mode serves every service port, so switching modes by restart leaves no gap, and a
-/// Service the new mode cannot program (a full map, say) is still served by the old mode's
-/// state meanwhile; the log says which service ports hold it back.
+/// What the other modes (ours or upstream kube-proxy's) left on the node, and when it goes:
+/// once no service port the new mode serves can still reach it, and no sooner than the
+/// new mode serves what it can (so a switch by restart leaves no gap).
+///
+/// * eBPF translates at tc ingress and at connect time, before netfilter, IPVS or a local
+///   route sees the packet: the old state catches only the service ports eBPF does not
+///   serve, a per-port handover in effect. It goes once eBPF serves every port, so a
+///   Service eBPF cannot program (a full map, say) stays served meanwhile; the log says
+///   which ports hold it back.
+/// * iptables, nftables and ipvs program all or nothing: their first completed sync
+///   serves every port.
+/// * userspace sees a packet after the old mode's DNAT (and the eBPF mode's tc), so the
+///   old state would shadow the ports it serves with stale endpoints: it goes after the
+///   first completed sync, and the ports userspace could not open are reported (log,
+///   `proxy_agent_unprogrammed_service_ports`).
 #[derive(Default)]
 struct Leftovers {
     removed: bool,
@@ -55,6 +66,14 @@ struct Leftovers {
 }
 
 impl Leftovers {
+    /// Whether the old modes' state may go now.
+    fn may_go(mode: ProxyMode, syncs: &SyncLoop) -> bool {
+        match mode {
+            ProxyMode::Ebpf => syncs.all_served(),
+            _ => syncs.completed(),
+        }
+    }
+
     async fn take_over(
         &mut self,
         syncs: &SyncLoop,
@@ -65,10 +84,9 @@ impl Leftovers {
         if self.removed {
             return;
         }
-        metrics
-            .other_modes_state_kept
-            .set(i64::from(!syncs.all_served()));
-        if !syncs.all_served() {
+        let may_go = Self::may_go(s.mode, syncs);
+        metrics.other_modes_state_kept.set(i64::from(!may_go));
+        if !may_go {
             if !self.reported {
                 warn!(
                     "other proxy modes' state kept on the node until {} serves every service port (see the sync log); `--cleanup` removes it",
@@ -88,7 +106,10 @@ impl Leftovers {
             }
         }
         if self.reported {
-            info!("every service port served: other proxy modes' state removed");
+            info!(
+                "{} serves its service ports: other proxy modes' state removed",
+                s.mode
+            );
         }
         self.removed = true;
     }

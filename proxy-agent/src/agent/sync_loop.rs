@@ -131,6 +131,8 @@ pub struct SyncLoop {
     events: Option<ServiceEvents>,
     /// The last sync completed with every service port programmed.
     all_served: bool,
+    /// The last sync completed (some service ports may have failed).
+    completed: bool,
 }
 
 impl SyncLoop {
@@ -150,6 +152,7 @@ impl SyncLoop {
             service_health: ServiceHealthServers::new(health.clone(), Some(metrics.clone())),
             events: None,
             all_served: false,
+            completed: false,
             health,
             metrics,
         }
@@ -169,6 +172,11 @@ impl SyncLoop {
     /// leftovers may go then (see `agent::run`).
     pub fn all_served(&self) -> bool {
         self.all_served
+    }
+
+    /// Whether the last sync completed, perhaps with some service ports not programmed.
+    pub fn completed(&self) -> bool {
+        self.completed
     }
 
     /// Posts the problems the model finds in Services as Events on them (API source).
@@ -349,6 +357,7 @@ impl SyncLoop {
         }
         // `services_failed` counts every port not programmed as asked.
         self.all_served = matches!(&result, Ok(r) if r.services_failed == 0);
+        self.completed = result.is_ok();
         match result {
             Ok(report) => {
                 self.metrics
