@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 6;
+pub const MAP_LAYOUT_VERSION: u32 = 7;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -296,7 +296,8 @@ pub struct ConntrackValue6 {
     pub _pad0: u8,
     pub backend_id: u32,
     pub service_id: u32,
-    pub _pad1: [u8; 4],
+    /// As [`ConntrackValue::expected_ack`].
+    pub expected_ack: u32,
 }
 
 /// Header flag: an empty service drops new flows instead of refusing them (traffic policy
@@ -536,6 +537,12 @@ pub struct ConntrackValue {
     pub backend_id: u32,
     /// The service port's id (index into `SERVICE_STATS`), for per-service counters.
     pub service_id: u32,
+    /// Original entry of an unconfirmed TCP flow: the acknowledgment number the client's
+    /// next segment must carry (the backend's SYN-ACK sequence number + 1, host byte
+    /// order; 0 before the SYN-ACK), so a spoofed source that never saw the SYN-ACK
+    /// cannot confirm its flow.
+    pub expected_ack: u32,
+    pub _pad1: u32,
 }
 
 /// Key of the `AFFINITY` LRU map: one client of one frontend (`sessionAffinity: ClientIP`).
@@ -798,10 +805,14 @@ pub enum Stat {
     /// A TCP segment without SYN to a frontend matched no flow: passed untranslated, and
     /// nothing was created (a spoofed ACK flood, or a flow from before a map rebuild).
     UntrackedSegment = 23,
+    /// A TCP segment of an unconfirmed flow, after the backend's SYN-ACK, that does not
+    /// acknowledge it: translated, but the flow stays unconfirmed (a spoofed source
+    /// completing a handshake it never saw).
+    BlindAck = 24,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 24;
+    pub const COUNT: u32 = 25;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -827,6 +838,7 @@ impl Stat {
         Stat::NewEntryCollected,
         Stat::FlowConfirmed,
         Stat::UntrackedSegment,
+        Stat::BlindAck,
     ];
 
     /// Label used for the metric.
@@ -856,6 +868,7 @@ impl Stat {
             Stat::NewEntryCollected => "new_entry_collected",
             Stat::FlowConfirmed => "flow_confirmed",
             Stat::UntrackedSegment => "untracked_segment",
+            Stat::BlindAck => "blind_ack",
         }
     }
 }
@@ -929,7 +942,7 @@ mod tests {
         assert_eq!(offset_of!(ConntrackValue6, flags), 26);
         assert_eq!(offset_of!(ConntrackValue6, backend_id), 28);
         assert_eq!(offset_of!(ConntrackValue6, service_id), 32);
-        assert_eq!(offset_of!(ConntrackValue6, _pad1), 36);
+        assert_eq!(offset_of!(ConntrackValue6, expected_ack), 36);
         assert_eq!(size_of::<AffinityKey6>(), 20);
         assert_eq!(offset_of!(AffinityKey6, service_id), 16);
         assert_eq!(size_of::<SourceRangeKey6>(), 20);
@@ -976,7 +989,7 @@ mod tests {
         assert_eq!(offset_of!(ConntrackKey, proto), 12);
         assert_eq!(offset_of!(ConntrackKey, _pad0), 13);
 
-        assert_eq!(size_of::<ConntrackValue>(), 24);
+        assert_eq!(size_of::<ConntrackValue>(), 32);
         assert_eq!(align_of::<ConntrackValue>(), 8);
         assert_eq!(offset_of!(ConntrackValue, last_seen_ns), 0);
         assert_eq!(offset_of!(ConntrackValue, nat_addr), 8);
@@ -985,6 +998,8 @@ mod tests {
         assert_eq!(offset_of!(ConntrackValue, _pad0), 15);
         assert_eq!(offset_of!(ConntrackValue, backend_id), 16);
         assert_eq!(offset_of!(ConntrackValue, service_id), 20);
+        assert_eq!(offset_of!(ConntrackValue, expected_ack), 24);
+        assert_eq!(offset_of!(ConntrackValue, _pad1), 28);
         assert_eq!(size_of::<ServiceStats>(), 24);
     }
 

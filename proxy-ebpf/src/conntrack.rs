@@ -6,13 +6,17 @@
 //! the flow is confirmed: its client sends again after the backend replied (for TCP, the last
 //! ACK of the handshake), as netfilter's ASSURED. A spoofed source never sees the reply, so a
 //! flood of spoofed SYN, ACK or UDP packets churns `CT_NEW` only and the LRU of `CONNTRACK`
-//! holds confirmed flows alone: a flood cannot evict them. (A TCP segment without SYN that
+//! holds confirmed flows alone: a flood cannot evict them. A spoofer that sends the SYN and
+//! then a blind ACK does not confirm either: the ACK must acknowledge the backend's SYN-ACK,
+//! which went to the spoofed address. (A TCP segment without SYN that
 //! matches nothing creates no entry at all; the caller checks that.)
 //!
 //! ```text
 //!   first packet ──► CT_NEW (original + reply entry, and the source-NAT pair if any)
 //!   backend replies ──► the entries are marked SEEN_REPLY, still in CT_NEW
-//!   client speaks again ──► all of them move to CONNTRACK (Stat::FlowConfirmed)
+//!                       (TCP: the SYN-ACK's sequence number + 1 noted on the original entry)
+//!   client speaks again ──► all of them move to CONNTRACK (Stat::FlowConfirmed);
+//!                           TCP only if it acknowledges that SYN-ACK (else Stat::BlindAck)
 //! ```
 //!
 //! The IPv4 and IPv6 maps differ only in their address type; [`Family`] names the maps, the
@@ -78,6 +82,8 @@ pub(crate) trait Entry {
     fn last_seen_ns(&self) -> u64;
     fn set_last_seen_ns(&mut self, now: u64);
     fn nat(&self) -> (Self::Addr, u16);
+    fn expected_ack(&self) -> u32;
+    fn set_expected_ack(&mut self, ack: u32);
 }
 
 /// One address family's conntrack map and key.
@@ -120,6 +126,14 @@ macro_rules! entry {
             #[inline(always)]
             fn nat(&self) -> ($addr, u16) {
                 (self.nat_addr, self.nat_port)
+            }
+            #[inline(always)]
+            fn expected_ack(&self) -> u32 {
+                self.expected_ack
+            }
+            #[inline(always)]
+            fn set_expected_ack(&mut self, ack: u32) {
+                self.expected_ack = ack;
             }
         }
     };
@@ -266,11 +280,49 @@ pub(crate) fn confirm<F: Family>(
     bump(Stat::FlowConfirmed);
 }
 
-/// Whether a packet in the original direction confirms a flow: the backend has replied and
-/// the entry is still in `CT_NEW`.
+/// Whether a packet in the original direction confirms a flow: the backend has replied, the
+/// entry is still in `CT_NEW`, and for TCP the segment acknowledges the backend's SYN-ACK
+/// (`ack`: its acknowledgment number, read only then), which a spoofed source never saw.
 #[inline(always)]
-pub(crate) fn confirms<E: Entry>(table: Table, ct: &E) -> bool {
-    table == Table::New && ct.flags() & CT_FLAG_SEEN_REPLY != 0
+pub(crate) fn confirms<E: Entry>(
+    table: Table,
+    ct: &E,
+    proto: u8,
+    ack: impl FnOnce() -> Option<u32>,
+) -> bool {
+    if table != Table::New || ct.flags() & CT_FLAG_SEEN_REPLY == 0 {
+        return false;
+    }
+    // UDP has nothing to check (netfilter's ASSURED is no different).
+    if proto != IPPROTO_TCP {
+        return true;
+    }
+    let expected = ct.expected_ack();
+    let acknowledged =
+        expected != 0 && ack().is_some_and(|ack| ack.wrapping_sub(expected) < ACK_WINDOW);
+    if !acknowledged {
+        bump(Stat::BlindAck);
+    }
+    acknowledged
+}
+
+/// How far past the SYN-ACK a confirming acknowledgment may be: the backend may have sent
+/// data already (TCP Fast Open), and a blind guess succeeds once in 65 536.
+const ACK_WINDOW: u32 = 1 << 16;
+
+/// At a flow's first reply: a SYN-ACK's sequence number + 1 is what the client's next
+/// segment acknowledges, recorded on the original entry for [`confirms`].
+#[inline(always)]
+pub(crate) fn note_reply<E: Entry>(
+    original: &mut E,
+    tcp_flags: u8,
+    seq: impl FnOnce() -> Option<u32>,
+) {
+    if tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
+        if let Some(seq) = seq() {
+            original.set_expected_ack(seq.wrapping_add(1));
+        }
+    }
 }
 
 /// Updates an entry's state for a packet with `tcp_flags`; refreshes its timestamp at most

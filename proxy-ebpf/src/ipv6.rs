@@ -39,11 +39,12 @@ use proxy_common::{
 use crate::{
     account, backend, bump, config,
     conntrack::{
-        confirm, confirms, forget, get_in, in_use, lookup, may_open, touch, track, Table, V6,
+        confirm, confirms, forget, get_in, in_use, lookup, may_open, note_reply, touch, track,
+        Table, V6,
     },
-    count_connection, pick_slot, random_below, read, Hook, SlotTable, ETH_HLEN, SERVICES,
+    count_connection, pick_slot, random_below, read, tcp_word, Hook, SlotTable, ETH_HLEN, SERVICES,
     SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK,
-    TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SYN, UDP_CSUM_OFF,
+    TCP_ACK_OFF, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SEQ_OFF, TCP_SYN, UDP_CSUM_OFF,
 };
 
 #[map]
@@ -147,7 +148,9 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
             return Ok(TC_ACT_UNSPEC);
         }
         if let Some(verdict) = translate_tracked(ctx, &pkt, ct, table)? {
-            if confirms(table, ct) {
+            if confirms(table, ct, pkt.key.proto, || {
+                tcp_word(ctx, pkt.l4_off, TCP_ACK_OFF)
+            }) {
                 confirm_flow(&pkt, ct);
             }
             return Ok(verdict);
@@ -351,12 +354,13 @@ fn translate_reply(
         let original = ConntrackKey6::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
         if let Some(orig) = get_in::<V6>(table, &original) {
             // SAFETY: map value pointer, valid for this run.
-            touch(
-                unsafe { &mut *orig },
-                pkt.tcp_flags,
-                now,
-                CT_FLAG_SEEN_REPLY,
-            );
+            let orig = unsafe { &mut *orig };
+            touch(orig, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
+            if first_reply {
+                note_reply(orig, pkt.tcp_flags, || {
+                    tcp_word(ctx, pkt.l4_off, TCP_SEQ_OFF)
+                });
+            }
         }
     }
     rewrite(
@@ -629,7 +633,7 @@ fn new_flow(
         _pad0: 0,
         backend_id,
         service_id,
-        _pad1: [0; 4],
+        expected_ack: 0,
     };
     let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
     let reply = ConntrackValue6 {
@@ -644,7 +648,7 @@ fn new_flow(
         _pad0: 0,
         backend_id,
         service_id,
-        _pad1: [0; 4],
+        expected_ack: 0,
     };
     let reply_key = ConntrackKey6::new(
         backend_addr,
@@ -783,7 +787,7 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
         _pad0: 0,
         backend_id,
         service_id,
-        _pad1: [0; 4],
+        expected_ack: 0,
     };
     if !track::<V6>(Table::New, &snat_key, &snat) {
         bump(Stat::ConntrackInsertFailed);

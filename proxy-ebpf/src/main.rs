@@ -130,6 +130,16 @@ const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
+/// Offsets in the TCP header of the sequence and acknowledgment numbers.
+const TCP_SEQ_OFF: usize = 4;
+const TCP_ACK_OFF: usize = 8;
+
+/// A 32-bit field of the TCP header at `l4_off` (host byte order); read through the load
+/// helper, only where a flow is being confirmed (not on the established path).
+#[inline(always)]
+fn tcp_word(ctx: &TcContext, l4_off: usize, field: usize) -> Option<u32> {
+    ctx.load::<u32>(l4_off + field).ok().map(u32::from_be)
+}
 
 /// Source ports tried for a masqueraded flow when the client's own port is taken for that
 /// backend: 32768..=65535. A port is only used when no reply entry from the backend holds it.
@@ -436,7 +446,9 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
             return Ok(TC_ACT_UNSPEC);
         }
         if let Some(verdict) = translate_tracked(ctx, pkt, ct, table, now)? {
-            if confirms(table, ct) {
+            if confirms(table, ct, pkt.key.proto, || {
+                tcp_word(ctx, pkt.l4_off, TCP_ACK_OFF)
+            }) {
                 confirm_flow(pkt, ct);
             }
             return Ok(verdict);
@@ -618,6 +630,11 @@ fn translate_reply(
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
             touch(orig, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
+            if first_reply {
+                conntrack::note_reply(orig, pkt.tcp_flags, || {
+                    tcp_word(ctx, pkt.l4_off, TCP_SEQ_OFF)
+                });
+            }
         }
     }
     rewrite(
@@ -766,6 +783,8 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         _pad0: 0,
         backend_id,
         service_id,
+        expected_ack: 0,
+        _pad1: 0,
     };
     let reply_key = ConntrackKey::new(
         backend.addr,
@@ -787,6 +806,8 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         _pad0: 0,
         backend_id,
         service_id,
+        expected_ack: 0,
+        _pad1: 0,
     };
     // A confirmed reply entry left of an earlier flow with this tuple (its original entry
     // evicted or collected) would be found first and keep this flow from ever confirming.
@@ -1407,6 +1428,8 @@ fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id:
         _pad0: 0,
         backend_id,
         service_id,
+        expected_ack: 0,
+        _pad1: 0,
     };
     let unsnat_key = ConntrackKey::new(backend.addr, masq, backend.port, port, pkt.key.proto);
     let unsnat = ConntrackValue {
@@ -1417,6 +1440,8 @@ fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id:
         _pad0: 0,
         backend_id,
         service_id,
+        expected_ack: 0,
+        _pad1: 0,
     };
     if !track::<V4>(Table::New, &unsnat_key, &unsnat) || !track::<V4>(Table::New, &snat_key, &snat)
     {

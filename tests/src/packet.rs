@@ -64,8 +64,29 @@ pub fn partial_seed(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> u16 
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum L4 {
-    Tcp { flags: u8, seq: u32 },
+    Tcp { flags: u8, seq: u32, ack: u32 },
     Udp,
+}
+
+/// The sequence number of every segment [`PacketSpec::tcp`] builds, both directions alike.
+pub const SEQ: u32 = 0x1234_5678;
+
+impl L4 {
+    /// A segment with [`SEQ`]; with ACK set it acknowledges a peer that also sent [`SEQ`]
+    /// with its SYN (so a test handshake is one a datapath checking sequence numbers
+    /// accepts).
+    pub fn tcp(flags: u8) -> Self {
+        let ack = if flags & 0x10 != 0 {
+            SEQ.wrapping_add(1)
+        } else {
+            0
+        };
+        L4::Tcp {
+            flags,
+            seq: SEQ,
+            ack,
+        }
+    }
 }
 
 /// A frame to feed the classifier.
@@ -88,10 +109,7 @@ impl PacketSpec {
             dst,
             sport,
             dport,
-            l4: L4::Tcp {
-                flags,
-                seq: 0x1234_5678,
-            },
+            l4: L4::tcp(flags),
             payload: Vec::new(),
             udp_no_checksum: false,
         }
@@ -163,9 +181,9 @@ fn segment(sport: u16, dport: u16, l4: L4, payload: &[u8]) -> (Vec<u8>, usize) {
     segment.extend_from_slice(&sport.to_be_bytes());
     segment.extend_from_slice(&dport.to_be_bytes());
     match l4 {
-        L4::Tcp { flags, seq } => {
+        L4::Tcp { flags, seq, ack } => {
             segment.extend_from_slice(&seq.to_be_bytes());
-            segment.extend_from_slice(&0u32.to_be_bytes()); // ack
+            segment.extend_from_slice(&ack.to_be_bytes());
             segment.push(5 << 4); // data offset 5 words
             segment.push(flags);
             segment.extend_from_slice(&64240u16.to_be_bytes()); // window
@@ -215,10 +233,7 @@ pub mod ipv6 {
 
     impl PacketSpec6 {
         pub fn tcp(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Self {
-            let l4 = L4::Tcp {
-                flags,
-                seq: 0x1234_5678,
-            };
+            let l4 = L4::tcp(flags);
             Self {
                 src,
                 dst,

@@ -224,8 +224,8 @@ fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_eg
         let mut reply = first.clone();
         (reply.src, reply.sport) = (*remote.ip(), remote.port());
         (reply.dst, reply.dport) = (node_internal, 40000);
-        if let L4::Tcp { flags, .. } = &mut reply.l4 {
-            *flags = TCP_SYN | TCP_ACK;
+        if let L4::Tcp { .. } = reply.l4 {
+            reply.l4 = L4::tcp(TCP_SYN | TCP_ACK);
         }
         let (r, frame) = pass(&dp, Hook::Ingress, &reply.build());
         assert_eq!((r.dst, r.dport), (client, 40000));
@@ -242,8 +242,8 @@ fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_eg
         // The client speaks again: the flow and its source-NAT pair are confirmed together,
         // and keep translating as before.
         let mut again = first.clone();
-        if let L4::Tcp { flags, .. } = &mut again.l4 {
-            *flags = TCP_ACK;
+        if let L4::Tcp { .. } = again.l4 {
+            again.l4 = L4::tcp(TCP_ACK);
         }
         let (p, frame) = pass(&dp, Hook::Ingress, &again.build());
         assert_eq!((p.dst, p.dport), (*remote.ip(), remote.port()));
@@ -581,7 +581,7 @@ fn garbage_collection_sweeps_ipv6_flows_and_releases_their_counted_connections()
         _pad0: 0,
         backend_id: backend_slot,
         service_id: 0,
-        _pad1: [0; 4],
+        expected_ack: 0,
     };
     let key = |sport| {
         proxy_common::ConntrackKey6::new([1; 16], [2; 16], sport, 80, proxy_common::IPPROTO_UDP)
@@ -642,6 +642,8 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
         _pad0: 0,
         backend_id: 3,
         service_id: 0,
+        expected_ack: 0,
+        _pad1: 0,
     };
     let key = |sport| proxy_common::ConntrackKey::new(1, 2, sport, 80, proxy_common::IPPROTO_UDP);
     let tcp = |sport| proxy_common::ConntrackKey::new(1, 2, sport, 80, proxy_common::IPPROTO_TCP);
@@ -1499,6 +1501,95 @@ mod safety {
             20,
             "the ten flows' entries, and only theirs, are confirmed: {sweep:?}"
         );
+    }
+
+    #[test]
+    fn a_handshake_completed_blind_by_a_spoofed_source_confirms_nothing() {
+        require_kernel!();
+        blind_handshake_confirms_nothing(ipv4_family());
+    }
+
+    #[test]
+    fn an_ipv6_handshake_completed_blind_by_a_spoofed_source_confirms_nothing() {
+        require_kernel!();
+        blind_handshake_confirms_nothing(ipv6_family());
+    }
+
+    /// A spoofer sends a SYN and, without seeing the SYN-ACK (it went to the spoofed
+    /// address), an ACK. Before, any segment after a reply confirmed the flow, so such
+    /// handshakes could fill `CONNTRACK` and evict established flows; now the ACK must
+    /// acknowledge the SYN-ACK's sequence number.
+    fn blind_handshake_confirms_nothing(family: Family) {
+        let mut dp = TestDatapath::load(small()).expect("load datapath");
+        let f = Frontend {
+            addr: family.vip,
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        dp.sync.set(&f, &family.backends).unwrap();
+        let vip = SocketAddr::new(family.vip, 80);
+        let client = SocketAddr::new(family.client, 41000);
+        let syn = frame(client, vip, Some(TCP_SYN));
+        let (_, out) = dp.run(Hook::Ingress, &syn).unwrap();
+        let (_, backend) = proxy_tests::packet::ends(&out);
+        // The backend's SYN-ACK (sequence number SEQ) leaves toward the spoofed address.
+        dp.run(
+            Hook::Ingress,
+            &frame(backend, client, Some(TCP_SYN | TCP_ACK)),
+        )
+        .unwrap();
+
+        let guess = proxy_tests::packet::SEQ.wrapping_add(0x0100_0000);
+        let blind = with_ack(client, vip, guess);
+        let (verdict, out) = dp.run(Hook::Ingress, &blind).unwrap();
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(
+            proxy_tests::packet::ends(&out).1,
+            backend,
+            "still translated: a real client's stray segment must not break its flow"
+        );
+        assert_eq!(stat(&dp, Stat::BlindAck), 1);
+        assert_eq!(stat(&dp, Stat::FlowConfirmed), 0, "a blind ACK confirmed");
+        let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+        assert_eq!(
+            sweep.remaining + sweep.remaining6,
+            0,
+            "confirmed entries after a blind handshake: {sweep:?}"
+        );
+
+        // The real client's ACK (SEQ + 1) confirms.
+        assert_eq!(sent_to(&dp, client, vip, Some(TCP_ACK)), backend);
+        assert_eq!(stat(&dp, Stat::FlowConfirmed), 1);
+        let sweep = dp.datapath.collect_conntrack_garbage().unwrap();
+        assert_eq!(sweep.remaining + sweep.remaining6, 2, "{sweep:?}");
+    }
+
+    /// An ACK from `src` to `dst` carrying the acknowledgment number `ack`.
+    fn with_ack(src: SocketAddr, dst: SocketAddr, ack: u32) -> Vec<u8> {
+        let l4 = L4::Tcp {
+            flags: TCP_ACK,
+            seq: proxy_tests::packet::SEQ.wrapping_add(1),
+            ack,
+        };
+        match (src, dst) {
+            (SocketAddr::V4(s), SocketAddr::V4(d)) => {
+                let mut p = PacketSpec::tcp(*s.ip(), s.port(), *d.ip(), d.port(), TCP_ACK);
+                p.l4 = l4;
+                p.build()
+            }
+            (SocketAddr::V6(s), SocketAddr::V6(d)) => {
+                let mut p = proxy_tests::packet::ipv6::PacketSpec6::tcp(
+                    *s.ip(),
+                    s.port(),
+                    *d.ip(),
+                    d.port(),
+                    TCP_ACK,
+                );
+                p.l4 = l4;
+                p.build()
+            }
+            _ => panic!("{src} and {dst} are of different families"),
+        }
     }
 
     /// A client with ClientIP affinity to a Service that is removed must never be steered

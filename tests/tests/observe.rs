@@ -195,6 +195,16 @@ ebpf:
         if now.contains(&name) && metric(&now, &name) >= 20.0 {
             assert!(metric(&now, &format!("proxy_agent_service_packets_total{series}")) >= 80.0);
             assert!(metric(&now, &format!("proxy_agent_service_bytes_total{series}")) > 0.0);
+            // Real handshakes confirm their flows (the client's ACK acknowledges the
+            // backend's SYN-ACK); none looks blind.
+            let event = |e: &str| {
+                metric(
+                    &now,
+                    &format!("proxy_agent_ebpf_datapath_events{{event=\"{e}\"}}"),
+                )
+            };
+            assert!(event("flow_confirmed") >= 20.0, "{now}");
+            assert_eq!(event("blind_ack"), 0.0);
             break;
         }
         assert!(Instant::now() < deadline, "no per-service counters:\n{now}");
