@@ -22,58 +22,78 @@ pub const AGENT_API_VERSION: &str = "proxy-agent.io/v1alpha1";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct GoDuration(pub Duration);
 
-/// The longest Go duration, in seconds: i64::MAX nanoseconds.
-const MAX_GO_DURATION_SECS: f64 = i64::MAX as f64 / 1e9;
+/// The longest Go duration: i64::MAX nanoseconds.
+const MAX_GO_DURATION_NANOS: u128 = i64::MAX as u128;
 
 impl GoDuration {
+    /// Parses as Go's `time.ParseDuration`, in whole nanoseconds (no floating point, so the
+    /// longest duration Go accepts is accepted and one nanosecond more is not); fractions
+    /// finer than a nanosecond are dropped. Negative durations are errors here.
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
-        if s == "0" {
+        let body = s.strip_prefix('+').unwrap_or(s);
+        if body == "0" {
             return Ok(GoDuration(Duration::ZERO));
         }
-        if s.starts_with('-') {
+        if body.starts_with('-') {
             return Err(format!("{s:?} is negative"));
         }
-        let mut rest = s;
-        let mut total = 0f64;
-        if rest.is_empty() {
+        if body.is_empty() {
             return Err("empty duration".into());
         }
+        let out_of_range =
+            || format!("{s:?} is out of range (a duration is at most 2562047h47m16.854775807s)");
+        let digits = |t: &str| t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let mut total: u128 = 0;
+        let mut rest = body;
         while !rest.is_empty() {
-            let num_len = rest
-                .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-                .ok_or_else(|| format!("{s:?}: missing unit (ns, us, ms, s, m, h)"))?;
-            let value: f64 = rest[..num_len]
-                .parse()
-                .map_err(|_| format!("{s:?} is not a duration"))?;
-            rest = &rest[num_len..];
-            let unit_len = rest
+            let (whole, after) = rest.split_at(digits(rest));
+            let (fraction, after) = match after.strip_prefix('.') {
+                Some(a) => a.split_at(digits(a)),
+                None => ("", after),
+            };
+            if whole.is_empty() && fraction.is_empty() {
+                return Err(format!("{s:?} is not a duration"));
+            }
+            let unit_len = after
                 .find(|c: char| c.is_ascii_digit() || c == '.')
-                .unwrap_or(rest.len());
-            let scale = match &rest[..unit_len] {
-                "ns" => 1e-9,
-                "us" | "µs" => 1e-6,
-                "ms" => 1e-3,
-                "s" => 1.0,
-                "m" => 60.0,
-                "h" => 3600.0,
+                .unwrap_or(after.len());
+            let (unit, next) = after.split_at(unit_len);
+            let scale: u128 = match unit {
+                "" => return Err(format!("{s:?}: missing unit (ns, us, ms, s, m, h)")),
+                "ns" => 1,
+                "us" | "\u{b5}s" | "\u{3bc}s" => 1_000,
+                "ms" => 1_000_000,
+                "s" => 1_000_000_000,
+                "m" => 60_000_000_000,
+                "h" => 3_600_000_000_000,
                 other => {
                     return Err(format!(
                         "{s:?}: unknown unit {other:?} (ns, us, ms, s, m, h)"
                     ))
                 }
             };
-            total += value * scale;
-            rest = &rest[unit_len..];
+            let mut nanos: u128 = 0;
+            for d in whole.bytes() {
+                nanos = nanos * 10 + u128::from(d - b'0');
+                if nanos > MAX_GO_DURATION_NANOS {
+                    return Err(out_of_range());
+                }
+            }
+            nanos *= scale;
+            // 18 digits are finer than a nanosecond of an hour, and keep the product small.
+            let (mut part, mut denominator) = (0u128, 1u128);
+            for d in fraction.bytes().take(18) {
+                part = part * 10 + u128::from(d - b'0');
+                denominator *= 10;
+            }
+            total += nanos + part * scale / denominator;
+            if total > MAX_GO_DURATION_NANOS {
+                return Err(out_of_range());
+            }
+            rest = next;
         }
-        // Go's time.Duration is an int64 of nanoseconds; anything longer is an error there,
-        // and here it would overflow the clock arithmetic (Duration::from_secs_f64 panics).
-        if !total.is_finite() || total > MAX_GO_DURATION_SECS {
-            return Err(format!(
-                "{s:?} is out of range (a duration is at most 2562047h47m16.854775807s)"
-            ));
-        }
-        Ok(GoDuration(Duration::from_secs_f64(total)))
+        Ok(GoDuration(Duration::from_nanos(total as u64)))
     }
 }
 

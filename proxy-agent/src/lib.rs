@@ -36,6 +36,7 @@ pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod datapath;
+pub mod fuzz;
 pub mod health;
 pub mod kernel;
 pub mod metrics;

@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench | vm-test | links`.
+//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench | vm-test | fuzz | links`.
 //!
 //! Everything is installed from Debian's packages and crates.io only (see docs/toolchain.md): Debian's
 //! `rustc-web` ships a precompiled `core` for `bpfel-unknown-none`, so the eBPF crate builds
@@ -12,6 +12,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod fuzz;
 mod links;
 mod parts;
 mod vm;
@@ -90,6 +91,22 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         filters: Vec<String>,
     },
+    /// The libFuzzer targets in tests/fuzz (parsers of manifests, API objects, the config
+    /// file, annotations, netlink replies, rule listings): built with coverage
+    /// instrumentation, each run from its corpus; a crash fails and names its input.
+    Fuzz {
+        /// How long each target runs.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Targets run at once.
+        #[arg(long, default_value_t = 1)]
+        jobs: usize,
+        /// Add the inputs that found new coverage to tests/fuzz/corpus.
+        #[arg(long)]
+        merge: bool,
+        /// Targets (default: all).
+        targets: Vec<String>,
+    },
 }
 
 fn main() {
@@ -103,6 +120,17 @@ fn main() {
             links::check(&root()).map(|n| step(&format!("links: {n} relative links resolve")))
         }
         Task::Bench { args } => bench(&args),
+        Task::Fuzz {
+            seconds,
+            jobs,
+            merge,
+            targets,
+        } => fuzz::fuzz(&fuzz::Options {
+            seconds,
+            jobs,
+            merge,
+            targets,
+        }),
         Task::VmTest {
             kernel,
             cpus,
@@ -304,6 +332,8 @@ fn cargo(args: &[&str]) -> Command {
 
 /// The test modules named `safety` (floods, slow clients, two agents on one root).
 const SAFETY_TESTS: &str = "safety::";
+/// How long `test` runs each fuzz target (`cargo xtask fuzz` runs them longer).
+const FUZZ_SECONDS_IN_TEST: u64 = 5;
 
 fn test(extra: &[String]) -> Result<()> {
     let mut parts = parts::Parts::default();
@@ -344,6 +374,15 @@ fn test(extra: &[String]) -> Result<()> {
         // Their own part, so what [W2-2] added to a CI run shows on its own.
         parts.start("test: tenant and fault safety (floods, slow clients, two agents)");
         run(&mut workspace_tests(&[SAFETY_TESTS]))?;
+        // Every fuzz target builds and runs a little from its corpus ([W2-3]); the corpus and
+        // past crashes also ran above, uninstrumented (tests/tests/fuzz_corpus.rs).
+        parts.start("test: fuzz targets (instrumented build, then 5 s each)");
+        fuzz::fuzz(&fuzz::Options {
+            seconds: FUZZ_SECONDS_IN_TEST,
+            jobs: 2,
+            merge: false,
+            targets: Vec::new(),
+        })?;
     } else {
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         run(&mut workspace_tests(&extra))?;

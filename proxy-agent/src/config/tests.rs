@@ -287,6 +287,11 @@ fn durations_beyond_gos_range_are_errors_naming_the_field() {
     }
     let longest = GoDuration::parse("2562047h47m16s").unwrap().0;
     assert_eq!(longest.as_secs(), 9_223_372_036);
+    // Found by the go_duration fuzzer: summed in floating point, Go's own longest duration
+    // came out 575 ns beyond it, and one nanosecond more was accepted.
+    let go_max = GoDuration::parse("2562047h47m16.854775807s").unwrap().0;
+    assert_eq!(go_max.as_nanos(), i64::MAX as u128);
+    assert!(GoDuration::parse("2562047h47m16.854775808s").is_err());
 }
 
 #[test]
@@ -298,6 +303,13 @@ fn go_durations_parse_as_go_writes_them() {
     assert_eq!(d("1.5h"), Duration::from_secs(5400));
     assert_eq!(d("500ms"), Duration::from_millis(500));
     assert_eq!(d("0"), Duration::ZERO);
+    assert_eq!(d("1h2m3.5s"), Duration::from_millis(3_723_500));
+    assert_eq!(d(".5s"), Duration::from_millis(500));
+    assert_eq!(d("1.s"), Duration::from_secs(1));
+    assert_eq!(d("1\u{b5}s"), Duration::from_micros(1));
+    assert_eq!(d("+3ns"), Duration::from_nanos(3));
+    assert!(GoDuration::parse(".s").is_err());
+    assert!(GoDuration::parse("1x").is_err());
     assert!(GoDuration::parse("10").is_err());
     assert!(GoDuration::parse("").is_err());
 }

@@ -94,23 +94,18 @@ pub fn receive(socket: &Socket, seq: u32, what: &str, mut each: impl FnMut(&[u8]
         let n = socket
             .recv(&mut &mut buf[..], 0)
             .with_context(|| format!("reading from {what}"))?;
-        let mut rest = &buf[..n];
-        while rest.len() >= 16 {
-            let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
-            let kind = u16::from_ne_bytes(rest[4..6].try_into().unwrap());
-            let msg_seq = u32::from_ne_bytes(rest[8..12].try_into().unwrap());
-            if len < 16 || len > rest.len() {
-                bail!("malformed {what} message");
-            }
-            let body = &rest[16..len];
-            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+        let mut replies = messages(&buf[..n]);
+        for (kind, msg_seq, body) in &mut replies {
             if msg_seq != seq {
                 continue;
             }
             match kind {
                 NLMSG_DONE => return Ok(()),
                 NLMSG_ERROR => {
-                    let code = i32::from_ne_bytes(body[0..4].try_into().unwrap_or_default());
+                    let code = i32::from_ne_bytes(
+                        body.get(..4)
+                            .map_or([0; 4], |b| b.try_into().expect("four bytes")),
+                    );
                     if code == 0 {
                         return Ok(());
                     }
@@ -120,26 +115,63 @@ pub fn receive(socket: &Socket, seq: u32, what: &str, mut each: impl FnMut(&[u8]
                 _ => {}
             }
         }
+        if replies.malformed {
+            bail!("malformed {what} message");
+        }
+    }
+}
+
+/// The netlink messages in a buffer the kernel filled: (type, sequence number, body after
+/// the 16-byte header) each. Stops at the first message whose length does not fit, and
+/// says so in `malformed`.
+pub fn messages(buf: &[u8]) -> Messages<'_> {
+    Messages {
+        rest: buf,
+        malformed: false,
+    }
+}
+
+pub struct Messages<'a> {
+    rest: &'a [u8],
+    /// A message's length was below the header's or past the buffer's end.
+    pub malformed: bool,
+}
+
+impl<'a> Iterator for Messages<'a> {
+    type Item = (u16, u32, &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let rest = self.rest;
+        if rest.len() < 16 {
+            return None;
+        }
+        let word =
+            |at: usize| u32::from_ne_bytes([rest[at], rest[at + 1], rest[at + 2], rest[at + 3]]);
+        let len = word(0) as usize;
+        let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+        let seq = word(8);
+        if len < 16 || len > rest.len() {
+            self.malformed = true;
+            self.rest = &[];
+            return None;
+        }
+        self.rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+        Some((kind, seq, &rest[16..len]))
     }
 }
 
 /// (sequence number, error code) of each acknowledgement in `buf` (0: success, else a
 /// negative errno).
-pub fn acks(mut buf: &[u8]) -> Vec<(u32, i32)> {
-    let mut out = Vec::new();
-    while buf.len() >= 16 {
-        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
-        let kind = u16::from_ne_bytes(buf[4..6].try_into().unwrap());
-        let seq = u32::from_ne_bytes(buf[8..12].try_into().unwrap());
-        if len < 16 || len > buf.len() {
-            break;
-        }
-        if kind == NLMSG_ERROR && len >= 20 {
-            out.push((seq, i32::from_ne_bytes(buf[16..20].try_into().unwrap())));
-        }
-        buf = &buf[len.next_multiple_of(4).min(buf.len())..];
-    }
-    out
+pub fn acks(buf: &[u8]) -> Vec<(u32, i32)> {
+    messages(buf)
+        .filter(|(kind, _, body)| *kind == NLMSG_ERROR && body.len() >= 4)
+        .map(|(_, seq, body)| {
+            (
+                seq,
+                i32::from_ne_bytes([body[0], body[1], body[2], body[3]]),
+            )
+        })
+        .collect()
 }
 
 /// The errno of a failed request, if that is what `e` is.

@@ -49,11 +49,21 @@ impl<T> Default for Kind<T> {
 }
 
 /// What to do with one object.
-enum Conversion<T> {
+pub(crate) enum Conversion<T> {
     Keep(ObjectName, T),
     /// Not for this proxy (another proxy's, headless ...): as if it did not exist.
     Skip(ObjectName),
     Invalid(ObjectName, Problem),
+}
+
+impl<T> Conversion<T> {
+    /// The object, if it is kept.
+    pub(crate) fn kept(self) -> Option<(ObjectName, T)> {
+        match self {
+            Conversion::Keep(name, t) => Some((name, t)),
+            _ => None,
+        }
+    }
 }
 
 impl<T> Kind<T> {
@@ -147,11 +157,11 @@ fn convert<T: Validated>(obj: &T::Api, skip_labels: &[&str]) -> Conversion<(T, O
     }
 }
 
-fn convert_service(svc: &Service) -> Conversion<(ServiceInfo, Origin)> {
+pub(crate) fn convert_service(svc: &Service) -> Conversion<(ServiceInfo, Origin)> {
     convert(svc, &[SERVICE_PROXY_NAME_LABEL, HEADLESS_LABEL])
 }
 
-fn convert_slice(slice: &EndpointSlice) -> Conversion<(SliceInfo, Origin)> {
+pub(crate) fn convert_slice(slice: &EndpointSlice) -> Conversion<(SliceInfo, Origin)> {
     convert(slice, &[HEADLESS_LABEL])
 }
 

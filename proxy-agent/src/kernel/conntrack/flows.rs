@@ -144,7 +144,7 @@ fn decode_tuple(buf: &[u8]) -> Option<Tuple> {
     })
 }
 
-fn decode_entry(body: &[u8]) -> Option<Entry> {
+pub(crate) fn decode_entry(body: &[u8]) -> Option<Entry> {
     let (mut original, mut reply) = (None, None);
     for (kind, payload) in attrs(body) {
         match kind {

@@ -57,7 +57,7 @@ const OWNED_PREFIXES: &[&str] = &[
 const SHARED: &[&str] = &["KUBE-MARK-MASQ", "KUBE-MARK-DROP"];
 
 /// Chains and their rules (`-A` lines without `-A CHAIN `) from `iptables-save` output.
-fn parse(saved: &str) -> BTreeMap<String, Vec<String>> {
+pub(crate) fn parse(saved: &str) -> BTreeMap<String, Vec<String>> {
     let mut chains: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for line in saved.lines() {
         if let Some(decl) = line.strip_prefix(':') {
