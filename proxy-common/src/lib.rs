@@ -809,10 +809,14 @@ pub enum Stat {
     /// acknowledge it: translated, but the flow stays unconfirmed (a spoofed source
     /// completing a handshake it never saw).
     BlindAck = 24,
+    /// A new flow refused because its translated tuple is a live flow's: the same client
+    /// address and port already talk to the same backend address and port through
+    /// another frontend.
+    TupleClash = 25,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 25;
+    pub const COUNT: u32 = 26;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -839,6 +843,7 @@ impl Stat {
         Stat::FlowConfirmed,
         Stat::UntrackedSegment,
         Stat::BlindAck,
+        Stat::TupleClash,
     ];
 
     /// Label used for the metric.
@@ -869,6 +874,7 @@ impl Stat {
             Stat::FlowConfirmed => "flow_confirmed",
             Stat::UntrackedSegment => "untracked_segment",
             Stat::BlindAck => "blind_ack",
+            Stat::TupleClash => "tuple_clash",
         }
     }
 }

@@ -89,7 +89,7 @@ pub(crate) trait Entry {
 /// One address family's conntrack map and key.
 pub(crate) trait Family {
     type Addr: Copy;
-    type Key: Copy + 'static;
+    type Key: Copy + PartialEq + 'static;
     type Value: Entry<Addr = Self::Addr> + Copy + 'static;
     fn map() -> &'static LruHashMap<Self::Key, Self::Value>;
     fn new_map() -> &'static LruHashMap<Self::Key, Self::Value>;
@@ -197,6 +197,30 @@ pub(crate) fn lookup<F: Family>(key: &F::Key) -> Option<(*mut F::Value, Table)> 
         return Some((ct, Table::Confirmed));
     }
     F::new_map().get_ptr_mut(key).map(|ct| (ct, Table::New))
+}
+
+/// Whether `reply`, the reply key a new flow `this` would take, belongs to another live
+/// flow: the same client address and port sent to another frontend whose backend is the
+/// same address and port (a client's ephemeral port is unique per destination only, so two
+/// Services sharing a pod can bring this about). Both flows would then be one 4-tuple at
+/// the backend, and the reply entry one key: the caller refuses the new flow (netfilter
+/// would rewrite its source port instead) so the established one is not broken. A reply
+/// entry whose own flow is gone is stale and removed here.
+#[inline(always)]
+pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key) -> bool {
+    let Some((entry, table)) = lookup::<F>(reply) else {
+        return false;
+    };
+    // SAFETY: a map value, read before any write to the maps.
+    let (frontend, frontend_port) = unsafe { &*entry }.nat();
+    let (client, client_port, proto) = F::source(this);
+    let other = F::key(client, frontend, client_port, frontend_port, proto);
+    if other != *this && in_use::<F>(&other) {
+        bump(Stat::TupleClash);
+        return true;
+    }
+    forget::<F>(table, reply);
+    false
 }
 
 /// An entry in a given table.

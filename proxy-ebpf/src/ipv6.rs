@@ -39,8 +39,8 @@ use proxy_common::{
 use crate::{
     account, backend, bump, config,
     conntrack::{
-        confirm, confirms, forget, get_in, in_use, lookup, may_open, note_reply, touch, track,
-        Table, V6,
+        confirm, confirms, forget, get_in, in_use, lookup, may_open, note_reply, reply_taken,
+        touch, track, Table, V6,
     },
     count_connection, pick_slot, random_below, read, tcp_word, Hook, SlotTable, ETH_HLEN, SERVICES,
     SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK,
@@ -189,8 +189,12 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
     if backend_id == 0 {
         return Err(Stat::RewriteFailed);
     }
-    if new_flow(ctx, &pkt, &header, backend_id)? {
-        plan_source_nat(&pkt, backend_id, header.service_id);
+    match new_flow(ctx, &pkt, &header, backend_id) {
+        Ok(true) => plan_source_nat(&pkt, backend_id, header.service_id),
+        Ok(false) => {}
+        // Counted where it was found (`conntrack::reply_taken`).
+        Err(Stat::TupleClash) => return crate::refuse(ctx),
+        Err(e) => return Err(e),
     }
     Ok(TC_ACT_UNSPEC)
 }
@@ -611,17 +615,32 @@ fn new_flow(
     let backend_addr = addr.addr;
     let service_id = header.service_id;
     let now = unsafe { bpf_ktime_get_ns() };
-    let scheduler_id = (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK;
-    let counted = if scheduler::counts_connections(scheduler_id) {
-        count_connection(backend_id, 1);
-        CT_FLAG_COUNTED
-    } else {
-        0
-    };
     // A pod reaching itself through its service: it must not see its own address as the
     // source (see `HAIRPIN_SOURCE6`).
     let hairpin = if backend_addr == pkt.key.saddr {
         CT_FLAG_HAIRPIN
+    } else {
+        0
+    };
+    let reply_key = ConntrackKey6::new(
+        backend_addr,
+        if hairpin != 0 {
+            HAIRPIN_SOURCE6
+        } else {
+            pkt.key.saddr
+        },
+        backend_port,
+        pkt.key.sport,
+        pkt.key.proto,
+    );
+    // Another live flow holds the tuple: refused (see `conntrack::reply_taken`).
+    if reply_taken::<V6>(&reply_key, &pkt.key) {
+        return Err(Stat::TupleClash);
+    }
+    let scheduler_id = (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK;
+    let counted = if scheduler::counts_connections(scheduler_id) {
+        count_connection(backend_id, 1);
+        CT_FLAG_COUNTED
     } else {
         0
     };
@@ -650,20 +669,6 @@ fn new_flow(
         service_id,
         expected_ack: 0,
     };
-    let reply_key = ConntrackKey6::new(
-        backend_addr,
-        if hairpin != 0 {
-            HAIRPIN_SOURCE6
-        } else {
-            pkt.key.saddr
-        },
-        backend_port,
-        pkt.key.sport,
-        pkt.key.proto,
-    );
-    // A confirmed reply entry left of an earlier flow with this tuple (its original entry
-    // evicted or collected) would be found first and keep this flow from ever confirming.
-    forget::<V6>(Table::Confirmed, &reply_key);
     if !track::<V6>(Table::New, &reply_key, &reply) || !track::<V6>(Table::New, &pkt.key, &original)
     {
         bump(Stat::ConntrackInsertFailed);

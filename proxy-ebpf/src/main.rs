@@ -769,6 +769,18 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
     } else {
         0
     };
+    let reply_key = ConntrackKey::new(
+        backend.addr,
+        client_as_seen(pkt.key.saddr, hairpin_flag),
+        backend.port,
+        pkt.key.sport,
+        pkt.key.proto,
+    );
+    // Another live flow from this client port to this backend (through another frontend)
+    // holds the tuple: refused, so that flow is not broken (see `conntrack::reply_taken`).
+    if conntrack::reply_taken::<V4>(&reply_key, &pkt.key) {
+        return refuse(ctx);
+    }
     let counted = if scheduler::counts_connections(scheduler_of(header)) {
         count_connection(backend_id, 1);
         CT_FLAG_COUNTED
@@ -786,13 +798,6 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         expected_ack: 0,
         _pad1: 0,
     };
-    let reply_key = ConntrackKey::new(
-        backend.addr,
-        client_as_seen(pkt.key.saddr, hairpin_flag),
-        backend.port,
-        pkt.key.sport,
-        pkt.key.proto,
-    );
     let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
     let reply = ConntrackValue {
         last_seen_ns: now,
@@ -809,9 +814,6 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         expected_ack: 0,
         _pad1: 0,
     };
-    // A confirmed reply entry left of an earlier flow with this tuple (its original entry
-    // evicted or collected) would be found first and keep this flow from ever confirming.
-    forget::<V4>(Table::Confirmed, &reply_key);
     if !track::<V4>(Table::New, &reply_key, &reply) || !track::<V4>(Table::New, &pkt.key, &original)
     {
         bump(Stat::ConntrackInsertFailed);

@@ -1592,6 +1592,69 @@ mod safety {
         }
     }
 
+    #[test]
+    fn a_new_flow_whose_tuple_a_live_flow_holds_is_refused_and_the_live_one_kept() {
+        require_kernel!();
+        tuple_clash(ipv4_family(), "10.96.0.77".parse().unwrap());
+    }
+
+    #[test]
+    fn an_ipv6_flow_whose_tuple_a_live_flow_holds_is_refused_and_the_live_one_kept() {
+        require_kernel!();
+        tuple_clash(ipv6_family(), "fd00:10:96::77".parse().unwrap());
+    }
+
+    /// Two Services share a backend pod. A client holds a connection to the first from
+    /// port P; its kernel may pick the same P for a connection to the second (an ephemeral
+    /// port is unique per destination), which after translation is the same tuple at the
+    /// backend. Found by the soak: the new flow took over the reply entry, and the held
+    /// connection's replies came back from the second Service's address: it hung. Now the
+    /// new flow is refused (a reset, so the client retries from another port at once) and
+    /// the held one keeps working.
+    fn tuple_clash(family: Family, other_vip: IpAddr) {
+        let mut dp = TestDatapath::load(small()).expect("load datapath");
+        let pod = family.backends[0];
+        for vip in [family.vip, other_vip] {
+            let f = Frontend {
+                addr: vip,
+                port: 80,
+                protocol: Protocol::Tcp,
+            };
+            dp.sync.set(&f, &[pod]).unwrap();
+        }
+        let held = open_confirmed(&dp, &family, 40000, true);
+        assert_eq!(held, pod);
+        let client = SocketAddr::new(family.client, 40000);
+        let (verdict, _) = dp
+            .run(
+                Hook::Ingress,
+                &frame(client, SocketAddr::new(other_vip, 80), Some(TCP_SYN)),
+            )
+            .unwrap();
+        assert_eq!(
+            verdict, TC_ACT_REDIRECT,
+            "the clashing SYN is answered with a reset"
+        );
+        assert_eq!(stat(&dp, Stat::TupleClash), 1);
+        // The held connection: still to its pod, and its replies still from its Service.
+        let vip = SocketAddr::new(family.vip, 80);
+        assert_eq!(sent_to(&dp, client, vip, Some(TCP_ACK)), pod);
+        let (_, back) = dp
+            .run(Hook::Ingress, &frame(pod, client, Some(TCP_ACK)))
+            .unwrap();
+        assert_eq!(
+            proxy_tests::packet::ends(&back),
+            (vip, client),
+            "the held connection's replies lost their Service address"
+        );
+        // From another port, the second Service is reached as usual.
+        let other = SocketAddr::new(family.client, 40001);
+        assert_eq!(
+            sent_to(&dp, other, SocketAddr::new(other_vip, 80), Some(TCP_SYN)),
+            pod
+        );
+    }
+
     /// A client with ClientIP affinity to a Service that is removed must never be steered
     /// by that memory to another Service's backend. The ids: after the Service goes and a
     /// full sync reloads the maps, its backends' slots come back under new generations, so
