@@ -199,13 +199,17 @@ pub(crate) fn lookup<F: Family>(key: &F::Key) -> Option<(*mut F::Value, Table)> 
     F::new_map().get_ptr_mut(key).map(|ct| (ct, Table::New))
 }
 
-/// Whether `reply`, the reply key a new flow `this` would take, belongs to another live
-/// flow: the same client address and port sent to another frontend whose backend is the
-/// same address and port (a client's ephemeral port is unique per destination only, so two
-/// Services sharing a pod can bring this about). Both flows would then be one 4-tuple at
+/// Whether `reply`, the reply key a new flow `this` would take, belongs to another open TCP
+/// connection: the same client address and port sent to another frontend whose backend is
+/// the same address and port (a client's ephemeral port is unique per destination only,
+/// so two Services sharing a pod can bring this about). Both would then be one 4-tuple at
 /// the backend, and the reply entry one key: the caller refuses the new flow (netfilter
-/// would rewrite its source port instead) so the established one is not broken. A reply
-/// entry whose own flow is gone is stale and removed here.
+/// would rewrite its source port instead) so the open connection is not broken.
+///
+/// Otherwise the new flow takes the key over, as before: the other connection is closing
+/// (a client reuses a port as soon as its own TIME_WAIT allows), or gone (a stale reply
+/// entry, removed here), or it is UDP, whose newest exchange is the one waiting for an
+/// answer.
 #[inline(always)]
 pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key) -> bool {
     let Some((entry, table)) = lookup::<F>(reply) else {
@@ -215,9 +219,14 @@ pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key) -> bool {
     let (frontend, frontend_port) = unsafe { &*entry }.nat();
     let (client, client_port, proto) = F::source(this);
     let other = F::key(client, frontend, client_port, frontend_port, proto);
-    if other != *this && in_use::<F>(&other) {
-        bump(Stat::TupleClash);
-        return true;
+    if proto == IPPROTO_TCP && other != *this {
+        if let Some((open, _)) = lookup::<F>(&other) {
+            // SAFETY: as above.
+            if unsafe { &*open }.flags() & CT_FLAG_CLOSING == 0 {
+                bump(Stat::TupleClash);
+                return true;
+            }
+        }
     }
     forget::<F>(table, reply);
     false

@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench | vm-test | fuzz | links`.
+//! Project tasks: `cargo xtask setup | build-ebpf | test | demo | bench | vm-test | fuzz | soak | links`.
 //!
 //! Everything is installed from Debian's packages and crates.io only (see docs/toolchain.md): Debian's
 //! `rustc-web` ships a precompiled `core` for `bpfel-unknown-none`, so the eBPF crate builds
@@ -94,6 +94,14 @@ enum Task {
     /// The libFuzzer targets in tests/fuzz (parsers of manifests, API objects, the config
     /// file, annotations, netlink replies, rule listings): built with coverage
     /// instrumentation, each run from its corpus; a crash fails and names its input.
+    /// The agent in the two-node lab under churn (endpoint changes every 100 ms, Services
+    /// added and removed, agent restarts) with traffic that must not fail, its RSS and
+    /// descriptors sampled (target/soak: results.md, footprint.png). Flags go to the soak
+    /// binary: --minutes (30), --modes (ebpf,nftables), --restart-minutes, --max-growth.
+    Soak {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     Fuzz {
         /// How long each target runs.
         #[arg(long, default_value_t = 60)]
@@ -120,6 +128,7 @@ fn main() {
             links::check(&root()).map(|n| step(&format!("links: {n} relative links resolve")))
         }
         Task::Bench { args } => bench(&args),
+        Task::Soak { args } => soak(&args, true),
         Task::Fuzz {
             seconds,
             jobs,
@@ -376,6 +385,24 @@ fn test(extra: &[String]) -> Result<()> {
         run(&mut workspace_tests(&[SAFETY_TESTS]))?;
         // Every fuzz target builds and runs a little from its corpus ([W2-3]); the corpus and
         // past crashes also ran above, uninstrumented (tests/tests/fuzz_corpus.rs).
+        parts.start("test: soak, 1 min per mode under churn (ebpf, nftables)");
+        soak(
+            &[
+                "--minutes",
+                "1",
+                "--modes",
+                "ebpf,nftables",
+                "--restart-minutes",
+                "0.4",
+                // A minute is too short to judge growth in percent; this bounds it.
+                "--max-growth",
+                "25",
+                "--out",
+                "target/soak-test",
+            ]
+            .map(String::from),
+            false,
+        )?;
         parts.start("test: fuzz targets (instrumented build, then 5 s each)");
         fuzz::fuzz(&fuzz::Options {
             seconds: FUZZ_SECONDS_IN_TEST,
@@ -492,6 +519,19 @@ fn release_bin(name: &str) -> Command {
 }
 
 /// `cargo xtask bench [--quick | --host | --vm] [modebench flags]`.
+/// The soak binary (tests/src/bin/soak.rs) with `args`, after building the agent it starts;
+/// `release`: both optimised, as shipped (the test suite's short soak uses its debug build).
+fn soak(args: &[String], release: bool) -> Result<()> {
+    build_ebpf()?;
+    let profile: &[&str] = if release { &["--release"] } else { &[] };
+    let mut build = cargo(&["build", "--quiet", "-p", "proxy-agent"]);
+    build.args(profile);
+    run(&mut build)?;
+    let mut soak = cargo(&["run", "--quiet", "-p", "proxy-tests", "--bin", "soak"]);
+    soak.args(profile).arg("--").args(args);
+    run(&mut soak)
+}
+
 fn bench(extra: &[String]) -> Result<()> {
     let has = |flag: &str| extra.iter().any(|a| a == flag);
     let (host, in_vm) = match (has("--host"), has("--vm"), has("--quick")) {

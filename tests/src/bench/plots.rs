@@ -18,7 +18,8 @@ pub const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 /// One plotted line: a label and its (services, value) points.
 type Series = (String, Vec<(f64, f64)>);
 
-fn register_font() -> Result<()> {
+/// Registers [`FONT`] as plotters' "sans-serif" (once).
+pub fn register_font() -> Result<()> {
     static REGISTERED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     REGISTERED
         .get_or_init(|| {
