@@ -13,6 +13,7 @@
 //! | [`kernel`] | kernel interfaces shared by modes: netlink framing, conntrack flows and sysctls, local routes, host facts, privileges |
 //! | [`health`] | `/healthz` and `/livez` ([`health::proxy`]); health-check node ports ([`health::services`]); the bounds every HTTP server runs within ([`health::http`]) |
 //! | [`metrics`] | every Prometheus metric |
+//! | [`fuzz`] | the fuzzers' entry points: one per input a tenant or the kernel hands the agent |
 //!
 //! # Where is X
 //! | what | where |
@@ -30,6 +31,8 @@
 //! | mode selection (`auto`) | [`agent::modes::choose`] |
 //! | health-check node ports | [`health::services`] |
 //! | HTTP timeouts, header size, connection cap (slow clients) | [`health::http`] |
+//! | a tuple two flows would share at the backend (tuple clash) | `reply_taken` in `proxy-ebpf/src/conntrack.rs` |
+//! | fuzz targets, corpus, soak | [`fuzz`]; `tests/fuzz` (`cargo xtask fuzz`); `tests/tests/packet_fuzz.rs` (the eBPF programs); `tests/src/bin/soak.rs` (`cargo xtask soak`) |
 //!
 //! The same table, with the docs' view of it, is in `docs/architecture.md`.
 pub mod agent;
