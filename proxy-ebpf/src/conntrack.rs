@@ -97,6 +97,9 @@ pub(crate) trait Family {
     fn reversed(key: &Self::Key) -> Self::Key;
     /// Source address, source port and protocol of a key.
     fn source(key: &Self::Key) -> (Self::Addr, u16, u8);
+    /// Whether an entry's NAT address and port are `addr` and `port` (compared in words:
+    /// LLVM's BPF backend cannot lower a 16-byte array comparison everywhere).
+    fn nat_is(value: &Self::Value, addr: &Self::Addr, port: u16) -> bool;
 }
 
 macro_rules! entry {
@@ -168,9 +171,41 @@ macro_rules! family {
             fn source(key: &$key) -> ($addr, u16, u8) {
                 (key.saddr, key.sport, key.proto)
             }
+            #[inline(always)]
+            fn nat_is(value: &$value, addr: &$addr, port: u16) -> bool {
+                value.nat_port == port && same_addr(&value.nat_addr, addr)
+            }
         }
     };
 }
+#[inline(always)]
+fn same_addr<A: Words>(a: &A, b: &A) -> bool {
+    a.words() == b.words()
+}
+
+/// An address as 64-bit words.
+trait Words {
+    fn words(&self) -> (u64, u64);
+}
+
+impl Words for u32 {
+    #[inline(always)]
+    fn words(&self) -> (u64, u64) {
+        (u64::from(*self), 0)
+    }
+}
+
+impl Words for [u8; 16] {
+    #[inline(always)]
+    fn words(&self) -> (u64, u64) {
+        let mut hi = [0u8; 8];
+        let mut lo = [0u8; 8];
+        hi.copy_from_slice(&self[..8]);
+        lo.copy_from_slice(&self[8..]);
+        (u64::from_ne_bytes(hi), u64::from_ne_bytes(lo))
+    }
+}
+
 family!(V4, CONNTRACK, CT_NEW, ConntrackKey, ConntrackValue, u32);
 family!(
     V6,
@@ -206,12 +241,13 @@ pub(crate) fn lookup<F: Family>(key: &F::Key) -> Option<(*mut F::Value, Table)> 
 /// the backend, and the reply entry one key: the caller refuses the new flow (netfilter
 /// would rewrite its source port instead) so the open connection is not broken.
 ///
-/// Otherwise the new flow takes the key over, as before: the other connection is closing
-/// (a client reuses a port as soon as its own TIME_WAIT allows), or gone (a stale reply
-/// entry, removed here), or it is UDP, whose newest exchange is the one waiting for an
-/// answer.
+/// Otherwise the new flow takes the key over: the other connection is closing (a client
+/// reuses a port as soon as its own TIME_WAIT allows), expired, re-balanced to another
+/// backend, gone (a stale reply entry), or UDP, whose newest exchange is the one waiting
+/// for an answer. The other flow's original entry then goes too, so that none of its late
+/// segments, nor its reconnection, removes the reply entry that is now the new flow's.
 #[inline(always)]
-pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key) -> bool {
+pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key, now: u64) -> bool {
     let Some((entry, table)) = lookup::<F>(reply) else {
         return false;
     };
@@ -219,17 +255,40 @@ pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key) -> bool {
     let (frontend, frontend_port) = unsafe { &*entry }.nat();
     let (client, client_port, proto) = F::source(this);
     let other = F::key(client, frontend, client_port, frontend_port, proto);
-    if proto == IPPROTO_TCP && other != *this {
-        if let Some((open, _)) = lookup::<F>(&other) {
-            // SAFETY: as above.
-            if unsafe { &*open }.flags() & CT_FLAG_CLOSING == 0 {
+    if other != *this {
+        if let Some((open, other_table)) = lookup::<F>(&other) {
+            // SAFETY: as above; every field is read before the maps are written.
+            let open = unsafe { &*open };
+            let (backend, backend_port, _) = F::source(reply);
+            let same_backend = F::nat_is(open, &backend, backend_port);
+            let timeout = crate::flow_timeout_ns(proto, open.flags()) + REFRESH_NS;
+            let live = now.wrapping_sub(open.last_seen_ns()) <= timeout;
+            if proto == IPPROTO_TCP && open.flags() & CT_FLAG_CLOSING == 0 && same_backend && live {
                 bump(Stat::TupleClash);
                 return true;
+            }
+            if same_backend {
+                if open.flags() & CT_FLAG_COUNTED != 0 {
+                    count_connection(open.backend_id(), u64::MAX);
+                }
+                forget::<F>(other_table, &other);
             }
         }
     }
     forget::<F>(table, reply);
     false
+}
+
+/// Removes the reply entry of a flow to `frontend`, unless a newer flow has taken its key
+/// over ([`reply_taken`]).
+#[inline(always)]
+pub(crate) fn forget_reply<F: Family>(reply: &F::Key, frontend: F::Addr, frontend_port: u16) {
+    if let Some((entry, table)) = lookup::<F>(reply) {
+        // SAFETY: a map value, read before the delete.
+        if F::nat_is(unsafe { &*entry }, &frontend, frontend_port) {
+            forget::<F>(table, reply);
+        }
+    }
 }
 
 /// An entry in a given table.
@@ -321,6 +380,7 @@ pub(crate) fn confirms<E: Entry>(
     table: Table,
     ct: &E,
     proto: u8,
+    tcp_flags: u8,
     ack: impl FnOnce() -> Option<u32>,
 ) -> bool {
     if table != Table::New || ct.flags() & CT_FLAG_SEEN_REPLY == 0 {
@@ -330,7 +390,15 @@ pub(crate) fn confirms<E: Entry>(
     if proto != IPPROTO_TCP {
         return true;
     }
+    // Only an acknowledgment confirms (a retransmitted SYN or a reset does not, and is no
+    // sign of a blind sender either).
+    if tcp_flags & (TCP_ACK | TCP_RST) != TCP_ACK {
+        return false;
+    }
     let expected = ct.expected_ack();
+    if expected == ACK_ANY {
+        return true;
+    }
     let acknowledged =
         expected != 0 && ack().is_some_and(|ack| ack.wrapping_sub(expected) < ACK_WINDOW);
     if !acknowledged {
@@ -339,21 +407,40 @@ pub(crate) fn confirms<E: Entry>(
     acknowledged
 }
 
+/// The `expected_ack` a new flow's original entry starts with: 0 (to be noted from the
+/// SYN-ACK) for a SYN, [`ACK_ANY`] for a TCP flow taken up mid-stream.
+#[inline(always)]
+pub(crate) fn initial_expected_ack(proto: u8, tcp_flags: u8) -> u32 {
+    if proto == IPPROTO_TCP && tcp_flags & TCP_SYN == 0 {
+        ACK_ANY
+    } else {
+        0
+    }
+}
+
+/// `expected_ack` of a TCP flow that began mid-stream (its entry had gone, the client is
+/// real): there is no handshake to check, so any acknowledgment after a reply confirms.
+pub(crate) const ACK_ANY: u32 = u32::MAX;
+
 /// How far past the SYN-ACK a confirming acknowledgment may be: the backend may have sent
 /// data already (TCP Fast Open), and a blind guess succeeds once in 65 536.
 const ACK_WINDOW: u32 = 1 << 16;
 
-/// At a flow's first reply: a SYN-ACK's sequence number + 1 is what the client's next
-/// segment acknowledges, recorded on the original entry for [`confirms`].
+/// At a SYN-ACK while the flow is unconfirmed: its sequence number + 1 is what the client's
+/// next segment acknowledges, recorded on the original entry for [`confirms`] (the latest
+/// SYN-ACK's, should the backend have answered more than once).
 #[inline(always)]
 pub(crate) fn note_reply<E: Entry>(
     original: &mut E,
     tcp_flags: u8,
     seq: impl FnOnce() -> Option<u32>,
 ) {
-    if tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
-        if let Some(seq) = seq() {
-            original.set_expected_ack(seq.wrapping_add(1));
+    if tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK && original.expected_ack() != ACK_ANY {
+        if let Some(expected) = seq().map(|seq| seq.wrapping_add(1)) {
+            // ACK_ANY and 0 mean something else; such an ISN (2 in 2^32) checks nothing.
+            if expected != ACK_ANY {
+                original.set_expected_ack(expected);
+            }
         }
     }
 }

@@ -39,8 +39,8 @@ use proxy_common::{
 use crate::{
     account, backend, bump, config,
     conntrack::{
-        confirm, confirms, forget, get_in, in_use, lookup, may_open, note_reply, reply_taken,
-        touch, track, Table, V6,
+        confirm, confirms, forget, forget_reply, get_in, in_use, initial_expected_ack, lookup,
+        may_open, note_reply, reply_taken, touch, track, Table, V6,
     },
     count_connection, pick_slot, random_below, read, tcp_word, Hook, SlotTable, ETH_HLEN, SERVICES,
     SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK,
@@ -148,7 +148,7 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
             return Ok(TC_ACT_UNSPEC);
         }
         if let Some(verdict) = translate_tracked(ctx, &pkt, ct, table)? {
-            if confirms(table, ct, pkt.key.proto, || {
+            if confirms(table, ct, pkt.key.proto, pkt.tcp_flags, || {
                 tcp_word(ctx, pkt.l4_off, TCP_ACK_OFF)
             }) {
                 confirm_flow(&pkt, ct);
@@ -193,7 +193,7 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
         Ok(true) => plan_source_nat(&pkt, backend_id, header.service_id),
         Ok(false) => {}
         // Counted where it was found (`conntrack::reply_taken`).
-        Err(Stat::TupleClash) => return crate::refuse(ctx),
+        Err(Stat::TupleClash) => return crate::refuse_because(ctx, crate::REFUSED_TUPLE_CLASH),
         Err(e) => return Err(e),
     }
     Ok(TC_ACT_UNSPEC)
@@ -353,14 +353,16 @@ fn translate_reply(
             (pkt.l4_off + 2, pkt.key.dport, pkt.key.dport),
         )?;
     }
-    if first_reply || closing {
+    let unconfirmed_syn_ack =
+        table == Table::New && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK;
+    if first_reply || closing || unconfirmed_syn_ack {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
         let original = ConntrackKey6::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
         if let Some(orig) = get_in::<V6>(table, &original) {
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
             touch(orig, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
-            if first_reply {
+            if unconfirmed_syn_ack {
                 note_reply(orig, pkt.tcp_flags, || {
                     tcp_word(ctx, pkt.l4_off, TCP_SEQ_OFF)
                 });
@@ -407,7 +409,7 @@ fn translate_tracked(
         if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
             count_connection(ct.backend_id, u64::MAX);
         }
-        forget::<V6>(table, &reply);
+        forget_reply::<V6>(&reply, pkt.key.daddr, pkt.key.dport);
         forget::<V6>(table, &pkt.key);
         return Ok(None);
     }
@@ -634,7 +636,7 @@ fn new_flow(
         pkt.key.proto,
     );
     // Another live flow holds the tuple: refused (see `conntrack::reply_taken`).
-    if reply_taken::<V6>(&reply_key, &pkt.key) {
+    if reply_taken::<V6>(&reply_key, &pkt.key, now) {
         return Err(Stat::TupleClash);
     }
     let scheduler_id = (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK;
@@ -652,7 +654,7 @@ fn new_flow(
         _pad0: 0,
         backend_id,
         service_id,
-        expected_ack: 0,
+        expected_ack: initial_expected_ack(pkt.key.proto, pkt.tcp_flags),
     };
     let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
     let reply = ConntrackValue6 {

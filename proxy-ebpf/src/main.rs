@@ -446,7 +446,7 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
             return Ok(TC_ACT_UNSPEC);
         }
         if let Some(verdict) = translate_tracked(ctx, pkt, ct, table, now)? {
-            if confirms(table, ct, pkt.key.proto, || {
+            if confirms(table, ct, pkt.key.proto, pkt.tcp_flags, || {
                 tcp_word(ctx, pkt.l4_off, TCP_ACK_OFF)
             }) {
                 confirm_flow(pkt, ct);
@@ -591,6 +591,16 @@ fn config() -> DatapathConfig {
     }
 }
 
+/// A flow's timeout (`DatapathConfig::timeout_ns`), read in place: a copy of the whole
+/// configuration would cost the callers' stack.
+#[inline(always)]
+pub(crate) fn flow_timeout_ns(proto: u8, flags: u8) -> u64 {
+    match CONFIG.get(0) {
+        Some(c) if c.layout_version != 0 => c.timeout_ns(proto, flags),
+        _ => DatapathConfig::DEFAULT.timeout_ns(proto, flags),
+    }
+}
+
 /// A reply from a backend: restore the service address as the source.
 #[inline(always)]
 fn translate_reply(
@@ -623,14 +633,16 @@ fn translate_reply(
             pkt.key.dport,
         )?;
     }
-    if first_reply || closing {
+    let unconfirmed_syn_ack =
+        table == Table::New && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK;
+    if first_reply || closing || unconfirmed_syn_ack {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
         let original = ConntrackKey::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
         if let Some(orig) = conntrack::get_in::<V4>(table, &original) {
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
             touch(orig, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
-            if first_reply {
+            if unconfirmed_syn_ack {
                 conntrack::note_reply(orig, pkt.tcp_flags, || {
                     tcp_word(ctx, pkt.l4_off, TCP_SEQ_OFF)
                 });
@@ -678,7 +690,7 @@ fn translate_tracked(
         if ct.flags & CT_FLAG_COUNTED != 0 && backend_alive {
             count_connection(ct.backend_id, u64::MAX);
         }
-        forget::<V4>(table, &reply);
+        conntrack::forget_reply::<V4>(&reply, pkt.key.daddr, pkt.key.dport);
         forget::<V4>(table, &pkt.key);
         return Ok(None);
     }
@@ -755,15 +767,6 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
             }
         }
     };
-    if affinity_ns != 0 {
-        let value = AffinityValue {
-            last_seen_ns: now,
-            backend_id,
-            _pad0: 0,
-        };
-        let _ = AFFINITY.insert(&affinity_key, &value, BPF_ANY as u64);
-    }
-
     let hairpin_flag = if backend.addr == pkt.key.saddr {
         CT_FLAG_HAIRPIN
     } else {
@@ -778,8 +781,16 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
     );
     // Another live flow from this client port to this backend (through another frontend)
     // holds the tuple: refused, so that flow is not broken (see `conntrack::reply_taken`).
-    if conntrack::reply_taken::<V4>(&reply_key, &pkt.key) {
-        return refuse(ctx);
+    if conntrack::reply_taken::<V4>(&reply_key, &pkt.key, now) {
+        return refuse_because(ctx, REFUSED_TUPLE_CLASH);
+    }
+    if affinity_ns != 0 {
+        let value = AffinityValue {
+            last_seen_ns: now,
+            backend_id,
+            _pad0: 0,
+        };
+        let _ = AFFINITY.insert(&affinity_key, &value, BPF_ANY as u64);
     }
     let counted = if scheduler::counts_connections(scheduler_of(header)) {
         count_connection(backend_id, 1);
@@ -795,7 +806,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         _pad0: 0,
         backend_id,
         service_id,
-        expected_ack: 0,
+        expected_ack: conntrack::initial_expected_ack(pkt.key.proto, pkt.tcp_flags),
         _pad1: 0,
     };
     let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
@@ -1593,6 +1604,19 @@ enum Side {
 /// returns only if that fails.
 #[inline(always)]
 fn refuse(ctx: &TcContext) -> Result<i32, Stat> {
+    refuse_because(ctx, REFUSED_NO_ENDPOINTS)
+}
+
+/// Why a flow is refused, for the refusal program's count (in the packet's `cb[0]`).
+pub const REFUSED_NO_ENDPOINTS: u32 = 0;
+/// Counted as `Stat::TupleClash` where it was found, not as `Stat::Refused`.
+pub const REFUSED_TUPLE_CLASH: u32 = 1;
+
+/// [`refuse`], saying why.
+#[inline(always)]
+pub(crate) fn refuse_because(ctx: &TcContext, why: u32) -> Result<i32, Stat> {
+    // SAFETY: `cb` is the tc program's scratch space, kept across the tail call.
+    unsafe { (*ctx.skb.skb).cb[0] = why };
     // SAFETY: the slot holds a tc classifier of this object or nothing.
     unsafe { TAIL_CALLS.tail_call(ctx, tail_calls::REFUSE) };
     Err(Stat::RefuseFailed)

@@ -48,7 +48,11 @@ const REFUSAL6_LEN: usize = ETH_HLEN + IPV6_HLEN + ICMP_HLEN + IPV6_HLEN + QUOTE
 pub fn run(ctx: &TcContext) -> i32 {
     match try_refuse(ctx) {
         Ok(true) => {
-            bump(Stat::Refused);
+            // A tuple clash was counted where it was found; `Refused` is the no-endpoints
+            // count its alert watches.
+            if unsafe { (*ctx.skb.skb).cb[0] } != crate::REFUSED_TUPLE_CLASH {
+                bump(Stat::Refused);
+            }
             // Back out of the interface it came in on (new flows are only taken at ingress).
             let ifindex = unsafe { (*ctx.skb.skb).ifindex };
             unsafe { bpf_redirect(ifindex, 0) };

@@ -1657,11 +1657,22 @@ mod safety {
         // (clients reuse a port as soon as their own TIME_WAIT allows; refusing those was
         // 5 % of the soak's new connections).
         sent_to(&dp, client, vip, Some(TCP_FIN | TCP_ACK));
-        assert_eq!(
-            sent_to(&dp, client, SocketAddr::new(other_vip, 80), Some(TCP_SYN)),
-            pod
-        );
+        let second = SocketAddr::new(other_vip, 80);
+        assert_eq!(sent_to(&dp, client, second, Some(TCP_SYN)), pod);
         assert_eq!(stat(&dp, Stat::TupleClash), 1);
+        // The closed connection, reconnecting from the same port, must not take the tuple
+        // back from the open one (its entries went when the tuple was taken over).
+        let (verdict, _) = dp
+            .run(Hook::Ingress, &frame(client, vip, Some(TCP_SYN)))
+            .unwrap();
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(stat(&dp, Stat::TupleClash), 2);
+        let (_, back) = dp
+            .run(Hook::Ingress, &frame(pod, client, Some(TCP_SYN | TCP_ACK)))
+            .unwrap();
+        assert_eq!(proxy_tests::packet::ends(&back), (second, client));
+        // Clash refusals are not the no-endpoints count its alert watches.
+        assert_eq!(stat(&dp, Stat::Refused), 0);
     }
 
     /// A client with ClientIP affinity to a Service that is removed must never be steered

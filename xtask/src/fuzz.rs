@@ -111,8 +111,17 @@ pub fn fuzz(o: &Options) -> Result<()> {
             .map(|t| start(&bin, t, o.seconds).map(|c| (t.clone(), c)))
             .collect::<Result<_>>()?;
         for (target, mut child) in children {
-            child.wait()?;
-            outcomes.push(outcome(&target)?);
+            let status = child.wait()?;
+            let o = outcome(&target)?;
+            // A fuzzer that stopped on an error of its own (no artifact) or ran nothing.
+            if o.crashes.is_empty() && (!status.success() || o.runs == 0) {
+                bail!(
+                    "the {target} fuzzer ended with {status} after {} runs (log: {})",
+                    o.runs,
+                    log_path(&target).display()
+                );
+            }
+            outcomes.push(o);
         }
     }
     if o.merge {

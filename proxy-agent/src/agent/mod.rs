@@ -88,8 +88,13 @@ impl Leftovers {
         metrics.other_modes_state_kept.set(i64::from(!may_go));
         if !may_go {
             if !self.reported {
+                let until = if s.mode == ProxyMode::Ebpf {
+                    "serves every service port (see the sync log)"
+                } else {
+                    "completes a sync"
+                };
                 warn!(
-                    "other proxy modes' state kept on the node until {} serves every service port (see the sync log); `--cleanup` removes it",
+                    "other proxy modes' state kept on the node until {} {until}; `--cleanup` removes it",
                     s.mode
                 );
                 self.reported = true;
