@@ -37,8 +37,10 @@ const APT_PACKAGES: &[&str] = &[
     // the ipvs mode's tools (its checks, and its masquerade sets)
     "ipvsadm",
     "ipset",
-    // the benchmark's PNG plots (their text)
+    // the benchmark's and the soak's PNG plots (their text)
     "fonts-dejavu-core",
+    // libFuzzer, which libfuzzer-sys compiles for the fuzz targets (cargo xtask fuzz)
+    "g++",
 ];
 /// What `vm-test` needs besides (installed without recommends: qemu's would bring a GUI).
 const VM_APT_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "kmod"];
