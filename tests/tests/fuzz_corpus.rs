@@ -29,7 +29,7 @@ fn every_entry_point_has_a_fuzz_target() {
     files.sort();
     let mut targets: Vec<String> = proxy_agent::fuzz::TARGETS
         .iter()
-        .map(|t| t.to_string())
+        .map(|(name, _)| name.to_string())
         .collect();
     targets.sort();
     assert_eq!(files, targets);
@@ -38,7 +38,7 @@ fn every_entry_point_has_a_fuzz_target() {
 #[test]
 fn every_fuzz_target_handles_its_corpus_and_past_crashes() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
-    for target in proxy_agent::fuzz::TARGETS {
+    for (target, _) in proxy_agent::fuzz::TARGETS {
         let corpus = inputs(&root.join("corpus").join(target));
         assert!(!corpus.is_empty(), "{target} has no corpus");
         for input in corpus
