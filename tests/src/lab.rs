@@ -709,9 +709,11 @@ impl Agent {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Waits until `ready(log)` holds, failing if the agent exits or 15 s pass.
+    /// Waits until `ready(log)` holds, failing if the agent exits or 15 s pass (scaled: the
+    /// verifier is slow under emulation).
     pub fn wait_for_log(&mut self, ready: impl Fn(&str) -> bool) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(15);
+        let limit = crate::scaled(Duration::from_secs(15));
+        let deadline = Instant::now() + limit;
         loop {
             let log = self.log_text();
             if ready(&log) {
@@ -721,7 +723,7 @@ impl Agent {
                 bail!("agent exited ({status}):\n{log}");
             }
             if Instant::now() > deadline {
-                bail!("agent not ready after 15 s:\n{log}");
+                bail!("agent not ready after {} s:\n{log}", limit.as_secs());
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -191,10 +191,16 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
         backend_stats: s.backend_metrics,
         without_ipv6: !s.cli.ebpf_ipv6,
     };
+    // The kernel's verifier takes most of a start (seconds on a slow or emulated CPU).
+    let loading = std::time::Instant::now();
     let mut datapath = match &s.cli.ebpf_object {
         Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,
         None => Datapath::load_with(sizes, Some(&root), options)?,
     };
+    info!(
+        took_ms = loading.elapsed().as_millis() as u64,
+        "datapath programs loaded and verified"
+    );
     let flow_logger = if flow_log {
         let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
             .context("reading the datapath's log buffer")?;
