@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 7;
+pub const MAP_LAYOUT_VERSION: u32 = 8;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -298,6 +298,10 @@ pub struct ConntrackValue6 {
     pub service_id: u32,
     /// As [`ConntrackValue::expected_ack`].
     pub expected_ack: u32,
+    /// As [`ConntrackValue::client_port`].
+    pub client_port: u16,
+    pub _pad1: u16,
+    pub _pad2: u32,
 }
 
 /// Header flag: an empty service drops new flows instead of refusing them (traffic policy
@@ -542,7 +546,11 @@ pub struct ConntrackValue {
     /// order; 0 before the SYN-ACK), so a spoofed source that never saw the SYN-ACK
     /// cannot confirm its flow.
     pub expected_ack: u32,
-    pub _pad1: u32,
+    /// A flow whose tuple clashed with a live flow's gets a new source port (as netfilter
+    /// resolves a NAT clash). Original entry: that port; reply entry: the client's own
+    /// port, restored on replies. 0: the source port is not translated. Network byte order.
+    pub client_port: u16,
+    pub _pad1: u16,
 }
 
 /// Key of the `AFFINITY` LRU map: one client of one frontend (`sessionAffinity: ClientIP`).
@@ -809,14 +817,17 @@ pub enum Stat {
     /// acknowledge it: translated, but the flow stays unconfirmed (a spoofed source
     /// completing a handshake it never saw).
     BlindAck = 24,
-    /// A new flow refused because its translated tuple is a live flow's: the same client
-    /// address and port already talk to the same backend address and port through
-    /// another frontend.
+    /// A new flow whose translated tuple is a live flow's: the same client address and
+    /// port already talk to the same backend address and port through another frontend.
+    /// The new flow gets another source port (`ConntrackValue::client_port`).
     TupleClash = 25,
+    /// A tuple clash for which no free source port was found in a few tries: the new
+    /// flow was refused.
+    TupleClashRefused = 26,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 27;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -844,6 +855,7 @@ impl Stat {
         Stat::UntrackedSegment,
         Stat::BlindAck,
         Stat::TupleClash,
+        Stat::TupleClashRefused,
     ];
 
     /// Label used for the metric.
@@ -875,6 +887,7 @@ impl Stat {
             Stat::UntrackedSegment => "untracked_segment",
             Stat::BlindAck => "blind_ack",
             Stat::TupleClash => "tuple_clash",
+            Stat::TupleClashRefused => "tuple_clash_refused",
         }
     }
 }
@@ -942,13 +955,15 @@ mod tests {
         assert_eq!(offset_of!(ConntrackKey6, daddr), 16);
         assert_eq!(offset_of!(ConntrackKey6, sport), 32);
         assert_eq!(offset_of!(ConntrackKey6, proto), 36);
-        assert_eq!(size_of::<ConntrackValue6>(), 40);
+        assert_eq!(size_of::<ConntrackValue6>(), 48);
         assert_eq!(offset_of!(ConntrackValue6, nat_addr), 8);
         assert_eq!(offset_of!(ConntrackValue6, nat_port), 24);
         assert_eq!(offset_of!(ConntrackValue6, flags), 26);
         assert_eq!(offset_of!(ConntrackValue6, backend_id), 28);
         assert_eq!(offset_of!(ConntrackValue6, service_id), 32);
         assert_eq!(offset_of!(ConntrackValue6, expected_ack), 36);
+        assert_eq!(offset_of!(ConntrackValue6, client_port), 40);
+        assert_eq!(offset_of!(ConntrackValue6, _pad2), 44);
         assert_eq!(size_of::<AffinityKey6>(), 20);
         assert_eq!(offset_of!(AffinityKey6, service_id), 16);
         assert_eq!(size_of::<SourceRangeKey6>(), 20);
@@ -1005,7 +1020,8 @@ mod tests {
         assert_eq!(offset_of!(ConntrackValue, backend_id), 16);
         assert_eq!(offset_of!(ConntrackValue, service_id), 20);
         assert_eq!(offset_of!(ConntrackValue, expected_ack), 24);
-        assert_eq!(offset_of!(ConntrackValue, _pad1), 28);
+        assert_eq!(offset_of!(ConntrackValue, client_port), 28);
+        assert_eq!(offset_of!(ConntrackValue, _pad1), 30);
         assert_eq!(size_of::<ServiceStats>(), 24);
     }
 

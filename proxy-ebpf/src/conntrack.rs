@@ -24,6 +24,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
+    helpers::bpf_get_prandom_u32,
     maps::LruHashMap,
 };
 use proxy_common::{
@@ -34,7 +35,8 @@ use proxy_common::{
 use crate::{
     bump, count_connection,
     ipv6::{CONNTRACK6, CT_NEW6},
-    CONNTRACK, CT_NEW, REFRESH_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    CONNTRACK, CT_NEW, REFRESH_NS, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, TCP_ACK,
+    TCP_FIN, TCP_RST, TCP_SYN,
 };
 
 /// Which of a family's two maps holds a flow's entries.
@@ -84,6 +86,9 @@ pub(crate) trait Entry {
     fn nat(&self) -> (Self::Addr, u16);
     fn expected_ack(&self) -> u32;
     fn set_expected_ack(&mut self, ack: u32);
+    /// `client_port`: the translated source port of a flow whose tuple clashed (original
+    /// entry) or the client's own (reply entry); 0 when not translated.
+    fn client_port(&self) -> u16;
 }
 
 /// One address family's conntrack map and key.
@@ -97,6 +102,8 @@ pub(crate) trait Family {
     fn reversed(key: &Self::Key) -> Self::Key;
     /// Source address, source port and protocol of a key.
     fn source(key: &Self::Key) -> (Self::Addr, u16, u8);
+    /// Sets a key's destination port.
+    fn set_dport(key: &mut Self::Key, port: u16);
     /// Whether an entry's NAT address and port are `addr` and `port` (compared in words:
     /// LLVM's BPF backend cannot lower a 16-byte array comparison everywhere).
     fn nat_is(value: &Self::Value, addr: &Self::Addr, port: u16) -> bool;
@@ -138,6 +145,10 @@ macro_rules! entry {
             fn set_expected_ack(&mut self, ack: u32) {
                 self.expected_ack = ack;
             }
+            #[inline(always)]
+            fn client_port(&self) -> u16 {
+                self.client_port
+            }
         }
     };
 }
@@ -170,6 +181,10 @@ macro_rules! family {
             #[inline(always)]
             fn source(key: &$key) -> ($addr, u16, u8) {
                 (key.saddr, key.sport, key.proto)
+            }
+            #[inline(always)]
+            fn set_dport(key: &mut $key, port: u16) {
+                key.dport = port;
             }
             #[inline(always)]
             fn nat_is(value: &$value, addr: &$addr, port: u16) -> bool {
@@ -238,8 +253,9 @@ pub(crate) fn lookup<F: Family>(key: &F::Key) -> Option<(*mut F::Value, Table)> 
 /// connection: the same client address and port sent to another frontend whose backend is
 /// the same address and port (a client's ephemeral port is unique per destination only,
 /// so two Services sharing a pod can bring this about). Both would then be one 4-tuple at
-/// the backend, and the reply entry one key: the caller refuses the new flow (netfilter
-/// would rewrite its source port instead) so the open connection is not broken.
+/// the backend, and the reply entry one key: the caller gives the new flow another source
+/// port ([`clash_free_port`]), as netfilter resolves a NAT clash, so the open connection
+/// is not broken.
 ///
 /// Otherwise the new flow takes the key over: the other connection is closing (a client
 /// reuses a port as soon as its own TIME_WAIT allows), expired, re-balanced to another
@@ -252,8 +268,14 @@ pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key, now: u64) ->
         return false;
     };
     // SAFETY: a map value, read before any write to the maps.
-    let (frontend, frontend_port) = unsafe { &*entry }.nat();
-    let (client, client_port, proto) = F::source(this);
+    let entry_ref = unsafe { &*entry };
+    let (frontend, frontend_port) = entry_ref.nat();
+    let (client, mut client_port, proto) = F::source(this);
+    // The other flow may itself have had its source port translated: its original entry
+    // is under the client's own port.
+    if entry_ref.client_port() != 0 {
+        client_port = entry_ref.client_port();
+    }
     let other = F::key(client, frontend, client_port, frontend_port, proto);
     if other != *this {
         if let Some((open, other_table)) = lookup::<F>(&other) {
@@ -277,6 +299,27 @@ pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key, now: u64) ->
     }
     forget::<F>(table, reply);
     false
+}
+
+/// A source port (network byte order) for a new flow whose reply key `reply` clashed
+/// ([`reply_taken`]): a random one of the upper half of the port range (where the source
+/// NAT looks) whose reply key is in neither table, in a few tries. `reply` is changed in
+/// place to that port's (no copy: the caller's frame is near BPF's stack limit). 0: none
+/// found (the caller refuses the flow).
+#[inline(always)]
+pub(crate) fn clash_free_port<F: Family>(reply: &mut F::Key) -> u16 {
+    let mut tries = 0;
+    while tries < SNAT_PORT_TRIES {
+        // SAFETY: a helper without arguments.
+        let random = unsafe { bpf_get_prandom_u32() };
+        let port = ((random % SNAT_PORT_SPAN) as u16 + SNAT_PORT_MIN).to_be();
+        F::set_dport(reply, port);
+        if !in_use::<F>(reply) {
+            return port;
+        }
+        tries += 1;
+    }
+    0
 }
 
 /// Removes the reply entry of a flow to `frontend`, unless a newer flow has taken its key
@@ -504,7 +547,14 @@ fn forget_clash_in<F: Family>(
         return false;
     }
     let (nat_addr, nat_port) = ct.nat();
-    let original = F::key(saddr, nat_addr, sport, nat_port, proto);
+    // A flow whose source port was translated has its original entry under the client's
+    // own port.
+    let client_port = if ct.client_port() != 0 {
+        ct.client_port()
+    } else {
+        sport
+    };
+    let original = F::key(saddr, nat_addr, client_port, nat_port, proto);
     forget::<F>(table, &original);
     forget::<F>(table, reply);
     bump(Stat::ClashResolved);

@@ -39,8 +39,8 @@ use proxy_common::{
 use crate::{
     account, backend, bump, config,
     conntrack::{
-        confirm, confirms, forget, forget_reply, get_in, in_use, initial_expected_ack, lookup,
-        may_open, note_reply, reply_taken, touch, track, Table, V6,
+        clash_free_port, confirm, confirms, forget, forget_reply, get_in, in_use,
+        initial_expected_ack, lookup, may_open, note_reply, reply_taken, touch, track, Table, V6,
     },
     count_connection, pick_slot, random_below, read, tcp_word, Hook, SlotTable, ETH_HLEN, SERVICES,
     SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK,
@@ -189,11 +189,13 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
     if backend_id == 0 {
         return Err(Stat::RewriteFailed);
     }
+    if !resolve_clash(ctx, &pkt, backend_id) {
+        bump(Stat::TupleClashRefused);
+        return crate::refuse_because(ctx, crate::REFUSED_TUPLE_CLASH);
+    }
     match new_flow(ctx, &pkt, &header, backend_id) {
-        Ok(true) => plan_source_nat(&pkt, backend_id, header.service_id),
+        Ok(true) => plan_source_nat(ctx, &pkt, backend_id, header.service_id),
         Ok(false) => {}
-        // Counted where it was found (`conntrack::reply_taken`).
-        Err(Stat::TupleClash) => return crate::refuse_because(ctx, crate::REFUSED_TUPLE_CLASH),
         Err(e) => return Err(e),
     }
     Ok(TC_ACT_UNSPEC)
@@ -334,6 +336,12 @@ fn translate_reply(
     let first_reply = ct.flags & CT_FLAG_SEEN_REPLY == 0;
     let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
     let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
+    // The client's own port, where the flow's source port was translated (a tuple clash).
+    let client_port = if ct.client_port != 0 {
+        ct.client_port
+    } else {
+        pkt.key.dport
+    };
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
@@ -343,21 +351,21 @@ fn translate_reply(
     } else {
         pkt.key.daddr
     };
-    if hairpin {
+    if hairpin || client_port != pkt.key.dport {
         rewrite(
             ctx,
             pkt,
             IP6_DADDR_OFF,
             &pkt.key.daddr,
             &client,
-            (pkt.l4_off + 2, pkt.key.dport, pkt.key.dport),
+            (pkt.l4_off + 2, pkt.key.dport, client_port),
         )?;
     }
     let unconfirmed_syn_ack =
         table == Table::New && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK;
     if first_reply || closing || unconfirmed_syn_ack {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
-        let original = ConntrackKey6::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
+        let original = ConntrackKey6::new(client, nat_addr, client_port, nat_port, pkt.key.proto);
         if let Some(orig) = get_in::<V6>(table, &original) {
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
@@ -416,6 +424,8 @@ fn translate_tracked(
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
+    let translated = ct.client_port != 0;
+    let sport = source_port(pkt, ct);
     touch(ct, pkt.tcp_flags, now, 0);
     rewrite(
         ctx,
@@ -425,8 +435,8 @@ fn translate_tracked(
         &nat_addr,
         (pkt.l4_off + 2, pkt.key.dport, nat_port),
     )?;
-    if hairpin {
-        hairpin_source(ctx, pkt)?;
+    if hairpin || translated {
+        translate_source(ctx, pkt, hairpin, sport)?;
     }
     bump(Stat::EstablishedFlow);
     account(ctx, service_id, backend_id, false);
@@ -440,11 +450,22 @@ fn confirm_flow(pkt: &Packet6, ct: &ConntrackValue6) {
     let to_backend = ConntrackKey6::new(
         pkt.key.saddr,
         ct.nat_addr,
-        pkt.key.sport,
+        source_port(pkt, ct),
         ct.nat_port,
         pkt.key.proto,
     );
     confirm::<V6>(&pkt.key, ct, &reply_key(pkt, ct), &to_backend);
+}
+
+/// The source port a tracked flow leaves ingress with: its own, or the one given when its
+/// tuple clashed.
+#[inline(always)]
+fn source_port(pkt: &Packet6, ct: &ConntrackValue6) -> u16 {
+    if ct.client_port != 0 {
+        ct.client_port
+    } else {
+        pkt.key.sport
+    }
 }
 
 /// The reply-direction key of the flow `pkt` belongs to (tracked as `ct`).
@@ -459,7 +480,7 @@ fn reply_key(pkt: &Packet6, ct: &ConntrackValue6) -> ConntrackKey6 {
         ct.nat_addr,
         client,
         ct.nat_port,
-        pkt.key.sport,
+        source_port(pkt, ct),
         pkt.key.proto,
     )
 }
@@ -597,8 +618,9 @@ fn source_allowed(pkt: &Packet6, service_id: u32) -> bool {
     SOURCE_RANGES6.get(&key).is_some()
 }
 
-/// Tracks the new flow to `backend_id` both ways and sends the packet to it. Returns whether
-/// the flow is to be source-NATed to the node.
+/// Tracks the new flow to `backend_id` both ways and sends the packet to it, from
+/// the source port the packet has now ([`resolve_clash`] may have changed it). Returns
+/// whether the flow is to be source-NATed to the node.
 // A subprogram of its own: its stack frame is not added to its callers'.
 #[inline(never)]
 fn new_flow(
@@ -607,6 +629,7 @@ fn new_flow(
     header: &ServiceValue,
     backend_id: u32,
 ) -> Result<bool, Stat> {
+    let source_port: u16 = read(ctx, pkt.l4_off).ok_or(Stat::RewriteFailed)?;
     let Some(b) = backend(backend_id) else {
         return Err(Stat::RewriteFailed);
     };
@@ -632,13 +655,10 @@ fn new_flow(
             pkt.key.saddr
         },
         backend_port,
-        pkt.key.sport,
+        source_port,
         pkt.key.proto,
     );
-    // Another live flow holds the tuple: refused (see `conntrack::reply_taken`).
-    if reply_taken::<V6>(&reply_key, &pkt.key, now) {
-        return Err(Stat::TupleClash);
-    }
+    let translated = source_port != pkt.key.sport;
     let scheduler_id = (header.flags >> SERVICE_SCHEDULER_SHIFT) & SERVICE_SCHEDULER_MASK;
     let counted = if scheduler::counts_connections(scheduler_id) {
         count_connection(backend_id, 1);
@@ -646,18 +666,9 @@ fn new_flow(
     } else {
         0
     };
-    let original = ConntrackValue6 {
-        last_seen_ns: now,
-        nat_addr: backend_addr,
-        nat_port: backend_port,
-        flags: counted | hairpin,
-        _pad0: 0,
-        backend_id,
-        service_id,
-        expected_ack: initial_expected_ack(pkt.key.proto, pkt.tcp_flags),
-    };
     let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
-    let reply = ConntrackValue6 {
+    // One value, the reply entry's and then the original's: two would not fit the frame.
+    let mut entry = ConntrackValue6 {
         last_seen_ns: now,
         nat_addr: pkt.key.daddr,
         nat_port: pkt.key.dport,
@@ -670,9 +681,20 @@ fn new_flow(
         backend_id,
         service_id,
         expected_ack: 0,
+        client_port: if translated { pkt.key.sport } else { 0 },
+        _pad1: 0,
+        _pad2: 0,
     };
-    if !track::<V6>(Table::New, &reply_key, &reply) || !track::<V6>(Table::New, &pkt.key, &original)
-    {
+    let mut tracked = track::<V6>(Table::New, &reply_key, &entry);
+    if tracked {
+        entry.nat_addr = backend_addr;
+        entry.nat_port = backend_port;
+        entry.flags = counted | hairpin;
+        entry.expected_ack = initial_expected_ack(pkt.key.proto, pkt.tcp_flags);
+        entry.client_port = if translated { source_port } else { 0 };
+        tracked = track::<V6>(Table::New, &pkt.key, &entry);
+    }
+    if !tracked {
         bump(Stat::ConntrackInsertFailed);
     }
     rewrite(
@@ -684,7 +706,15 @@ fn new_flow(
         (pkt.l4_off + 2, pkt.key.dport, backend_port),
     )?;
     if hairpin != 0 {
-        hairpin_source(ctx, pkt)?;
+        // The port stays as `resolve_clash` left it.
+        rewrite(
+            ctx,
+            pkt,
+            IP6_SADDR_OFF,
+            &pkt.key.saddr,
+            &HAIRPIN_SOURCE6,
+            (pkt.l4_off, source_port, source_port),
+        )?;
         bump(Stat::NewFlow);
         account(ctx, service_id, backend_id, true);
         return Ok(false);
@@ -693,13 +723,45 @@ fn new_flow(
     account(ctx, service_id, backend_id, true);
     // As for IPv4: always under masqueradeAll; to a cluster IP from outside clusterCIDR;
     // external traffic under externalTrafficPolicy: Cluster to another node's endpoint.
-    Ok(if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
+    let masquerades = if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
         true
     } else if !external {
         outside_cluster_cidr(&pkt.key.saddr)
     } else {
         header.flags & SERVICE_FLAG_MASQUERADE != 0 && remote
-    })
+    };
+    Ok(masquerades)
+}
+
+/// Where another live flow holds the tuple a new flow to `backend_id` would have (see
+/// `conntrack::reply_taken`), gives the packet a free source port; false if none was found
+/// (the flow is refused). `new_flow` reads the port back from the packet.
+// A subprogram of its own beside `new_flow`: their frames are never stacked (together they
+// would not fit), and the port goes through the packet, not the entry's frame.
+#[inline(never)]
+fn resolve_clash(ctx: &TcContext, pkt: &Packet6, backend_id: u32) -> bool {
+    // Without them `new_flow` fails anyway.
+    let (Some(b), Some(addr)) = (
+        backend(backend_id),
+        BACKEND_ADDRS6.get(backend_id & BACKEND_INDEX_MASK),
+    ) else {
+        return true;
+    };
+    // As `new_flow` keys the reply entry.
+    let client = if addr.addr == pkt.key.saddr {
+        HAIRPIN_SOURCE6
+    } else {
+        pkt.key.saddr
+    };
+    let mut reply_key = ConntrackKey6::new(addr.addr, client, b.port, pkt.key.sport, pkt.key.proto);
+    let now = unsafe { bpf_ktime_get_ns() };
+    if !reply_taken::<V6>(&reply_key, &pkt.key, now) {
+        return true;
+    }
+    match clash_free_port::<V6>(&mut reply_key) {
+        0 => false,
+        port => rewrite_port(ctx, pkt, (pkt.l4_off, pkt.key.sport, port)).is_ok(),
+    }
 }
 
 #[inline(always)]
@@ -726,14 +788,20 @@ fn outside_cluster_cidr(addr: &[u8; 16]) -> bool {
 /// source becomes the node's IPv6 address and a port free for that backend (the client's
 /// own when possible); the backend's reply is mapped back at ingress.
 #[inline(always)]
-fn plan_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32) {
+fn plan_source_nat(ctx: &TcContext, pkt: &Packet6, backend_id: u32, service_id: u32) {
+    // The source port the flow leaves with, read back from the packet `new_flow` rewrote
+    // (another than the client's after a tuple clash); kept in the caller instead, it grew
+    // the entry's frame past BPF's limit.
+    let Some(sport) = read::<u16>(ctx, pkt.l4_off) else {
+        return;
+    };
     // Two sibling steps, so their frames never stack on each other.
-    let port = free_snat_port(pkt, backend_id);
+    let port = free_snat_port(pkt, sport, backend_id);
     if port == 0 {
         bump(Stat::SnatPortsExhausted);
         return;
     }
-    record_source_nat(pkt, backend_id, service_id, port as u16);
+    record_source_nat(pkt, sport, backend_id, service_id, port as u16);
 }
 
 /// The node's IPv6 address and the backend, when source NAT can happen: (node, backend
@@ -753,11 +821,11 @@ fn snat_ends(backend_id: u32) -> Option<([u8; 16], [u8; 16], u16)> {
 /// free: the client's own when possible, else a few random ones; 0: none found (or no
 /// source NAT possible).
 #[inline(never)]
-fn free_snat_port(pkt: &Packet6, backend_id: u32) -> u32 {
+fn free_snat_port(pkt: &Packet6, sport: u16, backend_id: u32) -> u32 {
     let Some((masq, backend_addr, backend_port)) = snat_ends(backend_id) else {
         return 0;
     };
-    let mut port = pkt.key.sport;
+    let mut port = sport;
     let mut tries = 0;
     while tries < SNAT_PORT_TRIES {
         let reply = ConntrackKey6::new(backend_addr, masq, backend_port, port, pkt.key.proto);
@@ -773,7 +841,7 @@ fn free_snat_port(pkt: &Packet6, backend_id: u32) -> u32 {
 
 /// Writes both source-NAT entries of a flow (see the IPv4 `plan_masquerade`).
 #[inline(never)]
-fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16) {
+fn record_source_nat(pkt: &Packet6, sport: u16, backend_id: u32, service_id: u32, port: u16) {
     let Some((masq, backend_addr, backend_port)) = snat_ends(backend_id) else {
         return;
     };
@@ -782,7 +850,7 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
     let snat_key = ConntrackKey6::new(
         pkt.key.saddr,
         backend_addr,
-        pkt.key.sport,
+        sport,
         backend_port,
         pkt.key.proto,
     );
@@ -795,6 +863,9 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
         backend_id,
         service_id,
         expected_ack: 0,
+        client_port: 0,
+        _pad1: 0,
+        _pad2: 0,
     };
     if !track::<V6>(Table::New, &snat_key, &snat) {
         bump(Stat::ConntrackInsertFailed);
@@ -803,7 +874,7 @@ fn record_source_nat(pkt: &Packet6, backend_id: u32, service_id: u32, port: u16)
     let unsnat_key = ConntrackKey6::new(backend_addr, masq, backend_port, port, pkt.key.proto);
     let unsnat = ConntrackValue6 {
         nat_addr: pkt.key.saddr,
-        nat_port: pkt.key.sport,
+        nat_port: sport,
         flags: CT_FLAG_SNAT_REPLY | CT_FLAG_SEEN_REPLY,
         ..snat
     };
@@ -1026,16 +1097,22 @@ fn addr_to_words(addr: &[u8; 16]) -> [u32; 4] {
     words
 }
 
-/// A hairpin flow's source becomes [`HAIRPIN_SOURCE6`] (its port stays).
+/// The source a flow leaves ingress with: [`HAIRPIN_SOURCE6`] for a flow from its own
+/// backend, and `port` (the client's, or the one given when its tuple clashed).
 #[inline(always)]
-fn hairpin_source(ctx: &TcContext, pkt: &Packet6) -> Result<(), Stat> {
+fn translate_source(ctx: &TcContext, pkt: &Packet6, hairpin: bool, port: u16) -> Result<(), Stat> {
+    let port = (pkt.l4_off, pkt.key.sport, port);
+    if !hairpin {
+        // No address to copy: the callers' frames are near BPF's stack limit.
+        return rewrite_port(ctx, pkt, port);
+    }
     rewrite(
         ctx,
         pkt,
         IP6_SADDR_OFF,
         &pkt.key.saddr,
         &HAIRPIN_SOURCE6,
-        (pkt.l4_off, pkt.key.sport, pkt.key.sport),
+        port,
     )
 }
 
@@ -1081,6 +1158,17 @@ fn rewrite(
         ctx.store(addr_off, new_addr, BPF_F_RECOMPUTE_CSUM as u64)
             .map_err(|_| Stat::RewriteFailed)?;
     }
+    rewrite_port(ctx, pkt, port)
+}
+
+/// The port half of [`rewrite`]: `(offset, old, new)`.
+#[inline(always)]
+fn rewrite_port(ctx: &TcContext, pkt: &Packet6, port: (usize, u16, u16)) -> Result<(), Stat> {
+    let (csum_off, mangled) = if pkt.key.proto == IPPROTO_TCP {
+        (pkt.l4_off + TCP_CSUM_OFF, 0)
+    } else {
+        (pkt.l4_off + UDP_CSUM_OFF, BPF_F_MARK_MANGLED_0 as u64)
+    };
     let (port_off, old_port, new_port) = port;
     if old_port != new_port {
         ctx.l4_csum_replace(csum_off, old_port as u64, new_port as u64, mangled | 2)

@@ -622,10 +622,16 @@ fn translate_reply(
     } else {
         pkt.key.daddr
     };
+    // The client's own port, where the flow's source port was translated (a tuple clash).
+    let client_port = if ct.client_port != 0 {
+        ct.client_port
+    } else {
+        pkt.key.dport
+    };
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
-    if hairpin {
+    if hairpin || client_port != pkt.key.dport {
         rewrite(
             ctx,
             pkt,
@@ -633,14 +639,14 @@ fn translate_reply(
             pkt.key.daddr,
             client,
             pkt.key.dport,
-            pkt.key.dport,
+            client_port,
         )?;
     }
     let unconfirmed_syn_ack =
         table == Table::New && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK;
     if first_reply || closing || unconfirmed_syn_ack {
         // The original-direction entry decides the flow's timeout: tell it what we saw.
-        let original = ConntrackKey::new(client, nat_addr, pkt.key.dport, nat_port, pkt.key.proto);
+        let original = ConntrackKey::new(client, nat_addr, client_port, nat_port, pkt.key.proto);
         if let Some(orig) = conntrack::get_in::<V4>(table, &original) {
             // SAFETY: map value pointer, valid for this run.
             let orig = unsafe { &mut *orig };
@@ -699,8 +705,9 @@ fn translate_tracked(
     }
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
-    if ct.flags & CT_FLAG_HAIRPIN != 0 {
-        hairpin_source(ctx, pkt)?;
+    let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
+    if hairpin || ct.client_port != 0 {
+        translate_source(ctx, pkt, hairpin, source_port(pkt, ct))?;
     }
     touch(ct, pkt.tcp_flags, now, 0);
     rewrite(
@@ -724,11 +731,22 @@ fn confirm_flow(pkt: &Packet, ct: &ConntrackValue) {
     let to_backend = ConntrackKey::new(
         pkt.key.saddr,
         ct.nat_addr,
-        pkt.key.sport,
+        source_port(pkt, ct),
         ct.nat_port,
         pkt.key.proto,
     );
     confirm::<V4>(&pkt.key, ct, &reply_key(pkt, ct), &to_backend);
+}
+
+/// The source port a tracked flow leaves ingress with: its own, or the one given when its
+/// tuple clashed.
+#[inline(always)]
+fn source_port(pkt: &Packet, ct: &ConntrackValue) -> u16 {
+    if ct.client_port != 0 {
+        ct.client_port
+    } else {
+        pkt.key.sport
+    }
 }
 
 /// The reply-direction key of the flow `pkt` belongs to (tracked as `ct`).
@@ -738,7 +756,7 @@ fn reply_key(pkt: &Packet, ct: &ConntrackValue) -> ConntrackKey {
         ct.nat_addr,
         client_as_seen(pkt.key.saddr, ct.flags),
         ct.nat_port,
-        pkt.key.sport,
+        source_port(pkt, ct),
         pkt.key.proto,
     )
 }
@@ -775,7 +793,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
     } else {
         0
     };
-    let reply_key = ConntrackKey::new(
+    let mut reply_key = ConntrackKey::new(
         backend.addr,
         client_as_seen(pkt.key.saddr, hairpin_flag),
         backend.port,
@@ -783,10 +801,17 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         pkt.key.proto,
     );
     // Another live flow from this client port to this backend (through another frontend)
-    // holds the tuple: refused, so that flow is not broken (see `conntrack::reply_taken`).
+    // holds the tuple: this flow gets another source port, so that flow is not broken
+    // (see `conntrack::reply_taken`); refused if none is free.
+    let mut source_port = pkt.key.sport;
     if conntrack::reply_taken::<V4>(&reply_key, &pkt.key, now) {
-        return refuse_because(ctx, REFUSED_TUPLE_CLASH);
+        source_port = clash_port(&mut reply_key);
+        if source_port == 0 {
+            bump(Stat::TupleClashRefused);
+            return refuse_because(ctx, REFUSED_TUPLE_CLASH);
+        }
     }
+    let translated = source_port != pkt.key.sport;
     if affinity_ns != 0 {
         let value = AffinityValue {
             last_seen_ns: now,
@@ -810,6 +835,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         backend_id,
         service_id,
         expected_ack: conntrack::initial_expected_ack(pkt.key.proto, pkt.tcp_flags),
+        client_port: if translated { source_port } else { 0 },
         _pad1: 0,
     };
     let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
@@ -826,6 +852,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         backend_id,
         service_id,
         expected_ack: 0,
+        client_port: if translated { pkt.key.sport } else { 0 },
         _pad1: 0,
     };
     if !track::<V4>(Table::New, &reply_key, &reply) || !track::<V4>(Table::New, &pkt.key, &original)
@@ -833,7 +860,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         bump(Stat::ConntrackInsertFailed);
     }
     if hairpin_flag == 0 && masquerades(header, pkt, &backend) {
-        plan_masquerade(pkt, &backend, backend_id, service_id, now);
+        plan_masquerade(pkt, source_port, &backend, backend_id, service_id, now);
     }
     rewrite(
         ctx,
@@ -844,8 +871,8 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
         pkt.key.dport,
         backend.port,
     )?;
-    if hairpin_flag != 0 {
-        hairpin_source(ctx, pkt)?;
+    if hairpin_flag != 0 || translated {
+        translate_source(ctx, pkt, hairpin_flag != 0, source_port)?;
     }
     bump(Stat::NewFlow);
     account(ctx, service_id, backend_id, true);
@@ -1417,14 +1444,22 @@ fn masquerades(header: &ServiceValue, pkt: &Packet, backend: &Backend) -> bool {
 /// replies to this node: at egress the source becomes the node's address and a port free for
 /// that backend (the client's own port when possible), and the reply is mapped back at
 /// ingress. Both steps happen where routing allows them: a node address as the source of a
-/// packet still to be routed would be dropped as a martian.
+/// packet still to be routed would be dropped as a martian. `sport`: the flow's source port
+/// after ingress (another than the client's after a tuple clash).
 #[inline(always)]
-fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id: u32, now: u64) {
+fn plan_masquerade(
+    pkt: &Packet,
+    sport: u16,
+    backend: &Backend,
+    backend_id: u32,
+    service_id: u32,
+    now: u64,
+) {
     let masq = config().masquerade_addr;
     if masq == 0 {
         return;
     }
-    let Some(port) = free_snat_port(pkt, backend, masq) else {
+    let Some(port) = free_snat_port(pkt.key.proto, sport, backend, masq) else {
         bump(Stat::SnatPortsExhausted);
         return;
     };
@@ -1432,7 +1467,7 @@ fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id:
     let snat_key = ConntrackKey::new(
         pkt.key.saddr,
         backend.addr,
-        pkt.key.sport,
+        sport,
         backend.port,
         pkt.key.proto,
     );
@@ -1445,18 +1480,20 @@ fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id:
         backend_id,
         service_id,
         expected_ack: 0,
+        client_port: 0,
         _pad1: 0,
     };
     let unsnat_key = ConntrackKey::new(backend.addr, masq, backend.port, port, pkt.key.proto);
     let unsnat = ConntrackValue {
         last_seen_ns: now,
         nat_addr: pkt.key.saddr,
-        nat_port: pkt.key.sport,
+        nat_port: sport,
         flags: CT_FLAG_SNAT_REPLY | CT_FLAG_SEEN_REPLY,
         _pad0: 0,
         backend_id,
         service_id,
         expected_ack: 0,
+        client_port: 0,
         _pad1: 0,
     };
     if !track::<V4>(Table::New, &unsnat_key, &unsnat) || !track::<V4>(Table::New, &snat_key, &snat)
@@ -1465,14 +1502,14 @@ fn plan_masquerade(pkt: &Packet, backend: &Backend, backend_id: u32, service_id:
     }
 }
 
-/// Tries the client's port, then a few random ones, for a (node address, port) whose reply
-/// tuple from `backend` is not in use.
+/// Tries the flow's source port, then a few random ones, for a (node address, port) whose
+/// reply tuple from `backend` is not in use.
 #[inline(always)]
-fn free_snat_port(pkt: &Packet, backend: &Backend, masq: u32) -> Option<u16> {
-    let mut port = pkt.key.sport;
+fn free_snat_port(proto: u8, sport: u16, backend: &Backend, masq: u32) -> Option<u16> {
+    let mut port = sport;
     let mut tries = 0;
     while tries < SNAT_PORT_TRIES {
-        let reply = ConntrackKey::new(backend.addr, masq, backend.port, port, pkt.key.proto);
+        let reply = ConntrackKey::new(backend.addr, masq, backend.port, port, proto);
         if !conntrack::in_use::<V4>(&reply) {
             return Some(port);
         }
@@ -1530,18 +1567,27 @@ fn unmasquerade(
 /// [`HAIRPIN_SOURCE`] as it sits in a packet (network byte order).
 const HAIRPIN: u32 = u32::from_ne_bytes(HAIRPIN_SOURCE);
 
-/// A hairpin flow's source becomes [`HAIRPIN_SOURCE`] (its port stays).
+/// The source a flow leaves ingress with: [`HAIRPIN_SOURCE`] for a flow from its own
+/// backend, and `port` (the client's, or the one given when its tuple clashed).
 #[inline(always)]
-fn hairpin_source(ctx: &TcContext, pkt: &Packet) -> Result<(), Stat> {
+fn translate_source(ctx: &TcContext, pkt: &Packet, hairpin: bool, port: u16) -> Result<(), Stat> {
+    let addr = if hairpin { HAIRPIN } else { pkt.key.saddr };
     rewrite(
         ctx,
         pkt,
         Side::Source,
         pkt.key.saddr,
-        HAIRPIN,
+        addr,
         pkt.key.sport,
-        pkt.key.sport,
+        port,
     )
+}
+
+/// [`conntrack::clash_free_port`] for IPv4: a subprogram of its own, so its loop's frame
+/// is not added to the packet program's, which is near the 512 bytes.
+#[inline(never)]
+fn clash_port(reply: &mut ConntrackKey) -> u16 {
+    conntrack::clash_free_port::<V4>(reply)
 }
 
 /// The client address a backend sees (and replies to): the hairpin address for a flow from
@@ -1612,7 +1658,7 @@ fn refuse(ctx: &TcContext) -> Result<i32, Stat> {
 
 /// Why a flow is refused, for the refusal program's count (in the packet's `cb[0]`).
 pub const REFUSED_NO_ENDPOINTS: u32 = 0;
-/// Counted as `Stat::TupleClash` where it was found, not as `Stat::Refused`.
+/// Counted as `Stat::TupleClashRefused` where it was found, not as `Stat::Refused`.
 pub const REFUSED_TUPLE_CLASH: u32 = 1;
 
 /// [`refuse`], saying why.

@@ -330,6 +330,17 @@ pub mod ipv6 {
     }
 }
 
+/// Whether a frame of either family has a valid IPv4 header checksum (IPv6 has none) and
+/// L4 checksum, computed here independently of the kernel.
+pub fn checksums_ok(frame: &[u8]) -> bool {
+    if frame[12..14] == [0x86, 0xdd] {
+        ipv6::parse(frame).l4_checksum_ok()
+    } else {
+        let p = parse(frame);
+        p.ip_checksum_ok() && p.l4_checksum_ok()
+    }
+}
+
 /// Source and destination of a frame of either family.
 pub fn ends(frame: &[u8]) -> (std::net::SocketAddr, std::net::SocketAddr) {
     use std::net::SocketAddr;

@@ -151,10 +151,6 @@ fn manifests(tick: u64) -> String {
 struct Counters {
     ok: AtomicU64,
     failed: AtomicU64,
-    /// New connections reset at once though the Service had ready endpoints: the eBPF
-    /// datapath refusing a flow whose tuple a held connection already uses (`tuple_clash`,
-    /// docs/datapath.md), counted apart and checked against the datapath's own count.
-    refused: AtomicU64,
     errors: Mutex<Vec<String>>,
 }
 
@@ -189,7 +185,8 @@ struct Sample {
     programmed: Vec<u64>,
     /// Per node: kernel conntrack entries.
     conntrack: Vec<u64>,
-    /// Per node: new flows the eBPF datapath refused for a tuple clash, since it started.
+    /// Per node: new flows the eBPF datapath gave another source port because their tuple
+    /// was a held connection's (`tuple_clash`, docs/datapath.md), since it started.
     clashes: Vec<u64>,
     requests_ok: u64,
     requests_failed: u64,
@@ -202,9 +199,8 @@ struct ModeResult {
     restarts: u64,
     requests_ok: u64,
     requests_failed: u64,
-    /// New connections refused for a tuple clash, and the datapaths' own count.
-    refused_clash: u64,
-    clashes_counted: u64,
+    /// Tuple clashes the eBPF datapaths resolved with another source port (their count).
+    clashes: u64,
     errors: Vec<String>,
     /// (after warm-up, at the end) per node.
     rss_kib: Vec<(u64, u64)>,
@@ -310,15 +306,11 @@ fn start_traffic(
         threads.push(c.pod(pod).ns.spawn(move || {
             let to = SocketAddrV4::new(to, 80);
             while !stop.load(Ordering::Relaxed) {
-                match client::tcp_hello(to, None, Duration::from_secs(3)) {
-                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                        counters.refused.fetch_add(1, Ordering::Relaxed);
-                    }
-                    r => counters.record(
-                        &format!("tcp {to}"),
-                        r.map(|_| ()).map_err(|e| e.to_string()),
-                    ),
-                }
+                let r = client::tcp_hello(to, None, Duration::from_secs(3));
+                counters.record(
+                    &format!("tcp {to}"),
+                    r.map(|_| ()).map_err(|e| e.to_string()),
+                );
                 std::thread::sleep(Duration::from_millis(20));
             }
         }));
@@ -460,11 +452,6 @@ fn soak(mode: &str, a: &Args) -> Result<(ModeResult, Vec<Sample>)> {
             Err("no RSS or descriptors read".into()),
         );
     }
-    // Only the eBPF datapath refuses for a tuple clash; elsewhere a refusal is a failure.
-    let refused = counters.refused.load(Ordering::Relaxed);
-    if mode != "ebpf" && refused > 0 {
-        counters.failed.fetch_add(refused, Ordering::Relaxed);
-    }
     // Too little traffic proves nothing (about 80 requests a second are made).
     let expected = (a.minutes * 60.0 * 10.0) as u64;
     if counters.ok.load(Ordering::Relaxed) < expected {
@@ -482,8 +469,7 @@ fn soak(mode: &str, a: &Args) -> Result<(ModeResult, Vec<Sample>)> {
         restarts,
         requests_ok: counters.ok.load(Ordering::Relaxed),
         requests_failed: counters.failed.load(Ordering::Relaxed),
-        refused_clash: counters.refused.load(Ordering::Relaxed),
-        clashes_counted: samples.last().map_or(0, |s| s.clashes.iter().sum()),
+        clashes: samples.last().map_or(0, |s| s.clashes.iter().sum()),
         errors: counters.errors.lock().unwrap().clone(),
         rss_kib: rss,
         fds,
@@ -506,7 +492,7 @@ fn soak(mode: &str, a: &Args) -> Result<(ModeResult, Vec<Sample>)> {
 
 fn report(results: &[ModeResult]) -> String {
     let mut md = String::from(
-        "| mode | minutes | agent restarts | requests ok | failed | refused for a tuple clash (datapath's count) | RSS KiB after warm-up → end (node 1; node 2) | descriptors (node 1; node 2) | growth after warm-up |\n|---|---:|---:|---:|---:|---:|---|---|---:|\n",
+        "| mode | minutes | agent restarts | requests ok | failed | tuple clashes given another port | RSS KiB after warm-up → end (node 1; node 2) | descriptors (node 1; node 2) | growth after warm-up |\n|---|---:|---:|---:|---:|---:|---|---|---:|\n",
     );
     for r in results {
         let pair = |v: &[(u64, u64)]| {
@@ -516,14 +502,13 @@ fn report(results: &[ModeResult]) -> String {
                 .join("; ")
         };
         md += &format!(
-            "| {} | {} | {} | {} | {} | {} ({}) | {} | {} | {:.1} % |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} % |\n",
             r.mode,
             r.minutes,
             r.restarts,
             r.requests_ok,
             r.requests_failed,
-            r.refused_clash,
-            r.clashes_counted,
+            r.clashes,
             pair(&r.rss_kib),
             pair(&r.fds),
             r.growth_percent
@@ -623,15 +608,11 @@ fn main() -> Result<()> {
     plot(&samples, &a.out)?;
     let failed: Vec<String> = results
         .iter()
-        .filter(|r| {
-            r.requests_failed > 0
-                || r.refused_clash > r.clashes_counted
-                || r.growth_percent > a.max_growth
-        })
+        .filter(|r| r.requests_failed > 0 || r.growth_percent > a.max_growth)
         .map(|r| {
             format!(
-                "{}: {} failed requests, {} refused of which the datapath counted {} clashes, {:.1} % growth",
-                r.mode, r.requests_failed, r.refused_clash, r.clashes_counted, r.growth_percent
+                "{}: {} failed requests, {:.1} % growth",
+                r.mode, r.requests_failed, r.growth_percent
             )
         })
         .collect();
