@@ -197,6 +197,11 @@ impl Datapath {
         !EBPF_OBJECT.is_empty()
     }
 
+    /// The eBPF object built into this agent (empty without one), for checks of what ships.
+    pub fn embedded_object() -> &'static [u8] {
+        EBPF_OBJECT
+    }
+
     /// Loads the programs and creates the maps; with `pins`, maps are pinned there, or
     /// reused from there when a previous agent left them (see [`crate::datapath::pins`]).
     /// Fails with the fix when the agent was built before the eBPF object.
