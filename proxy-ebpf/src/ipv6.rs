@@ -436,7 +436,7 @@ fn translate_tracked(
         (pkt.l4_off + 2, pkt.key.dport, nat_port),
     )?;
     if hairpin || translated {
-        translate_source(ctx, pkt, hairpin, sport)?;
+        translate_source(ctx, pkt, hairpin, (pkt.key.sport, sport))?;
     }
     bump(Stat::EstablishedFlow);
     account(ctx, service_id, backend_id, false);
@@ -707,14 +707,7 @@ fn new_flow(
     )?;
     if hairpin != 0 {
         // The port stays as `resolve_clash` left it.
-        rewrite(
-            ctx,
-            pkt,
-            IP6_SADDR_OFF,
-            &pkt.key.saddr,
-            &HAIRPIN_SOURCE6,
-            (pkt.l4_off, source_port, source_port),
-        )?;
+        translate_source(ctx, pkt, true, (source_port, source_port))?;
         bump(Stat::NewFlow);
         account(ctx, service_id, backend_id, true);
         return Ok(false);
@@ -1098,10 +1091,16 @@ fn addr_to_words(addr: &[u8; 16]) -> [u32; 4] {
 }
 
 /// The source a flow leaves ingress with: [`HAIRPIN_SOURCE6`] for a flow from its own
-/// backend, and `port` (the client's, or the one given when its tuple clashed).
+/// backend, and `ports.1` (the client's, or the one given when its tuple clashed) instead
+/// of the packet's `ports.0`.
 #[inline(always)]
-fn translate_source(ctx: &TcContext, pkt: &Packet6, hairpin: bool, port: u16) -> Result<(), Stat> {
-    let port = (pkt.l4_off, pkt.key.sport, port);
+fn translate_source(
+    ctx: &TcContext,
+    pkt: &Packet6,
+    hairpin: bool,
+    ports: (u16, u16),
+) -> Result<(), Stat> {
+    let port = (pkt.l4_off, ports.0, ports.1);
     if !hairpin {
         // No address to copy: the callers' frames are near BPF's stack limit.
         return rewrite_port(ctx, pkt, port);

@@ -167,21 +167,45 @@ fn pass(dp: &TestDatapath, hook: Hook, frame: &[u8]) -> (proxy_tests::packet::Pa
     (p, out)
 }
 
-#[test]
-fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_egress() {
-    require_kernel!();
+/// A node masquerading to `remote`, a pod on another node, as `node_internal`; NodePorts
+/// on `node_external`.
+struct Masquerading {
+    dp: TestDatapath,
+    node_external: Ipv4Addr,
+    node_internal: Ipv4Addr,
+    client: Ipv4Addr,
+    remote: SocketAddrV4,
+}
+
+fn masquerading() -> Masquerading {
     let mut dp = TestDatapath::load(small()).expect("load datapath");
-    let node_external = Ipv4Addr::new(10, 250, 1, 1);
     let node_internal = Ipv4Addr::new(10, 251, 0, 1);
-    let client = Ipv4Addr::new(10, 250, 1, 2);
-    let other_client = Ipv4Addr::new(10, 250, 1, 3);
-    let remote = SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 8080);
     dp.datapath
         .configure(&proxy_common::DatapathConfig {
             masquerade_addr: u32::from(node_internal).to_be(),
             ..proxy_common::DatapathConfig::DEFAULT
         })
         .unwrap();
+    Masquerading {
+        dp,
+        node_external: Ipv4Addr::new(10, 250, 1, 1),
+        node_internal,
+        client: Ipv4Addr::new(10, 250, 1, 2),
+        remote: SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 8080),
+    }
+}
+
+#[test]
+fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_egress() {
+    require_kernel!();
+    let Masquerading {
+        mut dp,
+        node_external,
+        node_internal,
+        client,
+        remote,
+    } = masquerading();
+    let other_client = Ipv4Addr::new(10, 250, 1, 3);
     for protocol in [Protocol::Tcp, Protocol::Udp] {
         let f = Frontend {
             addr: node_external.into(),
@@ -269,17 +293,13 @@ fn node_port_flows_to_remote_backends_are_masqueraded_and_replies_restored_at_eg
 #[test]
 fn a_clashing_masqueraded_flow_is_masqueraded_from_its_new_port() {
     require_kernel!();
-    let mut dp = TestDatapath::load(small()).expect("load datapath");
-    let node_external = Ipv4Addr::new(10, 250, 1, 1);
-    let node_internal = Ipv4Addr::new(10, 251, 0, 1);
-    let client = Ipv4Addr::new(10, 250, 1, 2);
-    let remote = SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 8080);
-    dp.datapath
-        .configure(&proxy_common::DatapathConfig {
-            masquerade_addr: u32::from(node_internal).to_be(),
-            ..proxy_common::DatapathConfig::DEFAULT
-        })
-        .unwrap();
+    let Masquerading {
+        mut dp,
+        node_external,
+        node_internal,
+        client,
+        remote,
+    } = masquerading();
     let header = HeaderSettings {
         flags: proxy_common::SERVICE_FLAG_EXTERNAL | proxy_common::SERVICE_FLAG_MASQUERADE,
         affinity_timeout: 0,
