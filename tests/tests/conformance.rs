@@ -133,6 +133,7 @@ conformance!(
     terminating_endpoints_serve_only_when_none_is_ready,
     internal_traffic_policy_local_keeps_traffic_on_the_node,
     prefer_close_keeps_traffic_in_the_zone,
+    prefer_same_node_keeps_traffic_on_the_node_and_falls_back_to_the_zone,
     node_port_reaches_every_backend_from_outside_with_replies_through_the_node,
     external_traffic_policy_local_serves_local_endpoints_and_keeps_the_client_address: [
         run,
@@ -643,6 +644,57 @@ fn prefer_close_keeps_traffic_in_the_zone(mode: Mode) {
         pods(&tcp_from_pod(&c, CLIENT_2, to, 30)),
         set(&["web-2a", "web-2b"])
     );
+}
+
+/// `trafficDistribution: PreferSameNode` (KEP-3015), as the EndpointSlice controller
+/// writes it: each endpoint hinted for its own node and its zone. A node with an endpoint
+/// keeps its traffic there; a node for which no endpoint is hinted falls back to its
+/// zone's hints, as kube-proxy does.
+fn prefer_same_node_keeps_traffic_on_the_node_and_falls_back_to_the_zone(mode: Mode) {
+    // The node and zone hints of web-1a, web-2a and web-2b.
+    let manifest = |c: &Cluster, hinted: [(&str, &str); 3]| {
+        let hints = |node: &str, zone: &str| {
+            format!(
+                "conditions: {{ready: true}}\n    hints: {{forNodes: [{{name: {node}}}], forZones: [{{name: {zone}}}]}}"
+            )
+        };
+        service(
+            "web",
+            "10.96.0.17",
+            "  trafficDistribution: PreferSameNode\n",
+            &[("", "TCP", 80, "8080")],
+        ) + &slice(
+            c,
+            "web",
+            "1",
+            &[("", "TCP", 8080)],
+            &[
+                ("web-1a", &hints(hinted[0].0, hinted[0].1)),
+                ("web-2a", &hints(hinted[1].0, hinted[1].1)),
+                ("web-2b", &hints(hinted[2].0, hinted[2].1)),
+            ],
+        )
+    };
+    let mut c = cluster(mode, move |c| {
+        manifest(c, [("node-1", "z1"), ("node-2", "z2"), ("node-2", "z2")])
+    });
+    let to = addr("10.96.0.17", 80);
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT, to, 20)), set(&["web-1a"]));
+    assert_eq!(
+        pods(&tcp_from_pod(&c, CLIENT_2, to, 30)),
+        set(&["web-2a", "web-2b"])
+    );
+    // Every endpoint hinted for node-1 (and web-2b for zone z1): node-1 uses all three;
+    // node-2, for which none is hinted, falls back to zone z2's hints: web-2a alone.
+    let yaml = manifest(&c, [("node-1", "z1"), ("node-1", "z2"), ("node-1", "z1")]);
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    assert_eq!(
+        pods(&tcp_from_pod(&c, CLIENT, to, 40)),
+        set(&["web-1a", "web-2a", "web-2b"])
+    );
+    assert_eq!(pods(&tcp_from_pod(&c, CLIENT_2, to, 20)), set(&["web-2a"]));
 }
 
 /// A NodePort service on TCP 30080 -> 8080 and UDP 30053 -> 5353 with every backend.

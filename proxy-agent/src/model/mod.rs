@@ -451,7 +451,7 @@ impl DesiredState {
                 served.into_iter().skip(1).collect();
 
             let endpoints = resolve_endpoints(spec, family, slices, &mut problems, &svc.name);
-            let picked = categorize(&endpoints, svc, node);
+            let picked = categorize(&endpoints, node);
             let policy = |local: bool| {
                 if local {
                     let when_empty = if picked.any_serving {
@@ -566,11 +566,7 @@ fn serving_terminating(ep: &EndpointInfo) -> bool {
     ep.serving && ep.terminating
 }
 
-fn categorize(
-    endpoints: &[(SocketAddr, &EndpointInfo)],
-    svc: &ServiceInfo,
-    node: &NodeContext,
-) -> Categorized {
+fn categorize(endpoints: &[(SocketAddr, &EndpointInfo)], node: &NodeContext) -> Categorized {
     let pick = |keep: &dyn Fn(&EndpointInfo) -> bool| -> Vec<SocketAddr> {
         let set: BTreeSet<SocketAddr> = endpoints
             .iter()
@@ -579,10 +575,8 @@ fn categorize(
             .collect();
         set.into_iter().collect()
     };
-    let topology = use_topology(endpoints, svc, node);
-    let zone = node.zone.as_deref().unwrap_or_default();
-    let mut cluster =
-        pick(&|ep| ep.ready && (!topology || ep.zone_hints.iter().any(|z| z == zone)));
+    let topology = topology_mode(endpoints, node);
+    let mut cluster = pick(&|ep| ep.ready && topology.admits(ep, node));
     if cluster.is_empty() {
         cluster = pick(&serving_terminating);
     }
@@ -600,28 +594,50 @@ fn categorize(
     }
 }
 
-/// kube-proxy's `canUseTopology`: the Service asks for it, this node has a zone, every ready
-/// endpoint carries zone hints, and at least one is hinted for this node's zone (else
-/// topology would leave the zone with nothing, and it is ignored).
-fn use_topology(
-    endpoints: &[(SocketAddr, &EndpointInfo)],
-    svc: &ServiceInfo,
-    node: &NodeContext,
-) -> bool {
-    if !svc.prefer_same_zone {
-        return false;
-    }
-    let Some(zone) = node.zone.as_deref() else {
-        return false;
-    };
-    let mut for_zone = false;
-    for (_, ep) in endpoints.iter().filter(|(_, ep)| ep.ready) {
-        if ep.zone_hints.is_empty() {
-            return false;
+/// Which endpoints a Cluster-policy service port keeps on this node: kube-proxy's
+/// `topologyModeFromHints` (1.34). The EndpointSlice controller writes the hints when the
+/// Service asks (`trafficDistribution: PreferSameNode`, `PreferSameZone` or its old name
+/// `PreferClose`, or the `topology-mode: Auto` annotation), so the hints alone decide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Topology {
+    /// Every ready endpoint.
+    Everywhere,
+    /// Those hinted for this node.
+    SameNode,
+    /// Those hinted for this node's zone.
+    SameZone,
+}
+
+impl Topology {
+    fn admits(self, ep: &EndpointInfo, node: &NodeContext) -> bool {
+        match self {
+            Topology::Everywhere => true,
+            Topology::SameNode => ep.node_hints.contains(&node.name),
+            Topology::SameZone => ep
+                .zone_hints
+                .iter()
+                .any(|z| Some(z.as_str()) == node.zone.as_deref()),
         }
-        for_zone |= ep.zone_hints.iter().any(|z| z == zone);
     }
-    for_zone
+}
+
+/// Node hints apply when every ready endpoint has one and one names this node; else zone
+/// hints, when every ready endpoint has one and one names this node's zone; else none
+/// (hints that would leave this node or zone with nothing are ignored).
+fn topology_mode(endpoints: &[(SocketAddr, &EndpointInfo)], node: &NodeContext) -> Topology {
+    let ready = || endpoints.iter().map(|(_, ep)| *ep).filter(|ep| ep.ready);
+    let all_node_hints = ready().all(|ep| !ep.node_hints.is_empty());
+    if all_node_hints && ready().any(|ep| Topology::SameNode.admits(ep, node)) {
+        return Topology::SameNode;
+    }
+    let all_zone_hints = ready().all(|ep| !ep.zone_hints.is_empty());
+    if node.zone.is_some()
+        && all_zone_hints
+        && ready().any(|ep| Topology::SameZone.admits(ep, node))
+    {
+        return Topology::SameZone;
+    }
+    Topology::Everywhere
 }
 
 /// The endpoints of one service port in one family with their conditions, the target port resolved

@@ -168,7 +168,9 @@ impl fmt::Display for Cidr {
     }
 }
 
-/// Annotation that turns on topology-aware routing (and its deprecated predecessor).
+/// Annotation that turns on topology-aware routing (and its deprecated predecessor). Read by
+/// the EndpointSlice controller, which writes the hints this agent follows, as
+/// `trafficDistribution` is.
 pub const TOPOLOGY_MODE_ANNOTATION: &str = "service.kubernetes.io/topology-mode";
 pub const TOPOLOGY_HINTS_ANNOTATION: &str = "service.kubernetes.io/topology-aware-hints";
 
@@ -294,9 +296,6 @@ pub struct ServiceInfo {
     /// `internalTrafficPolicy: Local`.
     pub internal_local: bool,
     pub health_check_node_port: Option<u16>,
-    /// Topology-aware routing asked for: `trafficDistribution: PreferClose` (or
-    /// `PreferSameZone`), or the `topology-mode: Auto` annotation.
-    pub prefer_same_zone: bool,
     /// The `proxy-agent.io/scheduler` annotation, when set.
     pub scheduler: Option<Scheduler>,
     /// The `proxy-agent.io/weights` annotation: endpoint address -> weight.
@@ -330,6 +329,9 @@ pub struct EndpointInfo {
     pub zone: Option<String>,
     /// `hints.forZones[].name`: the zones the EndpointSlice controller assigned it to.
     pub zone_hints: Vec<String>,
+    /// `hints.forNodes[].name`: the nodes it was assigned to (`trafficDistribution:
+    /// PreferSameNode`).
+    pub node_hints: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -591,15 +593,6 @@ impl ServiceInfo {
             Some(n) => Some(port_number(n, "spec.healthCheckNodePort")?),
         };
         let annotations = svc.metadata.annotations.clone().unwrap_or_default();
-        let topology_annotation = annotations
-            .get(TOPOLOGY_MODE_ANNOTATION)
-            .or_else(|| annotations.get(TOPOLOGY_HINTS_ANNOTATION))
-            .is_some_and(|v| v.eq_ignore_ascii_case("auto"));
-        let prefer_same_zone = topology_annotation
-            || matches!(
-                spec.traffic_distribution.as_deref(),
-                Some("PreferClose") | Some("PreferSameZone")
-            );
         let scheduler = match annotations.get(SCHEDULER_ANNOTATION) {
             None => None,
             Some(v) => Some(v.parse::<Scheduler>().map_err(|m| {
@@ -642,7 +635,6 @@ impl ServiceInfo {
             external_local,
             internal_local,
             health_check_node_port,
-            prefer_same_zone,
             scheduler,
             weights,
         })
@@ -735,6 +727,14 @@ impl SliceInfo {
                         .into_iter()
                         .flatten()
                         .map(|z| z.name.clone())
+                        .collect(),
+                    node_hints: ep
+                        .hints
+                        .as_ref()
+                        .and_then(|h| h.for_nodes.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .map(|n| n.name.clone())
                         .collect(),
                 });
             }
@@ -910,7 +910,7 @@ mod tests {
         );
         assert_eq!(s.source_ranges[0].to_string(), "198.51.100.0/24");
         assert_eq!(s.affinity_timeout, Some(DEFAULT_AFFINITY_TIMEOUT));
-        assert!(s.external_local && s.internal_local && s.prefer_same_zone);
+        assert!(s.external_local && s.internal_local);
         assert_eq!(s.health_check_node_port, Some(32001));
     }
 

@@ -23,7 +23,6 @@ fn service(n: &str, ip: &str, ports: Vec<ServicePortSpec>) -> ServiceInfo {
         external_local: false,
         internal_local: false,
         health_check_node_port: None,
-        prefer_same_zone: false,
         scheduler: None,
         weights: Default::default(),
     }
@@ -48,6 +47,7 @@ fn endpoint(addr: &str, ready: bool) -> EndpointInfo {
         node_name: None,
         zone: None,
         zone_hints: vec![],
+        node_hints: vec![],
     }
 }
 
@@ -419,7 +419,14 @@ fn ep(spec: &str, last_octet: u8, node: &str, hints: &[&str]) -> EndpointInfo {
         node_name: Some(node.into()),
         zone: None,
         zone_hints: hints.iter().map(|h| h.to_string()).collect(),
+        node_hints: vec![],
     }
+}
+
+/// `e` hinted for the nodes listed (`hints.forNodes`).
+fn on_nodes(mut e: EndpointInfo, nodes: &[&str]) -> EndpointInfo {
+    e.node_hints = nodes.iter().map(|n| n.to_string()).collect();
+    e
 }
 
 struct SelectionCase {
@@ -427,7 +434,6 @@ struct SelectionCase {
     endpoints: Vec<EndpointInfo>,
     internal_local: bool,
     external_local: bool,
-    prefer_same_zone: bool,
     /// Last octets chosen for cluster-IP traffic, and for NodePort traffic.
     internal: (&'static [u8], WhenEmpty),
     external: (&'static [u8], WhenEmpty),
@@ -446,7 +452,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             ],
             internal_local: false,
             external_local: false,
-            prefer_same_zone: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
         },
@@ -455,7 +460,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             endpoints: vec![ep("R", 1, "n2", &[]), ep("S", 2, "n1", &[])],
             internal_local: false,
             external_local: false,
-            prefer_same_zone: false,
             internal: (&[1], Refuse),
             external: (&[1], Refuse),
         },
@@ -468,7 +472,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             ],
             internal_local: false,
             external_local: false,
-            prefer_same_zone: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
         },
@@ -477,7 +480,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             endpoints: vec![ep("T", 1, "n1", &[]), ep("U", 2, "n2", &[])],
             internal_local: false,
             external_local: true,
-            prefer_same_zone: false,
             internal: (&[], Refuse),
             external: (&[], Refuse),
         },
@@ -486,7 +488,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             endpoints: vec![ep("R", 1, "n1", &[]), ep("R", 2, "n2", &[])],
             internal_local: false,
             external_local: true,
-            prefer_same_zone: false,
             internal: (&[1, 2], Refuse),
             external: (&[1], Drop),
         },
@@ -495,7 +496,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             endpoints: vec![ep("R", 2, "n2", &[])],
             internal_local: true,
             external_local: true,
-            prefer_same_zone: false,
             internal: (&[], Drop),
             external: (&[], Drop),
         },
@@ -504,7 +504,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             endpoints: vec![ep("S", 1, "n1", &[]), ep("R", 2, "n2", &[])],
             internal_local: true,
             external_local: false,
-            prefer_same_zone: false,
             internal: (&[1], Drop),
             external: (&[2], Refuse),
         },
@@ -517,7 +516,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             ],
             internal_local: false,
             external_local: false,
-            prefer_same_zone: true,
             internal: (&[1, 3], Refuse),
             external: (&[1, 3], Refuse),
         },
@@ -526,7 +524,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             endpoints: vec![ep("R", 1, "n2", &["z1"]), ep("R", 2, "n2", &[])],
             internal_local: false,
             external_local: false,
-            prefer_same_zone: true,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
         },
@@ -535,25 +532,70 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             endpoints: vec![ep("R", 1, "n2", &["z2"]), ep("R", 2, "n2", &["z3"])],
             internal_local: false,
             external_local: false,
-            prefer_same_zone: true,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
         },
         SelectionCase {
-            what: "hints without PreferClose or the topology annotation mean nothing",
+            // kube-proxy 1.34: the EndpointSlice controller writes hints only when the
+            // Service asks for them, so hints alone decide.
+            what: "hints decide, whatever the Service says",
             endpoints: vec![ep("R", 1, "n2", &["z1"]), ep("R", 2, "n2", &["z2"])],
             internal_local: false,
             external_local: false,
-            prefer_same_zone: false,
+            internal: (&[1], Refuse),
+            external: (&[1], Refuse),
+        },
+        SelectionCase {
+            what: "PreferSameNode: endpoints hinted for this node, before zone hints",
+            endpoints: vec![
+                on_nodes(ep("R", 1, "n1", &["z1"]), &["n1"]),
+                on_nodes(ep("R", 2, "n2", &["z1"]), &["n2"]),
+                on_nodes(ep("R", 3, "n2", &["z1"]), &["n2", "n1"]),
+            ],
+            internal_local: false,
+            external_local: false,
+            internal: (&[1, 3], Refuse),
+            external: (&[1, 3], Refuse),
+        },
+        SelectionCase {
+            what: "PreferSameNode with nothing hinted for this node falls back to zone hints",
+            endpoints: vec![
+                on_nodes(ep("R", 1, "n2", &["z1"]), &["n2"]),
+                on_nodes(ep("R", 2, "n3", &["z2"]), &["n3"]),
+            ],
+            internal_local: false,
+            external_local: false,
+            internal: (&[1], Refuse),
+            external: (&[1], Refuse),
+        },
+        SelectionCase {
+            what: "node hints ignored when a ready endpoint lacks one (zone hints too: none)",
+            endpoints: vec![
+                on_nodes(ep("R", 1, "n1", &[]), &["n1"]),
+                ep("R", 2, "n2", &[]),
+                on_nodes(ep("U", 3, "n1", &[]), &[]),
+            ],
+            internal_local: false,
+            external_local: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
+        },
+        SelectionCase {
+            what: "PreferSameNode narrows Cluster policy only, not Local",
+            endpoints: vec![
+                on_nodes(ep("R", 1, "n1", &[]), &["n2"]),
+                on_nodes(ep("R", 2, "n2", &[]), &["n1"]),
+            ],
+            internal_local: true,
+            external_local: false,
+            internal: (&[1], Drop),
+            external: (&[2], Refuse),
         },
         SelectionCase {
             what: "Local policy is not narrowed by topology",
             endpoints: vec![ep("R", 1, "n1", &["z2"]), ep("R", 2, "n2", &["z1"])],
             internal_local: true,
             external_local: false,
-            prefer_same_zone: true,
             internal: (&[1], Drop),
             external: (&[2], Refuse),
         },
@@ -578,7 +620,6 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
         svc.ports[0].node_port = Some(30080);
         svc.internal_local = case.internal_local;
         svc.external_local = case.external_local;
-        svc.prefer_same_zone = case.prefer_same_zone;
         let st = store(vec![svc], vec![slice("a-1", "a", None, case.endpoints)]);
         let (state, problems) = DesiredState::build(&st, &node);
         assert!(problems.is_empty(), "{}: {problems:?}", case.what);
