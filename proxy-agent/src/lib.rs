@@ -25,6 +25,7 @@
 //! | refusal (no endpoints) | eBPF: `proxy-ebpf/src/refuse.rs` (TCP reset, ICMP); iptables and nftables: REJECT rules; ipvs: the refusal ipset rules; userspace: not listening. Decided in [`model::WhenEmpty`] |
 //! | ClientIP affinity | [`model`] (timeout); eBPF: the `AFFINITY` map in `proxy-ebpf`; iptables: `recent`; nftables: per-endpoint sets; ipvs: persistence; userspace: [`proxier::userspace`] balancer |
 //! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername programs |
+//! | what the kernel's BPF offers (probed once, logged) | [`datapath::features`] |
 //! | stale conntrack flows | [`model::stale_flows`] decides; [`kernel::conntrack::flows`] deletes over ctnetlink |
 //! | cleanup and mode switches | [`agent::cleanup::remove_modes`]; the eBPF part in [`datapath::cleanup`] |
 //! | eBPF conntrack entries (both families), evictions, flood safety (`CT_NEW`, confirmation) | `proxy-ebpf/src/conntrack.rs` (`track`, `forget`, `touch`, `confirm`, `may_open`); the sweep and eviction counts in [`datapath::runtime`] |

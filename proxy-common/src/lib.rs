@@ -66,6 +66,11 @@ pub mod map_names {
 /// counters: when 0 their code is removed from the program.
 pub const BACKEND_STATS_ENABLED: &str = "BACKEND_STATS_ENABLED";
 
+/// Load-time switch: the kernel lets socket hooks choose their error (`bpf_set_retval`,
+/// 5.18), so a connect to a service without endpoints fails with ECONNREFUSED; when 0 the
+/// call is removed and it fails with the hooks' default, EPERM.
+pub const SOCK_SET_RETVAL: &str = "SOCK_SET_RETVAL";
+
 /// Names of the programs in the eBPF object.
 pub mod program_names {
     /// Attached at tc ingress: translates what a pod (or the outside) sends.

@@ -43,8 +43,8 @@ use crate::{
         initial_expected_ack, lookup, may_open, note_reply, reply_taken, touch, track, Table, V6,
     },
     count_connection, pick_slot, random_below, read, tcp_word, Hook, SlotTable, ETH_HLEN, SERVICES,
-    SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REJECT, SOCK_REVNAT, TCP_ACK,
-    TCP_ACK_OFF, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SEQ_OFF, TCP_SYN, UDP_CSUM_OFF,
+    SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REVNAT, TCP_ACK, TCP_ACK_OFF,
+    TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SEQ_OFF, TCP_SYN, UDP_CSUM_OFF,
 };
 
 #[map]
@@ -941,10 +941,7 @@ pub fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
     };
     let (backend_addr, backend_port) = match chosen {
         SocketBackend::NotAService => return SOCK_ALLOW,
-        SocketBackend::Refused => {
-            bump(Stat::SocketRefused);
-            return SOCK_REJECT;
-        }
+        SocketBackend::Refused => return crate::refuse_socket(),
         SocketBackend::Backend(a, p) => (a, p),
     };
     let key = SockRevNatKey6 {

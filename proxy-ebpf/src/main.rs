@@ -109,6 +109,12 @@ static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(65
 #[unsafe(no_mangle)]
 static BACKEND_STATS_ENABLED: Global<u8> = Global::new(0);
 
+/// Set by the agent at load time when the kernel has `bpf_set_retval` for socket hooks
+/// (`proxy_common::SOCK_SET_RETVAL`); read-only, so when it is 0 the verifier never sees
+/// the helper call (an older kernel would refuse it).
+#[unsafe(no_mangle)]
+static SOCK_SET_RETVAL: Global<u8> = Global::new(0);
+
 /// How often a tracked flow's timestamp is refreshed. The upgrade-test variant differs here
 /// only, which changes the program without changing its behaviour.
 #[cfg(not(feature = "upgrade-test-variant"))]
@@ -230,6 +236,21 @@ pub fn proxy_getpeername4(ctx: SockAddrContext) -> i32 {
 const SOCK_ALLOW: i32 = 1;
 const SOCK_REJECT: i32 = 0;
 
+/// A socket call to a service without endpoints fails as a connection to a closed port
+/// does, with ECONNREFUSED, where the kernel lets the hook say so (else EPERM, the hooks'
+/// default).
+#[inline(always)]
+fn refuse_socket() -> i32 {
+    bump(Stat::SocketRefused);
+    if SOCK_SET_RETVAL.load() != 0 {
+        // SAFETY: a helper taking a plain integer.
+        unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
+    }
+    SOCK_REJECT
+}
+
+const ECONNREFUSED: i32 = 111;
+
 /// A socket of the node's own processes names an address (connect, or sendto on an
 /// unconnected UDP socket): a service frontend is replaced by one of its backends, chosen as
 /// for packets, and the socket remembers the frontend for replies. A service without
@@ -250,8 +271,7 @@ fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
     };
     let count = header.count;
     if count == 0 {
-        bump(Stat::SocketRefused);
-        return SOCK_REJECT;
+        return refuse_socket();
     }
     let slot = random_below(count as u32) as u16 + 1;
     let Some((_, backend)) =

@@ -1200,11 +1200,26 @@ fn the_node_itself_reaches_cluster_ips(mode: Mode) {
     );
     let (ok, out) = c.on_node(1, &format!("{probe} tcp 10.96.0.40:80")).unwrap();
     assert!(ok && out.starts_with("peer=10.96.0.40:80 web-"), "{out}");
-    // No endpoints: the connect fails at once.
-    let (ok, _) = c.on_node(1, "exec 3<>/dev/tcp/10.96.0.41/80").unwrap();
+    // No endpoints: the connect fails at once, as to a closed port ("connection refused",
+    // not EPERM's "operation not permitted", which reads as a permissions problem).
+    let (_, out) = c
+        .on_node(
+            1,
+            "s=$(date +%s%N); { exec 3<>/dev/tcp/10.96.0.41/80; } 2>&1; echo \"took $(( ($(date +%s%N) - s) / 1000000 ))\"",
+        )
+        .unwrap();
     assert!(
-        !ok,
-        "a service without endpoints must refuse the node's connects"
+        out.contains("Connection refused"),
+        "a service without endpoints must refuse the node's connects: {out}"
+    );
+    let took: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("took "))
+        .and_then(|ms| ms.trim().parse().ok())
+        .unwrap_or(u64::MAX);
+    assert!(
+        Duration::from_millis(took) < proxy_tests::scaled(Duration::from_millis(100)),
+        "refused after {took} ms: {out}"
     );
     // Outside the node's host cgroup nothing is translated (the hooks are not on the root
     // cgroup): the cluster IP is just an unrouted address there.

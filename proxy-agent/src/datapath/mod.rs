@@ -4,6 +4,7 @@
 pub mod attach;
 pub mod cgroup;
 pub mod cleanup;
+pub mod features;
 pub mod owner;
 pub mod pins;
 pub mod runtime;
@@ -264,9 +265,11 @@ impl Datapath {
         // sees as constants: what is off is removed from the program.
         let log_level: u8 = if options.flow_log { 4 } else { 0 };
         let backend_stats = options.backend_stats as u8;
+        let set_retval = features::KernelFeatures::get().sock_set_retval as u8;
         let mut loader = EbpfLoader::new();
         loader.override_global(aya_log::LEVEL, &log_level, false);
         loader.override_global(proxy_common::BACKEND_STATS_ENABLED, &backend_stats, true);
+        loader.override_global(proxy_common::SOCK_SET_RETVAL, &set_retval, true);
         loader
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)

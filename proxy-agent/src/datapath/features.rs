@@ -1,0 +1,63 @@
+//! What this kernel's BPF offers the datapath beyond what every supported kernel has,
+//! probed once per process (each probe loads a two-instruction program). A missing
+//! feature turns its part off at load time (a read-only global the verifier sees as a
+//! constant, so the code that needs it is never checked) and is logged once, naming what
+//! the node loses.
+
+use std::sync::OnceLock;
+
+use aya::{
+    programs::ProgramType,
+    sys::{is_helper_supported, BpfHelper},
+};
+use tracing::{info, warn};
+
+/// The features found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelFeatures {
+    /// `bpf_set_retval` in socket hooks (5.18): a connect to a service without endpoints
+    /// fails with ECONNREFUSED instead of EPERM.
+    pub sock_set_retval: bool,
+}
+
+impl KernelFeatures {
+    /// This kernel's, probed on first use and logged then.
+    pub fn get() -> KernelFeatures {
+        static FOUND: OnceLock<KernelFeatures> = OnceLock::new();
+        *FOUND.get_or_init(|| {
+            let found = KernelFeatures::probe();
+            found.report();
+            found
+        })
+    }
+
+    fn probe() -> KernelFeatures {
+        KernelFeatures {
+            sock_set_retval: helper(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_set_retval),
+        }
+    }
+
+    fn report(&self) {
+        if self.sock_set_retval {
+            info!("kernel BPF features: socket hooks can set their error (bpf_set_retval)");
+        } else {
+            warn!(
+                "this kernel's socket hooks cannot set their error (no bpf_set_retval, 5.18+): a connect to a Service without endpoints fails with EPERM (\"Operation not permitted\") instead of ECONNREFUSED"
+            );
+        }
+    }
+}
+
+/// Whether `program_type` may call `helper`; a probe that cannot decide counts as no.
+fn helper(program_type: ProgramType, helper: BpfHelper) -> bool {
+    match is_helper_supported(program_type, helper) {
+        Ok(supported) => supported,
+        Err(e) => {
+            warn!(
+                ?helper,
+                "probing a BPF helper failed: {e}; assuming it is missing"
+            );
+            false
+        }
+    }
+}
