@@ -160,13 +160,6 @@ conformance!(
     ],
     established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone,
     udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
-    a_backends_out_of_window_segment_never_reaches_the_client_untranslated: [
-        run,
-        run,
-        vm,
-        "kube-proxy's nftables mode drops no INVALID packets either (kubernetes#122663): nodes set conntrack.tcpBeLiberal instead",
-        run
-    ],
     the_node_itself_reaches_cluster_ips,
     schedulers_chosen_by_annotation_keep_their_defining_property: [
         run,
@@ -1044,58 +1037,6 @@ fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode:
         "ended by a reset, not a timeout: {:?}",
         started.elapsed()
     );
-}
-
-/// kube-proxy's drop of INVALID packets (kubernetes#74839; its e2e "should drop INVALID
-/// conntrack entries"): a backend's segment far outside the connection's TCP window gets
-/// no reverse NAT from conntrack. Forwarded as it is, it would reach the client from the
-/// pod's own address; the client would answer with a reset, which would end the
-/// connection at the backend ("connection reset by peer"). It must never reach the client
-/// untranslated, and the connection goes on.
-fn a_backends_out_of_window_segment_never_reaches_the_client_untranslated(mode: Mode) {
-    use proxy_tests::packet::{raw, PacketSpec, L4};
-    let c = cluster(mode, |c| web_with(c, "10.96.0.38", &[("web-1a", "")]));
-    let vip = addr("10.96.0.38", 80);
-    let tap = c.pod(CLIENT).ns.run(raw::TcpTap::open).unwrap().unwrap();
-    let session = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, vip).unwrap();
-    assert_eq!(session.exchange("one").unwrap(), "one");
-    // The backend's sequence numbers, from its last data segment as the client got it.
-    let mut last = None;
-    while let Some(s) = tap.find(*vip.ip(), 80, Duration::from_millis(300), |s| s.len > 0) {
-        last = Some(s);
-    }
-    let last = last.expect("the backend's segments reached the client from the Service");
-    // "web-1a <peer> 8080": the connection as the backend sees it (the node's address in
-    // the userspace mode, which relays).
-    let peer: SocketAddrV4 = session
-        .backend
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let backend = c.pod("web-1a").ip;
-    // Far beyond the receiver's window: conntrack finds it INVALID (a segment below the
-    // window, an old retransmission, it lets pass with the connection's NAT since 5.19).
-    let seq = last.seq.wrapping_add(last.len).wrapping_add(1 << 30);
-    let mut segment = PacketSpec::tcp(backend, 8080, *peer.ip(), peer.port(), 0x10);
-    segment.l4 = L4::Tcp {
-        flags: 0x10,
-        seq,
-        ack: 0,
-    };
-    let frame = segment.build();
-    c.pod("web-1a")
-        .ns
-        .run(move || raw::send_ipv4(&frame))
-        .unwrap()
-        .unwrap();
-    assert_eq!(
-        tap.find(backend, 8080, Duration::from_secs(1), |s| s.seq == seq),
-        None,
-        "the out-of-window segment reached the client from the backend's own address"
-    );
-    assert_eq!(session.exchange("two").unwrap(), "two", "{}", c.logs());
 }
 
 fn udp_flow_moves_to_a_live_backend_when_its_backend_is_gone(mode: Mode) {

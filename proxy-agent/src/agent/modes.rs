@@ -65,13 +65,12 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
                     "the iptables proxier needs iptables-restore and iptables-save for IPv4 and IPv6",
                 )?;
             }
-            let mut proxier = IptablesProxier::new(
+            let proxier = IptablesProxier::new(
                 commands,
                 Box::new(ConntrackFlows),
                 s.masquerade_bit,
                 &s.cluster_cidrs,
             );
-            proxier.set_drop_invalid(!tcp_be_liberal(s));
             (ActiveProxier::Iptables(Box::new(proxier)), None)
         }
         ProxyMode::Nftables => {
@@ -300,7 +299,7 @@ fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand
             return Err(e.context("the ipvs proxier holds service addresses on a dummy interface"))
         }
     };
-    let mut proxier = IpvsProxier::new(
+    Ok(IpvsProxier::new(
         ipvs_mode::IpvsKernel {
             ipvs: Box::new(ipvs),
             addresses,
@@ -311,16 +310,7 @@ fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand
         s.masquerade_bit,
         &s.cluster_cidrs,
         s.ipvs.options.clone(),
-    );
-    proxier.set_drop_invalid(!tcp_be_liberal(s));
-    Ok(proxier)
-}
-
-/// `conntrack.tcpBeLiberal` of the configuration file (kube-proxy's default: false).
-fn tcp_be_liberal(s: &Settings) -> bool {
-    s.file
-        .as_ref()
-        .is_some_and(|f| f.conntrack.kernel.tcp_be_liberal)
+    ))
 }
 
 /// Brings a counter up to a total the proxier keeps.
