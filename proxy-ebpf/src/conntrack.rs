@@ -89,6 +89,15 @@ pub(crate) trait Entry {
     /// `client_port`: the translated source port of a flow whose tuple clashed (original
     /// entry) or the client's own (reply entry); 0 when not translated.
     fn client_port(&self) -> u16;
+    /// [`Entry::client_port`], or `port` (the packet's) where the flow's port is not
+    /// translated.
+    #[inline(always)]
+    fn client_port_or(&self, port: u16) -> u16 {
+        match self.client_port() {
+            0 => port,
+            translated => translated,
+        }
+    }
 }
 
 /// One address family's conntrack map and key.
@@ -270,12 +279,10 @@ pub(crate) fn reply_taken<F: Family>(reply: &F::Key, this: &F::Key, now: u64) ->
     // SAFETY: a map value, read before any write to the maps.
     let entry_ref = unsafe { &*entry };
     let (frontend, frontend_port) = entry_ref.nat();
-    let (client, mut client_port, proto) = F::source(this);
+    let (client, client_port, proto) = F::source(this);
     // The other flow may itself have had its source port translated: its original entry
     // is under the client's own port.
-    if entry_ref.client_port() != 0 {
-        client_port = entry_ref.client_port();
-    }
+    let client_port = entry_ref.client_port_or(client_port);
     let other = F::key(client, frontend, client_port, frontend_port, proto);
     if other != *this {
         if let Some((open, other_table)) = lookup::<F>(&other) {
@@ -549,12 +556,7 @@ fn forget_clash_in<F: Family>(
     let (nat_addr, nat_port) = ct.nat();
     // A flow whose source port was translated has its original entry under the client's
     // own port.
-    let client_port = if ct.client_port() != 0 {
-        ct.client_port()
-    } else {
-        sport
-    };
-    let original = F::key(saddr, nat_addr, client_port, nat_port, proto);
+    let original = F::key(saddr, nat_addr, ct.client_port_or(sport), nat_port, proto);
     forget::<F>(table, &original);
     forget::<F>(table, reply);
     bump(Stat::ClashResolved);

@@ -40,7 +40,8 @@ use crate::{
     account, backend, bump, config,
     conntrack::{
         clash_free_port, confirm, confirms, forget, forget_reply, get_in, in_use,
-        initial_expected_ack, lookup, may_open, note_reply, reply_taken, touch, track, Table, V6,
+        initial_expected_ack, lookup, may_open, note_reply, reply_taken, touch, track, Entry,
+        Table, V6,
     },
     count_connection, pick_slot, random_below, read, tcp_word, Hook, SlotTable, ETH_HLEN, SERVICES,
     SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REVNAT, TCP_ACK, TCP_ACK_OFF,
@@ -337,11 +338,7 @@ fn translate_reply(
     let closing = pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && ct.flags & CT_FLAG_CLOSING == 0;
     let hairpin = ct.flags & CT_FLAG_HAIRPIN != 0;
     // The client's own port, where the flow's source port was translated (a tuple clash).
-    let client_port = if ct.client_port != 0 {
-        ct.client_port
-    } else {
-        pkt.key.dport
-    };
+    let client_port = ct.client_port_or(pkt.key.dport);
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
@@ -461,11 +458,7 @@ fn confirm_flow(pkt: &Packet6, ct: &ConntrackValue6) {
 /// tuple clashed.
 #[inline(always)]
 fn source_port(pkt: &Packet6, ct: &ConntrackValue6) -> u16 {
-    if ct.client_port != 0 {
-        ct.client_port
-    } else {
-        pkt.key.sport
-    }
+    ct.client_port_or(pkt.key.sport)
 }
 
 /// The reply-direction key of the flow `pkt` belongs to (tracked as `ct`).
@@ -716,14 +709,13 @@ fn new_flow(
     account(ctx, service_id, backend_id, true);
     // As for IPv4: always under masqueradeAll; to a cluster IP from outside clusterCIDR;
     // external traffic under externalTrafficPolicy: Cluster to another node's endpoint.
-    let masquerades = if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
+    Ok(if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
         true
     } else if !external {
         outside_cluster_cidr(&pkt.key.saddr)
     } else {
         header.flags & SERVICE_FLAG_MASQUERADE != 0 && remote
-    };
-    Ok(masquerades)
+    })
 }
 
 /// Where another live flow holds the tuple a new flow to `backend_id` would have (see
@@ -1124,11 +1116,7 @@ fn rewrite(
     new_addr: &[u8; 16],
     port: (usize, u16, u16),
 ) -> Result<(), Stat> {
-    let (csum_off, mangled) = if pkt.key.proto == IPPROTO_TCP {
-        (pkt.l4_off + TCP_CSUM_OFF, 0)
-    } else {
-        (pkt.l4_off + UDP_CSUM_OFF, BPF_F_MARK_MANGLED_0 as u64)
-    };
+    let (csum_off, mangled) = l4_checksum(pkt);
     if old_addr != new_addr {
         let mut from = *old_addr;
         let mut to = *new_addr;
@@ -1157,14 +1145,21 @@ fn rewrite(
     rewrite_port(ctx, pkt, port)
 }
 
-/// The port half of [`rewrite`]: `(offset, old, new)`.
+/// Where the packet's transport checksum is, and the flags its updates take: a UDP checksum
+/// of 0 means "none" and must stay so, and never become 0 for a real one.
 #[inline(always)]
-fn rewrite_port(ctx: &TcContext, pkt: &Packet6, port: (usize, u16, u16)) -> Result<(), Stat> {
-    let (csum_off, mangled) = if pkt.key.proto == IPPROTO_TCP {
+fn l4_checksum(pkt: &Packet6) -> (usize, u64) {
+    if pkt.key.proto == IPPROTO_TCP {
         (pkt.l4_off + TCP_CSUM_OFF, 0)
     } else {
         (pkt.l4_off + UDP_CSUM_OFF, BPF_F_MARK_MANGLED_0 as u64)
-    };
+    }
+}
+
+/// The port half of [`rewrite`]: `(offset, old, new)`.
+#[inline(always)]
+fn rewrite_port(ctx: &TcContext, pkt: &Packet6, port: (usize, u16, u16)) -> Result<(), Stat> {
+    let (csum_off, mangled) = l4_checksum(pkt);
     let (port_off, old_port, new_port) = port;
     if old_port != new_port {
         ctx.l4_csum_replace(csum_off, old_port as u64, new_port as u64, mangled | 2)

@@ -28,7 +28,9 @@ mod refuse;
 
 use core::mem::size_of;
 
-use conntrack::{confirm, confirms, forget, forget_clashing_flow, lookup, touch, track, Table, V4};
+use conntrack::{
+    confirm, confirms, forget, forget_clashing_flow, lookup, touch, track, Entry, Table, V4,
+};
 
 use aya_ebpf::{
     bindings::{
@@ -643,11 +645,7 @@ fn translate_reply(
         pkt.key.daddr
     };
     // The client's own port, where the flow's source port was translated (a tuple clash).
-    let client_port = if ct.client_port != 0 {
-        ct.client_port
-    } else {
-        pkt.key.dport
-    };
+    let client_port = ct.client_port_or(pkt.key.dport);
     let (nat_addr, nat_port, service_id, backend_id) =
         (ct.nat_addr, ct.nat_port, ct.service_id, ct.backend_id);
     touch(ct, pkt.tcp_flags, now, CT_FLAG_SEEN_REPLY);
@@ -762,11 +760,7 @@ fn confirm_flow(pkt: &Packet, ct: &ConntrackValue) {
 /// tuple clashed.
 #[inline(always)]
 fn source_port(pkt: &Packet, ct: &ConntrackValue) -> u16 {
-    if ct.client_port != 0 {
-        ct.client_port
-    } else {
-        pkt.key.sport
-    }
+    ct.client_port_or(pkt.key.sport)
 }
 
 /// The reply-direction key of the flow `pkt` belongs to (tracked as `ct`).
