@@ -111,9 +111,10 @@ fn scan(
             _ => {}
         }
         match opcode {
-            // rX = r10
-            0xbf if src == R10 => {
-                frame_pointers.insert(dst, 0);
+            // rX = r10, or a copy of a frame pointer
+            0xbf if src == R10 || frame_pointers.contains_key(&src) => {
+                let base = frame_pointers.get(&src).copied().unwrap_or(0);
+                frame_pointers.insert(dst, base);
             }
             // rX += imm on a frame pointer
             0x07 if frame_pointers.contains_key(&dst) => {
@@ -121,12 +122,12 @@ fn scan(
                 *p += imm;
                 deepest = deepest.max(-*p);
             }
-            // A call to a subprogram (src 1: BPF_PSEUDO_CALL).
-            0x85 if src == 1 => {
-                calls.push(target((imm + 1) * 8));
-                frame_pointers.clear();
-            }
+            // A call: to a subprogram (src 1: BPF_PSEUDO_CALL) or a helper. Either clobbers
+            // r0-r5; r6-r9 keep what they held.
             0x85 => {
+                if src == 1 {
+                    calls.push(target((imm + 1) * 8));
+                }
                 frame_pointers.retain(|r, _| *r > 5);
             }
             // A 16-byte load of a function's address (src 4: BPF_PSEUDO_FUNC), a callback.
