@@ -7,12 +7,13 @@
 //! ready → terminating → gone → ready again, out of phase so one is always ready, with a
 //! not-ready endpoint that moves every tick; one `extra-N` Service is added and the one
 //! from 2 s before removed. Every `--restart-minutes` node 1's agent restarts (node 2's runs
-//! throughout, and its footprint is the one judged). Meanwhile, from the client pods: new TCP connections to `churn` and `stable`,
-//! UDP queries to `stable`, and long connections to `stable` opened at the start that echo
-//! a line every 5 s. Every request goes to a Service with a live endpoint ready (a
-//! terminating endpoint keeps what it has; a gone one had no new flow for a second), so
-//! each failure counts. Every 5 s: each agent's RSS and open descriptors, its eBPF map
-//! entries or nftables rules, and the node's kernel conntrack entries.
+//! throughout, and its footprint is the one judged). Meanwhile, from the client pods: new
+//! TCP connections to `churn` and `stable`, UDP queries to `stable`, and long connections
+//! to `stable` opened at the start that echo a line every 5 s. Every request goes to a
+//! Service with a live endpoint ready (a terminating endpoint keeps what it has; a gone one
+//! had no new flow for a second), so each failure counts. Every 5 s: each agent's RSS and
+//! open descriptors, its eBPF map entries or nftables rules, and the node's kernel
+//! conntrack entries.
 //!
 //! Writes `results.md`, `samples.json` and `footprint.svg`/`.png` to `--out`; exits
 //! non-zero when a request failed, or when RSS or descriptors grew more than
