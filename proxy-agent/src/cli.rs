@@ -11,6 +11,7 @@ use crate::{
     config::{self, FileSettings},
     datapath::{
         attach::{AttachMode, InterfacePatterns},
+        cgroup::SocketLbScope,
         pins::DEFAULT_BPFFS_ROOT,
         DatapathSizes,
     },
@@ -46,11 +47,19 @@ pub struct Cli {
     #[arg(long)]
     pub interfaces: Option<InterfacePatterns>,
 
-    /// Attach the socket-level hooks (connect, sendmsg, recvmsg, getpeername) to this cgroup
-    /// v2 directory, so processes in it and below (the node's, host-network pods') reach
-    /// services: typically the host's cgroup root.
+    /// Attach the socket-level hooks (connect, sendmsg, recvmsg, getpeername, release) to
+    /// this cgroup v2 directory: every process in it and below gives its sockets a backend
+    /// at connect time. At the host's cgroup root (the DaemonSet's) that is the node's own
+    /// processes and every pod's; see docs/modes/ebpf.md for what stays with the tc path.
     #[arg(long = "cgroup-path")]
     pub cgroup_path: Option<PathBuf>,
+
+    /// Whose sockets the hooks translate: `all` processes below --cgroup-path, or
+    /// `host-only`, the node's network namespace alone (pods' connects stay untouched and
+    /// the tc path translates their packets, as service meshes that redirect pods' traffic
+    /// need; Cilium's bpf-lb-sock-hostns-only).
+    #[arg(long = "socket-lb", value_enum, default_value = "all")]
+    pub socket_lb: SocketLbScope,
 
     /// How to attach: tcx (kernel 6.6+), netlink (clsact qdisc + filter) or auto.
     #[arg(long = "tc-attach", default_value = "auto")]

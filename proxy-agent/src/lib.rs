@@ -24,7 +24,7 @@
 //! | NodePort | eBPF: the classifier's service lookup in `proxy-ebpf/src/main.rs` on `SERVICES` entries written per node address ([`model::NodeContext`]); iptables: `KUBE-NODEPORTS` ([`proxier::iptables::rules`]); nftables: the `service-nodeports` map ([`proxier::nftables::rules`]); ipvs: one virtual server per node address ([`proxier::ipvs`]); userspace: a listener per node port ([`proxier::userspace`]) |
 //! | refusal (no endpoints) | eBPF: `proxy-ebpf/src/refuse.rs` (TCP reset, ICMP); iptables and nftables: REJECT rules; ipvs: the refusal ipset rules; userspace: not listening. Decided in [`model::WhenEmpty`] |
 //! | ClientIP affinity | [`model`] (timeout); eBPF: the `AFFINITY` map in `proxy-ebpf`; iptables: `recent`; nftables: per-endpoint sets; ipvs: persistence; userspace: [`proxier::userspace`] balancer |
-//! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername programs |
+//! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername/release programs (`proxy-ebpf/src/sock.rs` decides); `--socket-lb` |
 //! | what the kernel's BPF offers (probed once, logged) | [`datapath::features`] |
 //! | stale conntrack flows | [`model::stale_flows`] decides; [`kernel::conntrack::flows`] deletes over ctnetlink |
 //! | cleanup and mode switches | [`agent::cleanup::remove_modes`]; the eBPF part in [`datapath::cleanup`] |

@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 8;
+pub const MAP_LAYOUT_VERSION: u32 = 9;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -60,6 +60,13 @@ pub mod map_names {
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6";
     /// The programs the tc programs tail-call into (see [`super::tail_calls`]).
     pub const TAIL_CALLS: &str = "TAIL_CALLS";
+    /// `sessionAffinity: ClientIP` for sockets the hooks translate: the client is the
+    /// socket's network namespace (a pod, or the node), whose address is not known at
+    /// connect time. [`super::SockAffinityKey`] -> [`super::AffinityValue`].
+    pub const SOCK_AFFINITY: &str = "SOCK_AFFINITY";
+    /// Sockets the hooks counted against a backend for the least-connection schedulers:
+    /// socket cookie (u64) -> [`super::SockLbValue`], until the socket is released.
+    pub const SOCK_LB: &str = "SOCK_LB";
 }
 
 /// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
@@ -70,6 +77,18 @@ pub const BACKEND_STATS_ENABLED: &str = "BACKEND_STATS_ENABLED";
 /// 5.18), so a connect to a service without endpoints fails with ECONNREFUSED; when 0 the
 /// call is removed and it fails with the hooks' default, EPERM.
 pub const SOCK_SET_RETVAL: &str = "SOCK_SET_RETVAL";
+
+/// Load-time setting: the network namespace cookie of the node's own processes (the
+/// agent's). 0: the kernel's initial namespace.
+pub const HOST_NETNS_COOKIE: &str = "HOST_NETNS_COOKIE";
+
+/// Load-time switch: 1 translates only the node's own sockets at the hooks (pods' go to the
+/// tc path untouched, as service meshes need); 0 translates every process below them.
+pub const SOCK_HOST_ONLY: &str = "SOCK_HOST_ONLY";
+
+/// Load-time switch: the socket-release hook is attached (the kernel lets it read a
+/// socket's cookie), so sockets may be counted for the least-connection schedulers.
+pub const SOCK_RELEASE_ATTACHED: &str = "SOCK_RELEASE_ATTACHED";
 
 /// Names of the programs in the eBPF object.
 pub mod program_names {
@@ -93,6 +112,9 @@ pub mod program_names {
     pub const SOCK_SENDMSG6: &str = "proxy_sendmsg6";
     pub const SOCK_RECVMSG6: &str = "proxy_recvmsg6";
     pub const SOCK_GETPEERNAME6: &str = "proxy_getpeername6";
+    /// cgroup/sock_release: a socket the hooks counted for a least-connection scheduler is
+    /// closed; its backend's count goes down.
+    pub const SOCK_RELEASE: &str = "proxy_sock_release";
     /// Answers a new flow to a service without endpoints (TCP reset, ICMP port unreachable);
     /// tail-called by the tc programs of both families.
     pub const REFUSE: &str = "proxy_refuse";
@@ -625,6 +647,24 @@ pub struct SockRevNatKey {
     pub _pad0: [u8; 2],
 }
 
+/// Key of `SOCK_AFFINITY`: a client of a socket-translated frontend, by network namespace.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockAffinityKey {
+    /// `bpf_get_netns_cookie` of the socket: one pod (or the node) is one client.
+    pub netns: u64,
+    pub service_id: u32,
+    pub _pad0: u32,
+}
+
+/// Value of `SOCK_LB`: the backend a socket was counted against.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockLbValue {
+    pub backend_id: u32,
+    pub _pad0: u32,
+}
+
 /// Value of the `SOCK_REVNAT` map: the service frontend the socket asked for, shown back to
 /// it by recvmsg and getpeername.
 #[repr(C)]
@@ -829,10 +869,18 @@ pub enum Stat {
     /// A tuple clash for which no free source port was found in a few tries: the new
     /// flow was refused.
     TupleClashRefused = 26,
+    /// A socket call the hooks left to the tc path, which translates its packets: a pod's
+    /// connected UDP socket (re-steered per packet when its backend leaves), a pod's
+    /// connect to a load-balancer IP with source ranges (judged by the packet's source),
+    /// a frontend whose need this kernel's hooks lack, or a pod under `--socket-lb
+    /// host-only`.
+    SocketLeftToTc = 27,
+    /// `SOCK_LB` was full: a socket was not counted for its least-connection scheduler.
+    SocketTableFull = 28,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 27;
+    pub const COUNT: u32 = 29;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -861,6 +909,8 @@ impl Stat {
         Stat::BlindAck,
         Stat::TupleClash,
         Stat::TupleClashRefused,
+        Stat::SocketLeftToTc,
+        Stat::SocketTableFull,
     ];
 
     /// Label used for the metric.
@@ -893,6 +943,8 @@ impl Stat {
             Stat::BlindAck => "blind_ack",
             Stat::TupleClash => "tuple_clash",
             Stat::TupleClashRefused => "tuple_clash_refused",
+            Stat::SocketLeftToTc => "socket_left_to_tc",
+            Stat::SocketTableFull => "socket_table_full",
         }
     }
 }
@@ -915,6 +967,8 @@ mod pod {
     unsafe impl aya::Pod for super::FragmentValue {}
     unsafe impl aya::Pod for super::SockRevNatKey {}
     unsafe impl aya::Pod for super::SockRevNatValue {}
+    unsafe impl aya::Pod for super::SockAffinityKey {}
+    unsafe impl aya::Pod for super::SockLbValue {}
     unsafe impl aya::Pod for super::MaglevKey {}
     unsafe impl aya::Pod for super::LcScratch {}
     unsafe impl aya::Pod for super::LblcrSet {}
@@ -1044,6 +1098,8 @@ mod tests {
         assert_eq!(size_of::<SockRevNatKey>(), 16);
         assert_eq!(offset_of!(SockRevNatKey, port), 12);
         assert_eq!(size_of::<SockRevNatValue>(), 8);
+        assert_eq!(size_of::<SockAffinityKey>(), 16);
+        assert_eq!(size_of::<SockLbValue>(), 8);
     }
 
     #[test]

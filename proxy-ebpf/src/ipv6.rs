@@ -27,8 +27,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     scheduler, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
-    DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey, ServiceKey6, ServiceValue,
-    SockRevNatKey, SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
+    DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey6, ServiceValue, SockRevNatKey,
+    SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
     BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
     CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS,
     HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
@@ -43,9 +43,11 @@ use crate::{
         initial_expected_ack, lookup, may_open, note_reply, reply_taken, touch, track, Entry,
         Table, V6,
     },
-    count_connection, pick_slot, random_below, read, tcp_word, Hook, SlotTable, ETH_HLEN, SERVICES,
-    SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES, SOCK_ALLOW, SOCK_REVNAT, TCP_ACK, TCP_ACK_OFF,
-    TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SEQ_OFF, TCP_SYN, UDP_CSUM_OFF,
+    count_connection, read,
+    sock::{choose, node_allowed4, refuse_socket, Call, Choice, SOCK_ALLOW},
+    tcp_word, Frontend4, Hook, SlotTable, ETH_HLEN, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES,
+    SOCK_REVNAT, TCP_ACK, TCP_ACK_OFF, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SEQ_OFF, TCP_SYN,
+    UDP_CSUM_OFF,
 };
 
 #[map]
@@ -911,10 +913,10 @@ fn forget_clashing_flow(pkt: &Packet6) {
     crate::conntrack::forget_clashing_flow::<V6>(&pkt.key, pkt.tcp_flags);
 }
 
-/// The node's own IPv6 sockets (see the IPv4 `socket_to_backend`): a service frontend
-/// becomes one of its backends, remembered for replies; no endpoints: refused.
+/// IPv6 sockets (see [`crate::sock`]): a frontend becomes the backend
+/// [`crate::sock::choose`] gives, remembered for replies.
 #[inline(always)]
-pub fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
+pub fn socket_to_backend(ctx: &SockAddrContext, call: Call) -> i32 {
     // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
     let sa = unsafe { &mut *ctx.sock_addr };
     let proto = sa.protocol as u8;
@@ -927,13 +929,13 @@ pub fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
     let chosen = if is_v4_mapped(&addr) {
         // A dual-stack socket naming an IPv4 service as ::ffff:a.b.c.d: the kernel runs
         // only this hook for it, so the IPv4 service is looked up here.
-        mapped_backend(&addr, port, proto)
+        mapped_backend(ctx, &addr, port, proto, call)
     } else {
-        ipv6_backend(&addr, port, proto)
+        ipv6_backend(ctx, &addr, port, proto, call)
     };
     let (backend_addr, backend_port) = match chosen {
-        SocketBackend::NotAService => return SOCK_ALLOW,
-        SocketBackend::Refused => return crate::refuse_socket(),
+        SocketBackend::Untouched => return SOCK_ALLOW,
+        SocketBackend::Refused => return refuse_socket(),
         SocketBackend::Backend(a, p) => (a, p),
     };
     let key = SockRevNatKey6 {
@@ -950,13 +952,12 @@ pub fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
     let _ = SOCK_REVNAT6.insert(&key, &value, BPF_ANY as u64);
     sa.user_ip6 = addr_to_words(&backend_addr);
     sa.user_port = backend_port as u32;
-    bump(Stat::SocketTranslated);
     SOCK_ALLOW
 }
 
 enum SocketBackend {
-    NotAService,
-    /// A service without endpoints.
+    /// Not a frontend, or left to the tc path.
+    Untouched,
     Refused,
     /// The backend's address (IPv4-mapped for an IPv4 service) and port.
     Backend([u8; 16], u16),
@@ -967,9 +968,15 @@ fn is_v4_mapped(addr: &[u8; 16]) -> bool {
     addr[..10] == [0u8; 10] && addr[10] == 0xff && addr[11] == 0xff
 }
 
-/// A uniformly random backend of an IPv6 frontend.
+/// The backend of an IPv6 frontend the hooks choose.
 #[inline(always)]
-fn ipv6_backend(addr: &[u8; 16], port: u16, proto: u8) -> SocketBackend {
+fn ipv6_backend(
+    ctx: &SockAddrContext,
+    addr: &[u8; 16],
+    port: u16,
+    proto: u8,
+    call: Call,
+) -> SocketBackend {
     let frontend = Frontend6 {
         addr: *addr,
         port,
@@ -977,38 +984,62 @@ fn ipv6_backend(addr: &[u8; 16], port: u16, proto: u8) -> SocketBackend {
         _pad0: 0,
     };
     let Some(header) = frontend.slot(0) else {
-        return SocketBackend::NotAService;
+        return SocketBackend::Untouched;
     };
-    let count = header.count;
-    if count == 0 {
-        return SocketBackend::Refused;
-    }
-    let slot = random_below(count as u32) as u16 + 1;
-    let Some(entry) = frontend.slot(slot).or_else(|| frontend.slot(1)) else {
-        return SocketBackend::NotAService;
+    let destination = fold_address(addr);
+    let id = match choose(
+        ctx,
+        frontend,
+        header,
+        proto,
+        call,
+        destination,
+        node_allowed6,
+    ) {
+        Choice::Leave => return SocketBackend::Untouched,
+        Choice::Refuse => return SocketBackend::Refused,
+        Choice::Backend(id, _) => id,
     };
-    let id = entry.backend_id;
     let (Some(b), Some(a)) = (backend(id), BACKEND_ADDRS6.get(id & BACKEND_INDEX_MASK)) else {
-        return SocketBackend::NotAService;
+        return SocketBackend::Untouched;
     };
     SocketBackend::Backend(a.addr, b.port)
 }
 
-/// A uniformly random backend of the IPv4 frontend an IPv4-mapped address names, mapped back.
+/// Whether the node's IPv6 address is inside frontend `service_id`'s source ranges.
 #[inline(always)]
-fn mapped_backend(addr: &[u8; 16], port: u16, proto: u8) -> SocketBackend {
-    let v4 = u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]);
-    let Some(header) = (unsafe { SERVICES.get(ServiceKey::new(v4, port, proto, 0)) }) else {
-        return SocketBackend::NotAService;
+fn node_allowed6(service_id: u32) -> bool {
+    let Some(c) = CONFIG6.get(0) else {
+        return false;
     };
-    let count = header.count;
-    if count == 0 {
-        return SocketBackend::Refused;
-    }
-    let slot = random_below(count as u32) as u16 + 1;
-    let Some((_, b)) = pick_slot(v4, port, proto, slot).or_else(|| pick_slot(v4, port, proto, 1))
-    else {
-        return SocketBackend::NotAService;
+    let key = LpmKey::new(
+        32 + 128,
+        SourceRangeKey6 {
+            service_id,
+            addr: c.masquerade_addr,
+        },
+    );
+    SOURCE_RANGES6.get(&key).is_some()
+}
+
+/// The backend of the IPv4 frontend an IPv4-mapped address names, mapped back.
+#[inline(always)]
+fn mapped_backend(
+    ctx: &SockAddrContext,
+    addr: &[u8; 16],
+    port: u16,
+    proto: u8,
+    call: Call,
+) -> SocketBackend {
+    let v4 = u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]);
+    let frontend = Frontend4::new(v4, port, proto);
+    let Some(header) = frontend.slot(0) else {
+        return SocketBackend::Untouched;
+    };
+    let b = match choose(ctx, frontend, header, proto, call, v4, node_allowed4) {
+        Choice::Leave => return SocketBackend::Untouched,
+        Choice::Refuse => return SocketBackend::Refused,
+        Choice::Backend(_, b) => b,
     };
     let mut mapped = *addr;
     let octets = b.addr.to_ne_bytes();

@@ -25,6 +25,9 @@
 mod conntrack;
 mod ipv6;
 mod refuse;
+mod sock;
+
+use sock::Call;
 
 use core::mem::size_of;
 
@@ -37,23 +40,23 @@ use aya_ebpf::{
         BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, TC_ACT_SHOT,
         TC_ACT_UNSPEC,
     },
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_loop},
-    macros::{cgroup_sock_addr, classifier, map},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier, map},
     maps::{
         lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray,
     },
-    programs::{SockAddrContext, TcContext},
-    EbpfContext, Global,
+    programs::{SockAddrContext, SockContext, TcContext},
+    Global,
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
     scheduler, tail_calls, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue,
     DatapathConfig, FragmentKey, FragmentValue, LblcrSet, LcScratch, MaglevKey, ServiceKey,
-    ServiceStats, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, Stat,
-    BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY,
-    CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY,
-    CT_REFRESH_NS, HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP, LBLCR_SET_SIZE,
-    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
+    ServiceStats, ServiceValue, SockAffinityKey, SockLbValue, SockRevNatKey, SockRevNatValue,
+    SourceRangeKey, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING,
+    CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY,
+    CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP,
+    LBLCR_SET_SIZE, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
     SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
     SERVICE_SCHEDULER_SHIFT,
 };
@@ -101,6 +104,14 @@ static MAGLEV: HashMap<MaglevKey, u32> = HashMap::with_max_entries(65536, BPF_F_
 static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
     LruHashMap::with_max_entries(65536, 0);
 /// The programs tail-called, filled by the agent (see `proxy_common::tail_calls`).
+/// ClientIP affinity of sockets the hooks translate, by network namespace (see [`sock`]).
+#[map]
+static SOCK_AFFINITY: LruHashMap<SockAffinityKey, AffinityValue> =
+    LruHashMap::with_max_entries(65536, 0);
+/// Sockets counted for a least-connection scheduler, until released. A hash, not an LRU:
+/// an evicted entry would never give its count back.
+#[map]
+static SOCK_LB: HashMap<u64, SockLbValue> = HashMap::with_max_entries(65536, 0);
 #[map]
 static TAIL_CALLS: ProgramArray = ProgramArray::with_max_entries(tail_calls::COUNT, 0);
 #[map]
@@ -116,6 +127,22 @@ static BACKEND_STATS_ENABLED: Global<u8> = Global::new(0);
 /// the helper call (an older kernel would refuse it).
 #[unsafe(no_mangle)]
 static SOCK_SET_RETVAL: Global<u8> = Global::new(0);
+
+/// Set by the agent at load time: its own network namespace's cookie, the one the node's
+/// processes share (`proxy_common::HOST_NETNS_COOKIE`); 0: the initial namespace.
+#[unsafe(no_mangle)]
+static HOST_NETNS_COOKIE: Global<u64> = Global::new(0);
+
+/// Set by the agent at load time (`--socket-lb host-only`): the hooks translate only the
+/// node's own sockets.
+#[unsafe(no_mangle)]
+static SOCK_HOST_ONLY: Global<u8> = Global::new(0);
+
+/// Set by the agent at load time when it attaches `proxy_sock_release` (which needs the
+/// socket cookie in cgroup/sock programs): sockets may then be counted for the
+/// least-connection schedulers.
+#[unsafe(no_mangle)]
+static SOCK_RELEASE_ATTACHED: Global<u8> = Global::new(0);
 
 /// How often a tracked flow's timestamp is refreshed. The upgrade-test variant differs here
 /// only, which changes the program without changing its behaviour.
@@ -196,12 +223,12 @@ pub fn proxy_egress6(ctx: TcContext) -> i32 {
 
 #[cgroup_sock_addr(connect6)]
 pub fn proxy_connect6(ctx: SockAddrContext) -> i32 {
-    ipv6::socket_to_backend(&ctx)
+    ipv6::socket_to_backend(&ctx, Call::Connect)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn proxy_sendmsg6(ctx: SockAddrContext) -> i32 {
-    ipv6::socket_to_backend(&ctx)
+    ipv6::socket_to_backend(&ctx, Call::Sendmsg)
 }
 
 #[cgroup_sock_addr(recvmsg6)]
@@ -216,106 +243,27 @@ pub fn proxy_getpeername6(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(connect4)]
 pub fn proxy_connect4(ctx: SockAddrContext) -> i32 {
-    socket_to_backend(&ctx)
+    sock::socket_to_backend(&ctx, Call::Connect)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn proxy_sendmsg4(ctx: SockAddrContext) -> i32 {
-    socket_to_backend(&ctx)
+    sock::socket_to_backend(&ctx, Call::Sendmsg)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn proxy_recvmsg4(ctx: SockAddrContext) -> i32 {
-    backend_to_service(&ctx)
+    sock::backend_to_service(&ctx)
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn proxy_getpeername4(ctx: SockAddrContext) -> i32 {
-    backend_to_service(&ctx)
+    sock::backend_to_service(&ctx)
 }
 
-/// cgroup sock_addr verdicts.
-const SOCK_ALLOW: i32 = 1;
-const SOCK_REJECT: i32 = 0;
-
-/// A socket call to a service without endpoints fails as a connection to a closed port
-/// does, with ECONNREFUSED, where the kernel lets the hook say so (else EPERM, the hooks'
-/// default).
-#[inline(always)]
-fn refuse_socket() -> i32 {
-    bump(Stat::SocketRefused);
-    if SOCK_SET_RETVAL.load() != 0 {
-        // SAFETY: a helper taking a plain integer.
-        unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
-    }
-    SOCK_REJECT
-}
-
-const ECONNREFUSED: i32 = 111;
-
-/// A socket of the node's own processes names an address (connect, or sendto on an
-/// unconnected UDP socket): a service frontend is replaced by one of its backends, chosen as
-/// for packets, and the socket remembers the frontend for replies. A service without
-/// endpoints is refused (the call fails).
-#[inline(always)]
-fn socket_to_backend(ctx: &SockAddrContext) -> i32 {
-    // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
-    let sa = unsafe { &mut *ctx.sock_addr };
-    let proto = sa.protocol as u8;
-    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
-        return SOCK_ALLOW;
-    }
-    let addr = sa.user_ip4;
-    // user_port holds the port in network byte order in its low 16 bits.
-    let port = sa.user_port as u16;
-    let Some(header) = (unsafe { SERVICES.get(ServiceKey::new(addr, port, proto, 0)) }) else {
-        return SOCK_ALLOW;
-    };
-    let count = header.count;
-    if count == 0 {
-        return refuse_socket();
-    }
-    let slot = random_below(count as u32) as u16 + 1;
-    let Some((_, backend)) =
-        pick_slot(addr, port, proto, slot).or_else(|| pick_slot(addr, port, proto, 1))
-    else {
-        return SOCK_ALLOW;
-    };
-    let key = SockRevNatKey {
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        addr: backend.addr,
-        port: backend.port,
-        _pad0: [0; 2],
-    };
-    let value = SockRevNatValue {
-        addr,
-        port,
-        _pad0: [0; 2],
-    };
-    let _ = SOCK_REVNAT.insert(&key, &value, BPF_ANY as u64);
-    sa.user_ip4 = backend.addr;
-    sa.user_port = backend.port as u32;
-    bump(Stat::SocketTranslated);
-    SOCK_ALLOW
-}
-
-/// recvfrom / getpeername on a socket the hook above translated: the frontend it asked for,
-/// not the backend, is what it sees.
-#[inline(always)]
-fn backend_to_service(ctx: &SockAddrContext) -> i32 {
-    // SAFETY: as above.
-    let sa = unsafe { &mut *ctx.sock_addr };
-    let key = SockRevNatKey {
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        addr: sa.user_ip4,
-        port: sa.user_port as u16,
-        _pad0: [0; 2],
-    };
-    if let Some(service) = unsafe { SOCK_REVNAT.get(&key) } {
-        sa.user_ip4 = service.addr;
-        sa.user_port = service.port as u32;
-    }
-    SOCK_ALLOW
+#[cgroup_sock(sock_release)]
+pub fn proxy_sock_release(ctx: SockContext) -> i32 {
+    sock::release(&ctx)
 }
 
 #[inline(always)]
@@ -915,9 +863,10 @@ fn schedule<F: SlotTable>(
     destination: u32,
     header: &ServiceValue,
 ) -> u16 {
-    // Never 0: empty services are refused first, and callers compiled apart from that
-    // check must check again (a division by zero would be a panic the verifier rejects).
-    let count = header.count as u32;
+    // Never 0: empty services are refused first. The compiler cannot always see that check
+    // (the socket hooks call helpers in between, after which the header is read again), and
+    // a division by a possible zero is a panic path the verifier rejects.
+    let count = (header.count as u32).max(1);
     let slot = match scheduler_of(header) {
         id @ (scheduler::LC | scheduler::WLC | scheduler::SED | scheduler::NQ) => {
             return least_loaded(frontend, header, id)
@@ -951,6 +900,18 @@ pub struct Frontend4 {
     port: u16,
     proto: u8,
     _pad0: u8,
+}
+
+impl Frontend4 {
+    #[inline(always)]
+    pub fn new(addr: u32, port: u16, proto: u8) -> Self {
+        Frontend4 {
+            addr,
+            port,
+            proto,
+            _pad0: 0,
+        }
+    }
 }
 
 impl SlotTable for Frontend4 {
@@ -1427,15 +1388,31 @@ fn sticky_backend(key: &AffinityKey, timeout_ns: u64, now: u64) -> Option<(u32, 
     if timeout_ns == 0 {
         return None;
     }
-    let last = unsafe { AFFINITY.get(key) }?;
+    remembered(
+        unsafe { AFFINITY.get(key) },
+        key.service_id,
+        timeout_ns,
+        now,
+    )
+}
+
+/// The backend an affinity entry names, if it is within `timeout_ns` of `now` and still
+/// frontend `service_id`'s (ids are never reused while entries may name them, and this
+/// holds even if they were).
+#[inline(always)]
+pub(crate) fn remembered(
+    last: Option<&AffinityValue>,
+    service_id: u32,
+    timeout_ns: u64,
+    now: u64,
+) -> Option<(u32, Backend)> {
+    let last = last?;
     if now.wrapping_sub(last.last_seen_ns) > timeout_ns {
         return None;
     }
     let id = last.backend_id;
     let b = backend(id)?;
-    // The remembered backend must still be this frontend's: ids are never reused while
-    // entries may name them, and this holds even if they were.
-    (b.service_id == key.service_id).then_some((id, b))
+    (b.service_id == service_id).then_some((id, b))
 }
 
 /// Whether a new flow is source-NATed to the node: always under `masqueradeAll`; to a

@@ -138,6 +138,9 @@ pub struct ClusterPod {
     /// 1 or 2.
     pub node: u8,
     pub ns: Netns,
+    /// The pod's cgroup, below its node's (where the agent attaches the socket hooks), as
+    /// a pod's is below the host's root cgroup in a cluster.
+    pub cgroup: PathBuf,
 }
 
 /// Who answered a hello, and what it saw.
@@ -165,6 +168,10 @@ type ServerThread = JoinHandle<Result<Result<()>>>;
 
 pub struct Cluster {
     pub id: String,
+    /// Pods' clients run as threads of the test process, outside every pod's cgroup (so
+    /// outside the socket hooks): the placement of hooks on a cgroup that holds no pod.
+    /// Off by default: clients are processes in their pod's cgroup (`pod_command`).
+    pub pod_clients_outside_hooks: bool,
     /// A cgroup2 mount of the lab's own (visible to `ip netns exec`, which remounts /sys).
     cgroup_mount: PathBuf,
     pub pods: Vec<ClusterPod>,
@@ -331,6 +338,7 @@ impl Cluster {
         }
         let mut cluster = Cluster {
             id,
+            pod_clients_outside_hooks: false,
             cgroup_mount,
             dir,
             pods: Vec::new(),
@@ -364,13 +372,30 @@ impl Cluster {
         let host_if = format!("lxc{}", self.pods.iter().filter(|p| p.node == node).count());
         crate::lab::wire_pod(node_ns, &ns, &host_if, ip)?;
         wire_pod_v6(node_ns, &ns, &host_if, v6(ip))?;
+        let cgroup = self.nodes[node as usize - 1].cgroup.join(name);
+        std::fs::create_dir_all(&cgroup)
+            .with_context(|| format!("creating cgroup {}", cgroup.display()))?;
         self.pods.push(ClusterPod {
             name: name.into(),
             ip,
             node,
             ns,
+            cgroup,
         });
         Ok(())
+    }
+
+    /// A command that runs `podclient` (the tests' `podclient` binary) as a process of pod
+    /// `name`: in the pod's cgroup and network namespace. Arguments follow.
+    pub fn pod_command(&self, name: &str, podclient: &Path) -> std::process::Command {
+        let pod = self.pod(name);
+        let mut command = std::process::Command::new(podclient);
+        command
+            .arg("--netns")
+            .arg(&pod.ns.name)
+            .arg("--cgroup")
+            .arg(&pod.cgroup);
+        command
     }
 
     fn start_servers(&mut self, name: &str) -> Result<()> {
@@ -550,6 +575,39 @@ impl Cluster {
         ))
     }
 
+    /// A TCP connection held open by a process of pod `name` (`podclient session`).
+    pub fn pod_session(
+        &self,
+        name: &str,
+        podclient: &Path,
+        to: impl Into<SocketAddr>,
+    ) -> Result<PodSession> {
+        let mut child = self
+            .pod_command(name, podclient)
+            .args(["session", &to.into().to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .context("starting podclient")?;
+        let stdin = child.stdin.take();
+        let mut stdout = BufReader::new(child.stdout.take().context("podclient stdout")?);
+        let mut session = PodSession {
+            backend: String::new(),
+            child,
+            stdin,
+            stdout: None,
+        };
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        session.stdout = Some(stdout);
+        session.backend = line
+            .strip_prefix("OK ")
+            .with_context(|| format!("opening the session: {line:?}"))?
+            .trim()
+            .to_string();
+        Ok(session)
+    }
+
     /// Both agents' logs, for failure messages.
     pub fn logs(&self) -> String {
         self.nodes
@@ -582,6 +640,42 @@ impl Cluster {
             .filter_map(|n| n.agent.as_ref())
             .map(|a| a.log_text().matches(" synced full=").count())
             .sum()
+    }
+}
+
+/// A TCP connection held open by a pod's process; closed when dropped.
+pub struct PodSession {
+    /// The greeting of the pod that accepted it (`<pod> <peer> <port>`).
+    pub backend: String,
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: Option<BufReader<std::process::ChildStdout>>,
+}
+
+impl PodSession {
+    /// Sends a line and returns what comes back (the backends echo).
+    pub fn exchange(&mut self, msg: &str) -> Result<String> {
+        let stdin = self.stdin.as_mut().context("session closed")?;
+        writeln!(stdin, "{msg}")?;
+        stdin.flush()?;
+        let mut line = String::new();
+        self.stdout
+            .as_mut()
+            .context("session closed")?
+            .read_line(&mut line)?;
+        match line.strip_prefix("OK ") {
+            Some(echo) => Ok(echo.trim().to_string()),
+            None => bail!("{}", line.trim()),
+        }
+    }
+}
+
+impl Drop for PodSession {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if self.child.wait().is_err() {
+            let _ = self.child.kill();
+        }
     }
 }
 
@@ -621,6 +715,9 @@ impl Drop for Cluster {
         }
         for (_, h) in self.servers.drain(..) {
             let _ = h.join();
+        }
+        for pod in &self.pods {
+            let _ = std::fs::remove_dir(&pod.cgroup);
         }
         for node in &self.nodes {
             let _ = std::fs::remove_dir(&node.cgroup);
@@ -692,6 +789,12 @@ fn sweep_stale_cgroups(mount: &Path) {
             continue;
         };
         if !Path::new(&format!("/proc/{pid}")).exists() {
+            // Its pods' cgroups first: a cgroup with children cannot be removed.
+            for child in std::fs::read_dir(e.path()).into_iter().flatten().flatten() {
+                if child.file_type().is_ok_and(|t| t.is_dir()) {
+                    let _ = std::fs::remove_dir(child.path());
+                }
+            }
             let _ = std::fs::remove_dir(e.path());
         }
     }

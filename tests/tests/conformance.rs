@@ -7,13 +7,14 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr, SocketAddrV4},
+    path::Path,
     time::Duration,
 };
 
 use proxy_tests::{
     cluster::{
-        client, external_client_ip, other_external_client_ip, v6, Cluster, Hello, CLIENT, CLIENT_2,
-        CLIENT_2_IP, CLIENT_IP, SCTP_PORT,
+        client, external_client_ip, other_external_client_ip, v6, Cluster, Hello, PodSession,
+        CLIENT, CLIENT_2, CLIENT_2_IP, CLIENT_IP, SCTP_PORT,
     },
     require_kernel,
 };
@@ -199,6 +200,20 @@ conformance!(
     ],
     dual_stack_service_serves_each_family_from_its_own_slices,
     the_node_itself_reaches_ipv6_cluster_ips,
+    pods_outside_the_hooked_cgroup_get_the_tc_path: [
+        run,
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare",
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare",
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare",
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare"
+    ],
+    socket_lb_host_only_leaves_pods_to_the_tc_path: [
+        run,
+        "socket hooks are the eBPF mode's: --socket-lb does not apply",
+        "socket hooks are the eBPF mode's: --socket-lb does not apply",
+        "socket hooks are the eBPF mode's: --socket-lb does not apply",
+        "socket hooks are the eBPF mode's: --socket-lb does not apply"
+    ],
     sctp_cluster_ip_and_node_port_reach_backends_on_both_nodes: [
         "the eBPF datapath does not translate SCTP yet: a port change needs the CRC32c over the whole packet recomputed, which no BPF helper does",
         vm_sctp,
@@ -343,24 +358,146 @@ enum Transport {
 
 fn exchanges(c: &Cluster, from: From, how: Transport, to: SocketAddr, n: usize) -> Vec<Hello> {
     let logs = c.logs();
-    let (ns, source) = match from {
-        From::Pod(pod) => (&c.pod(pod).ns, None),
-        From::Outside(via) => (&c.external, Some(outside_client(via, to))),
+    let results: Vec<Result<Hello, PodError>> = match from {
+        From::Pod(pod) => pod_exchanges(c, pod, how, to, n, None, 10)
+            .into_iter()
+            .map(|r| r.map(|(h, _)| h))
+            .collect(),
+        From::Outside(via) => {
+            let source = Some(outside_client(via, to));
+            c.external
+                .run(move || {
+                    (0..n)
+                        .map(|_| match how {
+                            Transport::Udp => client::udp_hello(to, source, 10, T).map(|(h, _)| h),
+                            Transport::Tcp => client::tcp_hello(to, source, T),
+                            // SCTP retransmits a lost INIT after its initial RTO, 3 s.
+                            Transport::Sctp => client::sctp_hello(to, source, T_SCTP),
+                        })
+                        .map(|r| r.map_err(|e| PodError::from_io(&e)))
+                        .collect()
+                })
+                .unwrap()
+        }
     };
-    ns.run(move || {
-        (0..n)
-            .map(|i| {
-                let hello = match how {
-                    Transport::Udp => client::udp_hello(to, source, 10, T).map(|(h, _)| h),
-                    Transport::Tcp => client::tcp_hello(to, source, T),
-                    // SCTP retransmits a lost INIT after its initial RTO, 3 s.
-                    Transport::Sctp => client::sctp_hello(to, source, T_SCTP),
-                };
-                hello.unwrap_or_else(|e| panic!("exchange {i} with {to}: {e}\n{logs}"))
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| r.unwrap_or_else(|e| panic!("exchange {i} with {to}: {e:?}\n{logs}")))
+        .collect()
+}
+
+/// Why a client's exchange failed: its errno (0: none, e.g. a bad greeting) and how long
+/// it took.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PodError {
+    errno: i32,
+    elapsed: Duration,
+    message: String,
+}
+
+impl PodError {
+    fn from_io(e: &std::io::Error) -> Self {
+        PodError {
+            errno: e.raw_os_error().unwrap_or(0),
+            elapsed: Duration::ZERO,
+            message: e.to_string(),
+        }
+    }
+
+    fn kind(&self) -> std::io::ErrorKind {
+        std::io::Error::from_raw_os_error(self.errno).kind()
+    }
+}
+
+/// `n` exchanges from a process of pod `pod` (in its cgroup, below its node's, where the
+/// eBPF mode's socket hooks are: the DaemonSet's placement), each on a new socket; the
+/// greetings, with the size of each UDP answer (`size`: each UDP datagram's).
+fn pod_exchanges(
+    c: &Cluster,
+    pod: &str,
+    how: Transport,
+    to: SocketAddr,
+    n: usize,
+    timeout: Option<Duration>,
+    size: usize,
+) -> Vec<Result<(Hello, usize), PodError>> {
+    let (transport, timeout) = match how {
+        Transport::Tcp => ("tcp", timeout.unwrap_or(T)),
+        Transport::Udp => ("udp", timeout.unwrap_or(T)),
+        Transport::Sctp => ("sctp", timeout.unwrap_or(T_SCTP)),
+    };
+    if c.pod_clients_outside_hooks {
+        return c
+            .pod(pod)
+            .ns
+            .run(move || {
+                (0..n)
+                    .map(|_| {
+                        let started = std::time::Instant::now();
+                        let hello = match how {
+                            Transport::Udp => client::udp_hello(to, None, size, timeout),
+                            Transport::Tcp => client::tcp_hello(to, None, timeout).map(|h| (h, 0)),
+                            Transport::Sctp => {
+                                client::sctp_hello(to, None, timeout).map(|h| (h, 0))
+                            }
+                        };
+                        hello.map_err(|e| PodError {
+                            elapsed: started.elapsed(),
+                            ..PodError::from_io(&e)
+                        })
+                    })
+                    .collect()
             })
-            .collect()
-    })
-    .unwrap()
+            .unwrap();
+    }
+    let out = c
+        .pod_command(pod, podclient())
+        .args(["hello", transport, &to.to_string(), &n.to_string()])
+        .args(["--timeout-ms", &timeout.as_millis().to_string()])
+        .args(["--size", &size.to_string()])
+        .output()
+        .expect("running podclient");
+    assert!(
+        out.status.success(),
+        "podclient in {pod}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(lines.len(), n, "podclient printed {lines:?}");
+    lines.iter().map(|l| parse_pod_line(l)).collect()
+}
+
+/// The tests' pod client binary (`tests/src/bin/podclient.rs`).
+fn podclient() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_podclient"))
+}
+
+/// A podclient line: `OK <pod> <peer> <port> <bytes>` or `ERR <errno> <ms> <message>`.
+fn parse_pod_line(line: &str) -> Result<(Hello, usize), PodError> {
+    let mut f = line.splitn(4, ' ');
+    match f.next() {
+        Some("OK") => {
+            let f: Vec<&str> = line.split(' ').collect();
+            let field = |i: usize| f.get(i).copied().unwrap_or_default();
+            Ok((
+                Hello {
+                    pod: field(1).to_string(),
+                    from: field(2).parse().expect(line),
+                    port: field(3).parse().expect(line),
+                },
+                field(4).parse().expect(line),
+            ))
+        }
+        _ => Err(PodError {
+            errno: f.next().and_then(|e| e.parse().ok()).unwrap_or(0),
+            elapsed: Duration::from_millis(f.next().and_then(|m| m.parse().ok()).unwrap_or(0)),
+            message: f.next().unwrap_or_default().to_string(),
+        }),
+    }
 }
 
 /// The external client's address on node `via`'s link, in the family of `to`.
@@ -710,13 +847,18 @@ fn node_port_addresses_restrict_where_node_ports_listen(mode: Mode) {
     assert_eq!(pods(&tcp_from_outside(&c, 1, on_external, 30)), set(&ALL));
     // node-1's InternalIP is outside the CIDR: nothing listens there.
     let on_internal = SocketAddrV4::new(c.node(1).internal_ip, 30080);
-    let refused = c
-        .pod(CLIENT_2)
-        .ns
-        .run(move || client::tcp_hello(on_internal, None, T).map_err(|e| e.kind()))
-        .unwrap();
+    let refused = pod_exchanges(
+        &c,
+        CLIENT_2,
+        Transport::Tcp,
+        on_internal.into(),
+        1,
+        None,
+        10,
+    )
+    .remove(0);
     assert_eq!(
-        refused.map(|h| h.pod),
+        refused.map(|(h, _)| h.pod).map_err(|e| e.kind()),
         Err(std::io::ErrorKind::ConnectionRefused),
         "{}",
         c.logs()
@@ -858,6 +1000,84 @@ fn health_check_node_port_reports_local_endpoints(mode: Mode) {
     );
 }
 
+/// Services for the socket-placement rows: `self` (10.96.0.70) served by web-1a alone,
+/// `empty` (10.96.0.71) without endpoints, `sticky` (10.96.0.72) with ClientIP affinity.
+fn placement_services(c: &Cluster) -> String {
+    service("self", "10.96.0.70", "", &[("", "TCP", 80, "8080")])
+        + &slice(c, "self", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
+        + &service("empty", "10.96.0.71", "", &[("", "TCP", 80, "8080")])
+        + &slice(c, "empty", "1", &[("", "TCP", 8080)], &[])
+        + &service(
+            "sticky",
+            "10.96.0.72",
+            "  sessionAffinity: ClientIP\n",
+            &[("", "TCP", 80, "8080")],
+        )
+        + &slice(c, "sticky", "1", &[("", "TCP", 8080)], &ready(&ALL))
+}
+
+/// What a pod gets from the tc path: reaching itself it is source-NATed to the hairpin
+/// address; a service without endpoints answers with a reset at once; affinity keeps it.
+fn tc_path_semantics(c: &Cluster) {
+    let hairpin = std::net::Ipv4Addr::from(proxy_common::HAIRPIN_SOURCE);
+    for h in tcp_from_pod(c, "web-1a", addr("10.96.0.70", 80), 5) {
+        assert_eq!((h.pod.as_str(), h.from.ip()), ("web-1a", hairpin.into()));
+    }
+    let refused = pod_exchanges(c, CLIENT, Transport::Tcp, to("10.96.0.71", 80), 1, None, 10)
+        .remove(0)
+        .expect_err("no endpoints");
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+    assert!(refused.elapsed < proxy_tests::scaled(Duration::from_millis(100)));
+    let sticky = tcp_from_pod(c, CLIENT, addr("10.96.0.72", 80), 10);
+    assert_eq!(pods(&sticky).len(), 1, "{:?}", counts(&sticky));
+}
+
+/// The socket hooks on a cgroup that holds no pod (the lab's pod clients run outside
+/// every pod's cgroup): pods are served by the tc path, with its semantics.
+fn pods_outside_the_hooked_cgroup_get_the_tc_path(mode: Mode) {
+    let mut c = Cluster::new().expect("cluster lab");
+    c.pod_clients_outside_hooks = true;
+    let path = c.write_manifests(&placement_services(&c)).unwrap();
+    c.start_agents(&path, &["--proxy-mode", mode.name()])
+        .expect("agents");
+    tc_path_semantics(&c);
+    // The tc path ends a connection whose backend left the service, with a reset.
+    let session =
+        proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, addr("10.96.0.72", 80)).unwrap();
+    let owner = session
+        .backend
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    assert_eq!(session.exchange("one").unwrap(), "one");
+    let rest: Vec<&str> = ALL.iter().copied().filter(|p| *p != owner).collect();
+    let yaml = placement_services(&c).replace(
+        &slice(&c, "sticky", "1", &[("", "TCP", 8080)], &ready(&ALL)),
+        &slice(&c, "sticky", "1", &[("", "TCP", 8080)], &ready(&rest)),
+    );
+    let before = c.sync_count();
+    c.write_manifests(&yaml).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    let started = std::time::Instant::now();
+    assert!(session.exchange("two").is_err(), "{}", c.logs());
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    drop(session);
+}
+
+/// `--socket-lb host-only` (service meshes need pods' connects untouched): pods below the
+/// hooks are served by the tc path as if the hooks were not there; the node's own
+/// processes still get backends at connect time.
+fn socket_lb_host_only_leaves_pods_to_the_tc_path(mode: Mode) {
+    let c = cluster_with_flags(mode, &["--socket-lb", "host-only"], placement_services);
+    tc_path_semantics(&c);
+    let probe = env!("CARGO_BIN_EXE_sockprobe");
+    let (ok, out) = c.on_node(1, &format!("{probe} tcp 10.96.0.72:80")).unwrap();
+    assert!(ok && out.starts_with("peer=10.96.0.72:80 web-"), "{out}");
+    let (ok, out) = c.on_node(1, &format!("{probe} tcp 10.96.0.71:80")).unwrap();
+    assert!(!ok, "{out}");
+}
+
 fn hairpin_in(mode: Mode, family: Family) {
     let (own, all) = (family.vip(27), family.vip(28));
     let c = cluster(mode, |c| {
@@ -873,12 +1093,14 @@ fn hairpin_in(mode: Mode, family: Family) {
     let own_ip = family.lab(c.pod("web-1a").ip);
     for h in tcp_from_pod(&c, "web-1a", to(&own, 80), 10) {
         assert_eq!(h.pod, "web-1a");
-        // Its own address as the source would be dropped as a martian: it sees the
-        // hairpin address instead (the netfilter modes masquerade to a node address).
-        if mode == Mode::Ebpf {
-            assert_eq!(h.from.ip(), hairpin, "{h:?}");
-        } else {
-            assert_ne!(h.from.ip(), own_ip, "{h:?}");
+        // Translated in the network, its own address as the source would be dropped as a
+        // martian: the tc path source-NATs it to the hairpin address, the netfilter modes to
+        // a node address. The socket hooks above the pod give it its own address at
+        // connect time, and it reaches itself directly (as with Cilium's socket LB).
+        match mode {
+            Mode::Ebpf if c.pod_clients_outside_hooks => assert_eq!(h.from.ip(), hairpin),
+            Mode::Ebpf => assert_eq!(h.from.ip(), own_ip, "{h:?}"),
+            _ => assert_ne!(h.from.ip(), own_ip, "{h:?}"),
         }
     }
     let hellos = tcp_from_pod(&c, "web-2a", to(&all, 80), 40);
@@ -903,18 +1125,10 @@ fn fragments_in(mode: Mode, family: Family) {
     warm_backend_paths(&c, family);
     let size = 4000; // well over the 1500-byte MTU: three fragments each way
     let to_vip = to(&vip, 53);
-    let from_pod = c
-        .pod(CLIENT)
-        .ns
-        .run(move || {
-            (0..30)
-                .map(|_| client::udp_hello(to_vip, None, size, T))
-                .collect::<Vec<_>>()
-        })
-        .unwrap();
+    let from_pod = pod_exchanges(&c, CLIENT, Transport::Udp, to_vip, 30, None, size);
     let mut seen = BTreeSet::new();
     for r in from_pod {
-        let (hello, n) = r.unwrap_or_else(|e| panic!("fragmented datagram: {e}\n{}", c.logs()));
+        let (hello, n) = r.unwrap_or_else(|e| panic!("fragmented datagram: {e:?}\n{}", c.logs()));
         assert!(n > size, "the whole echo came back translated: {n} bytes");
         seen.insert(hello.pod);
     }
@@ -1004,7 +1218,7 @@ const TERMINATING: &str = "conditions: {ready: false, serving: true, terminating
 fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode: Mode) {
     let mut c = cluster(mode, |c| web_with(c, "10.96.0.32", &[("web-2a", "")]));
     let vip = addr("10.96.0.32", 80);
-    let session = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, vip).unwrap();
+    let mut session = c.pod_session(CLIENT, podclient(), vip).unwrap();
     assert!(
         session.backend.starts_with("web-2a "),
         "{}",
@@ -1027,6 +1241,14 @@ fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode:
     c.wait_for_syncs(before).unwrap();
     let started = std::time::Instant::now();
     let outcome = session.exchange("three");
+    if mode == Mode::Ebpf {
+        // Except where the socket hooks gave the connection its backend: it runs straight
+        // to web-2a, a live pod, as a connection through kube-proxy's conntrack or
+        // Cilium's socket LB does; the tc path's reset is checked in
+        // `pods_outside_the_hooked_cgroup_get_the_tc_path`.
+        assert_eq!(outcome.unwrap(), "three");
+        return;
+    }
     assert!(
         outcome.is_err(),
         "the connection to a removed endpoint must end: {outcome:?}\n{}",
@@ -1042,39 +1264,28 @@ fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode:
 fn udp_flow_moves_to_a_live_backend_when_its_backend_is_gone(mode: Mode) {
     let mut c = cluster(mode, |c| web_with(c, "10.96.0.33", &[("web-2a", "")]));
     let vip = addr("10.96.0.33", 53);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = stop.clone();
-    // One socket, one flow: a datagram every 50 ms, answers recorded in order.
-    let sender = c.pod(CLIENT).ns.spawn(move || {
-        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-        s.connect(vip).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(200)))
-            .unwrap();
-        let mut answers = Vec::new();
-        let mut buf = [0u8; 512];
-        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-            let _ = s.send(b"ping");
-            let who = match s.recv(&mut buf) {
-                Ok(n) => String::from_utf8_lossy(&buf[..n])
-                    .split_whitespace()
-                    .next()
-                    .unwrap_or("")
-                    .to_string(),
-                Err(_) => "-".to_string(),
-            };
-            answers.push(who);
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        answers
-    });
+    // One connected socket, as a resolver's, in a process of the pod: a datagram every
+    // 50 ms, answers printed in order.
+    let mut sender = c
+        .pod_command(CLIENT, podclient())
+        .args(["udp-loop", &vip.to_string(), "--for-ms", "20000"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     std::thread::sleep(Duration::from_millis(600));
     let yaml = web_with(&c, "10.96.0.33", &[("web-2b", "")]);
     let before = c.sync_count();
     c.write_manifests(&yaml).unwrap();
     c.wait_for_syncs(before).unwrap();
-    std::thread::sleep(Duration::from_millis(800));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let answers = sender.join().unwrap().unwrap();
+    // Within 2 s of the sync the client reaches the live backend (re-creating its socket
+    // if the kernel ended it).
+    std::thread::sleep(proxy_tests::scaled(Duration::from_secs(2)));
+    let _ = sender.kill();
+    let out = sender.wait_with_output().unwrap();
+    let answers: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
     let first_moved = answers.iter().position(|a| a == "web-2b");
     assert!(answers[0] == "web-2a", "{answers:?}");
     let moved = first_moved.unwrap_or_else(|| panic!("the flow never moved: {answers:?}"));
@@ -1136,8 +1347,8 @@ fn the_node_itself_reaches_cluster_ips(mode: Mode) {
         .filter(|e| e.file_name().to_string_lossy().starts_with("cgroup-"))
         .count();
     assert_eq!(
-        hooks, 8,
-        "connect, sendmsg, recvmsg, getpeername for each of IPv4 and IPv6"
+        hooks, 9,
+        "connect, sendmsg, recvmsg, getpeername for each of IPv4 and IPv6, and release"
     );
     let (ok, out) = c.on_node(1, &format!("{probe} tcp 10.96.0.40:80")).unwrap();
     assert!(ok && out.starts_with("peer=10.96.0.40:80 web-"), "{out}");
@@ -1398,30 +1609,22 @@ fn refused_in(mode: Mode, family: Family) {
         )
     });
     let (tcp_to, udp_to) = (to(&vip, 80), to(&vip, 53));
-    let (tcp, udp) = c
-        .pod(CLIENT)
-        .ns
-        .run(move || {
-            let started = std::time::Instant::now();
-            let tcp = client::tcp_hello(tcp_to, None, T)
-                .map(|_| ())
-                .map_err(|e| (e.kind(), started.elapsed()));
-            let udp = client::udp_hello(udp_to, None, 10, T)
-                .map(|_| ())
-                .map_err(|e| e.kind());
-            (tcp, udp)
-        })
-        .unwrap();
-    let (kind, elapsed) = tcp.expect_err("TCP to a service without endpoints");
-    assert_eq!(kind, std::io::ErrorKind::ConnectionRefused, "{}", c.logs());
-    assert!(
-        elapsed < Duration::from_secs(1),
-        "refused at once, not timed out: {elapsed:?}"
-    );
+    let tcp = pod_exchanges(&c, CLIENT, Transport::Tcp, tcp_to, 1, None, 10).remove(0);
+    let udp = pod_exchanges(&c, CLIENT, Transport::Udp, udp_to, 1, None, 10).remove(0);
+    let tcp = tcp.expect_err("TCP to a service without endpoints");
     assert_eq!(
-        udp.expect_err("UDP to a service without endpoints"),
-        std::io::ErrorKind::ConnectionRefused
+        tcp.kind(),
+        std::io::ErrorKind::ConnectionRefused,
+        "{tcp:?}\n{}",
+        c.logs()
     );
+    // As a closed port answers: at once, not after a timeout or a retransmitted SYN.
+    assert!(
+        tcp.elapsed < proxy_tests::scaled(Duration::from_millis(100)),
+        "refused at once: {tcp:?}"
+    );
+    let udp = udp.expect_err("UDP to a service without endpoints");
+    assert_eq!(udp.kind(), std::io::ErrorKind::ConnectionRefused, "{udp:?}");
 }
 
 fn node_port_cluster_policy_in(mode: Mode, family: Family) {
@@ -1503,6 +1706,22 @@ fn source_ranges_in(mode: Mode, family: Family) {
     assert!(
         outcome.is_err(),
         "{denied} is outside the source ranges: {outcome:?}"
+    );
+    // A pod outside the ranges is no exception: judged by its address, on the tc path
+    // when the socket hooks are above it (they cannot know it at connect time).
+    let from_pod = pod_exchanges(
+        &c,
+        CLIENT,
+        Transport::Tcp,
+        lb,
+        1,
+        Some(Duration::from_secs(1)),
+        10,
+    )
+    .remove(0);
+    assert!(
+        from_pod.is_err(),
+        "pod {CLIENT} is outside the source ranges: {from_pod:?}"
     );
     // An external IP is not a load-balancer IP: the ranges do not apply to it.
     let external = to(&external_ip, 80);
@@ -1614,18 +1833,17 @@ fn schedulers_in(mode: Mode, family: Family) {
     // Counts are per backend, whatever the service: the rr and wrr connections above must
     // have closed (their last packets crossed the datapath) before lc is judged.
     std::thread::sleep(proxy_tests::scaled(Duration::from_millis(200)));
-    let mut held: Vec<proxy_tests::lab::Session> = (0..3)
-        .map(|_| proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap())
+    let mut held: Vec<PodSession> = (0..3)
+        .map(|_| c.pod_session(CLIENT, podclient(), lc_vip).unwrap())
         .collect();
-    let owner =
-        |s: &proxy_tests::lab::Session| s.backend.split_whitespace().next().unwrap().to_string();
+    let owner = |s: &PodSession| s.backend.split_whitespace().next().unwrap().to_string();
     let owners: BTreeSet<String> = held.iter().map(owner).collect();
     assert_eq!(owners, set(&ALL), "three held connections, one per backend");
     let closed = held.remove(1);
     let freed = owner(&closed);
     drop(closed);
     std::thread::sleep(proxy_tests::scaled(Duration::from_millis(200)));
-    let next = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, lc_vip).unwrap();
+    let next = c.pod_session(CLIENT, podclient(), lc_vip).unwrap();
     assert_eq!(
         owner(&next),
         freed,

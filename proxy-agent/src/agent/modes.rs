@@ -190,6 +190,8 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
         flow_log,
         backend_stats: s.backend_metrics,
         without_ipv6: !s.cli.ebpf_ipv6,
+        host_netns_cookie: cgroup::own_netns_cookie(),
+        sock_host_only: s.cli.socket_lb == cgroup::SocketLbScope::HostOnly,
     };
     // The kernel's verifier takes most of a start (seconds on a slow or emulated CPU).
     let loading = std::time::Instant::now();

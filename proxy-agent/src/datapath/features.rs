@@ -18,6 +18,10 @@ pub struct KernelFeatures {
     /// `bpf_set_retval` in socket hooks (5.18): a connect to a service without endpoints
     /// fails with ECONNREFUSED instead of EPERM.
     pub sock_set_retval: bool,
+    /// `bpf_get_socket_cookie` in cgroup/sock programs (5.3): the release hook can find the
+    /// socket it counted for a least-connection scheduler. Without it, pods' sockets to
+    /// such frontends are left to the tc path.
+    pub sock_release_cookie: bool,
 }
 
 impl KernelFeatures {
@@ -34,15 +38,24 @@ impl KernelFeatures {
     fn probe() -> KernelFeatures {
         KernelFeatures {
             sock_set_retval: helper(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_set_retval),
+            sock_release_cookie: helper(
+                ProgramType::CgroupSock,
+                BpfHelper::BPF_FUNC_get_socket_cookie,
+            ),
         }
     }
 
     fn report(&self) {
+        if !self.sock_release_cookie {
+            warn!(
+                "this kernel's cgroup/sock programs cannot read a socket's cookie: pods' connections to Services with a least-connection scheduler (lc, wlc, sed, nq, lblc, lblcr) are translated by the tc path, not at connect time"
+            );
+        }
         if self.sock_set_retval {
             info!("kernel BPF features: socket hooks can set their error (bpf_set_retval)");
         } else {
             warn!(
-                "this kernel's socket hooks cannot set their error (no bpf_set_retval, 5.18+): a connect to a Service without endpoints fails with EPERM (\"Operation not permitted\") instead of ECONNREFUSED"
+                "this kernel's socket hooks cannot set their error (no bpf_set_retval, 5.18+): pods' connects to a Service without endpoints are refused by the tc path (a TCP reset), the node's own fail with EPERM (\"Operation not permitted\") instead of ECONNREFUSED"
             );
         }
     }

@@ -12,7 +12,7 @@ pub mod runtime;
 use anyhow::{bail, Context, Result};
 use aya::{
     maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues, ProgramArray},
-    programs::{CgroupSockAddr, SchedClassifier},
+    programs::{CgroupSock, CgroupSockAddr, SchedClassifier},
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
@@ -75,6 +75,10 @@ pub struct LoadOptions {
     pub backend_stats: bool,
     /// Skip the IPv6 tc programs (a kernel whose verifier refuses them).
     pub without_ipv6: bool,
+    /// The node's network namespace cookie for the socket hooks (0: the initial one).
+    pub host_netns_cookie: u64,
+    /// The socket hooks translate the node's own sockets only (`--socket-lb host-only`).
+    pub sock_host_only: bool,
 }
 
 /// The verifier's verdict from a refused load: the error chain's first line and the
@@ -265,11 +269,21 @@ impl Datapath {
         // sees as constants: what is off is removed from the program.
         let log_level: u8 = if options.flow_log { 4 } else { 0 };
         let backend_stats = options.backend_stats as u8;
-        let set_retval = features::KernelFeatures::get().sock_set_retval as u8;
+        let features = features::KernelFeatures::get();
+        let set_retval = features.sock_set_retval as u8;
+        let release = features.sock_release_cookie as u8;
+        let host_only = options.sock_host_only as u8;
         let mut loader = EbpfLoader::new();
         loader.override_global(aya_log::LEVEL, &log_level, false);
         loader.override_global(proxy_common::BACKEND_STATS_ENABLED, &backend_stats, true);
         loader.override_global(proxy_common::SOCK_SET_RETVAL, &set_retval, true);
+        loader.override_global(proxy_common::SOCK_RELEASE_ATTACHED, &release, true);
+        loader.override_global(proxy_common::SOCK_HOST_ONLY, &host_only, true);
+        loader.override_global(
+            proxy_common::HOST_NETNS_COOKIE,
+            &options.host_netns_cookie,
+            true,
+        );
         loader
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
@@ -286,6 +300,9 @@ impl Datapath {
             .map_max_entries(map_names::FRAGMENTS, fragments_size(sizes.conntrack))
             // The node's own sockets: fewer than the flows through it.
             .map_max_entries(map_names::SOCK_REVNAT, sizes.conntrack)
+            // Clients (pods) of sockets, and sockets counted for lc: below the flows.
+            .map_max_entries(map_names::SOCK_AFFINITY, sizes.conntrack)
+            .map_max_entries(map_names::SOCK_LB, sizes.conntrack)
             // Round-robin turns, indexed by service id like SERVICE_STATS.
             .map_max_entries(map_names::RR_STATE, sizes.services)
             .map_max_entries(map_names::BACKEND_CONNS, sizes.backends)
@@ -329,6 +346,9 @@ impl Datapath {
                 map_names::CONFIG6,
                 map_names::SOCK_REVNAT6,
                 map_names::FRAGMENTS6,
+                map_names::SOCK_AFFINITY,
+                // Counts of open sockets: the next agent's release hook gives them back.
+                map_names::SOCK_LB,
                 // Pinned so its slots outlive the agent: the kernel empties a program array
                 // when the last user-space reference goes, which would stop IPv6 service
                 // traffic (and refusals) while the agent restarts.
@@ -412,6 +432,17 @@ impl Datapath {
                 .with_context(|| format!("eBPF object has no program {name}"))?
                 .try_into()
                 .with_context(|| format!("program {name} is not a cgroup sock_addr program"))?;
+            prog.load().map_err(|e| {
+                anyhow::Error::new(e).context(format!("the kernel refused eBPF program {name}"))
+            })?;
+        }
+        if features.sock_release_cookie {
+            let name = program_names::SOCK_RELEASE;
+            let prog: &mut CgroupSock = ebpf
+                .program_mut(name)
+                .with_context(|| format!("eBPF object has no program {name}"))?
+                .try_into()
+                .with_context(|| format!("program {name} is not a cgroup sock program"))?;
             prog.load().map_err(|e| {
                 anyhow::Error::new(e).context(format!("the kernel refused eBPF program {name}"))
             })?;

@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 27] {
+fn expected() -> [Expected; 29] {
     use std::mem::size_of;
     [
         Expected {
@@ -335,6 +335,22 @@ fn expected() -> [Expected; 27] {
             map_type: MapType::LruHash,
             key_size: size_of::<proxy_common::SockRevNatKey6>(),
             value_size: size_of::<proxy_common::SockRevNatValue6>(),
+            // Sized like CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SOCK_AFFINITY,
+            map_type: MapType::LruHash,
+            key_size: size_of::<proxy_common::SockAffinityKey>(),
+            value_size: size_of::<AffinityValue>(),
+            // Sized like CONNTRACK.
+            configurable: false,
+        },
+        Expected {
+            name: map_names::SOCK_LB,
+            map_type: MapType::Hash,
+            key_size: 8,
+            value_size: size_of::<proxy_common::SockLbValue>(),
             // Sized like CONNTRACK.
             configurable: false,
         },
