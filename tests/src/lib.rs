@@ -1,6 +1,7 @@
 //! Test support: packet crafting, the in-kernel test harness, the one-node lab and the
 //! two-node cluster lab.
 pub mod bench;
+pub mod client;
 pub mod cluster;
 pub mod kernel;
 pub mod lab;

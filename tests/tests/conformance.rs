@@ -1264,40 +1264,51 @@ fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode:
 fn udp_flow_moves_to_a_live_backend_when_its_backend_is_gone(mode: Mode) {
     let mut c = cluster(mode, |c| web_with(c, "10.96.0.33", &[("web-2a", "")]));
     let vip = addr("10.96.0.33", 53);
-    // One connected socket, as a resolver's, in a process of the pod: a datagram every
-    // 50 ms, answers printed in order.
-    let mut sender = c
-        .pod_command(CLIENT, podclient())
-        .args(["udp-loop", &vip.to_string(), "--for-ms", "20000"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    // One connected socket, as a resolver's, in a process of the pod and one of the node
+    // itself: a datagram every 50 ms, answers printed in order.
+    let vip_arg = vip.to_string();
+    let loop_args = ["udp-loop", &vip_arg, "--for-ms", "20000"];
+    let spawn = |mut command: std::process::Command| {
+        command
+            .args(loop_args)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let senders = [
+        ("pod", spawn(c.pod_command(CLIENT, podclient()))),
+        ("node", spawn(c.node_command(1, podclient()))),
+    ];
     std::thread::sleep(Duration::from_millis(600));
     let yaml = web_with(&c, "10.96.0.33", &[("web-2b", "")]);
     let before = c.sync_count();
     c.write_manifests(&yaml).unwrap();
     c.wait_for_syncs(before).unwrap();
-    // Within 2 s of the sync the client reaches the live backend (re-creating its socket
-    // if the kernel ended it).
+    // Within 2 s of the sync each client reaches the live backend (re-creating its socket
+    // if the kernel ended it: the agent ends the node's, whose backend the socket hooks
+    // chose at connect time).
     std::thread::sleep(proxy_tests::scaled(Duration::from_secs(2)));
-    let _ = sender.kill();
-    let out = sender.wait_with_output().unwrap();
-    let answers: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
-    let first_moved = answers.iter().position(|a| a == "web-2b");
-    assert!(answers[0] == "web-2a", "{answers:?}");
-    let moved = first_moved.unwrap_or_else(|| panic!("the flow never moved: {answers:?}"));
-    assert!(
-        answers[moved..].iter().all(|a| a == "web-2b"),
-        "after moving, the flow stays on the live backend: {answers:?}"
-    );
-    let lost = answers[..moved].iter().filter(|a| *a == "-").count();
-    assert!(
-        lost <= 2,
-        "at most a datagram or two in flight is lost: {answers:?}"
-    );
+    for (who, mut sender) in senders {
+        let _ = sender.kill();
+        let out = sender.wait_with_output().unwrap();
+        let answers: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        let first_moved = answers.iter().position(|a| a == "web-2b");
+        assert!(answers[0] == "web-2a", "{who}: {answers:?}");
+        let moved =
+            first_moved.unwrap_or_else(|| panic!("{who}: the flow never moved: {answers:?}"));
+        assert!(
+            answers[moved..].iter().all(|a| a == "web-2b"),
+            "{who}: after moving, the flow stays on the live backend: {answers:?}"
+        );
+        let lost = answers[..moved].iter().filter(|a| *a == "-").count();
+        assert!(
+            lost <= 2,
+            "{who}: at most a datagram or two in flight is lost: {answers:?}"
+        );
+    }
 }
 
 fn the_node_itself_reaches_cluster_ips(mode: Mode) {

@@ -343,6 +343,10 @@ fn cargo(args: &[&str]) -> Command {
 
 /// The test modules named `safety` (floods, slow clients, two agents on one root).
 const SAFETY_TESTS: &str = "safety::";
+/// The conformance rows of the eBPF mode's second socket placements (hooks not above the
+/// pods, `--socket-lb host-only`): the rows whose names end in `get_the_tc_path` /
+/// `to_the_tc_path`.
+const PLACEMENT_TESTS: &str = "_the_tc_path";
 /// How long `test` runs each fuzz target (`cargo xtask fuzz` runs them longer).
 const FUZZ_SECONDS_IN_TEST: u64 = 5;
 
@@ -381,7 +385,21 @@ fn test(extra: &[String]) -> Result<()> {
         cmd
     };
     if extra.is_empty() {
-        run(&mut workspace_tests(&["--", "--skip", SAFETY_TESTS]))?;
+        run(&mut workspace_tests(&[
+            "--",
+            "--skip",
+            SAFETY_TESTS,
+            "--skip",
+            PLACEMENT_TESTS,
+        ]))?;
+        // The pods' clients of the rows above run below the socket hooks, as the DaemonSet
+        // places them; these rows check the placements where pods get the tc path ([W2-4]).
+        parts.start("test: socket-hook placements where pods get the tc path (eBPF)");
+        run(&mut workspace_tests(&[
+            "--test",
+            "conformance",
+            PLACEMENT_TESTS,
+        ]))?;
         // Their own part, so what [W2-2] added to a CI run shows on its own.
         parts.start("test: tenant and fault safety (floods, slow clients, two agents)");
         run(&mut workspace_tests(&[SAFETY_TESTS]))?;

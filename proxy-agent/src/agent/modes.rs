@@ -12,6 +12,7 @@ use crate::{
         cgroup,
         pins::{self, Adoption, BpffsRoot},
         runtime::{CounterIds, EbpfRuntime},
+        sockets::SocketCleaner,
         Datapath, DatapathSizes, LoadOptions,
     },
     kernel::{
@@ -236,6 +237,7 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
     }
     if let Some(path) = &s.cli.cgroup_path {
         cgroup::attach(&mut datapath, path, Some(&root))?;
+        proxier.set_socket_cleaner(Box::new(SocketCleaner::new(&datapath)?));
     }
     let attacher = s
         .interfaces

@@ -8,6 +8,7 @@ pub mod features;
 pub mod owner;
 pub mod pins;
 pub mod runtime;
+pub mod sockets;
 
 use anyhow::{bail, Context, Result};
 use aya::{

@@ -16,7 +16,10 @@ use std::{
 };
 
 use clap::{Parser, Subcommand};
-use proxy_tests::cluster::client;
+
+// The clients' source, not the test library: see its module doc.
+#[path = "../client.rs"]
+mod client;
 
 #[derive(Debug, Parser)]
 #[command(name = "podclient")]

@@ -21,9 +21,10 @@ use self::{
     maps::{MapError, ServiceMaps},
     sync::{FrontendSpec, HeaderSettings, MapSync},
 };
-use super::{Proxier, ProxyMode, SyncReport};
+use super::{FlowCleaner, Proxier, ProxyMode, SyncReport};
 use crate::model::{
-    DesiredState, Frontend, ServiceChange, ServicePortName, ServicePortState, WhenEmpty,
+    stale_flows, DesiredState, Frontend, ServiceChange, ServicePortName, ServicePortState,
+    WhenEmpty,
 };
 
 pub struct EbpfProxier<M: ServiceMaps> {
@@ -36,6 +37,9 @@ pub struct EbpfProxier<M: ServiceMaps> {
     prune_on_next_sync: bool,
     /// Which service port each programmed frontend belongs to (for per-service metrics).
     names: HashMap<Frontend, ServicePortName>,
+    /// Ends the node's connected UDP sockets the socket hooks gave a backend that left
+    /// (`datapath::sockets`); none without the hooks.
+    socket_cleaner: Option<Box<dyn FlowCleaner>>,
 }
 
 impl<M: ServiceMaps> EbpfProxier<M> {
@@ -45,7 +49,13 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             failed: BTreeMap::new(),
             prune_on_next_sync: false,
             names: HashMap::new(),
+            socket_cleaner: None,
         }
+    }
+
+    /// Ends sockets of removed backends after each sync (the socket hooks are attached).
+    pub fn set_socket_cleaner(&mut self, cleaner: Box<dyn FlowCleaner>) {
+        self.socket_cleaner = Some(cleaner);
     }
 
     /// Entries of each Maglev table (`mh` frontends); see [`MapSync::set_maglev_size`].
@@ -266,6 +276,15 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
         }
         // Every port not programmed as asked, retried now or waiting for its turn.
         report.services_failed = self.failed.len();
+        if let Some(cleaner) = self.socket_cleaner.as_mut() {
+            let flows = stale_flows(changes, desired);
+            if !flows.is_empty() {
+                match cleaner.delete(&flows) {
+                    Ok(n) => report.flows_deleted = n,
+                    Err(e) => tracing::warn!("ending the sockets of removed backends: {e:#}"),
+                }
+            }
+        }
         Ok(report)
     }
 
