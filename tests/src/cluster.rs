@@ -158,53 +158,39 @@ impl Cluster {
             std::fs::create_dir_all(&node_dir)?;
             let ext_if = format!("eth{index}");
             let external_ip = Ipv4Addr::new(10, 250, index, 1);
-            ns.ip(&[
-                "link",
-                "add",
-                "ext0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &ext_if,
-                "netns",
-                &external.name,
+            let own = format!("{external_ip}/24");
+            let own6 = format!("{}/64", v6(external_ip));
+            let gateway = external_client_ip(index).to_string();
+            let gateway6 = v6(external_client_ip(index)).to_string();
+            ns.ip_batch(&[
+                &[
+                    "link",
+                    "add",
+                    "ext0",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &ext_if,
+                    "netns",
+                    &external.name,
+                ],
+                &["addr", "add", &own, "dev", "ext0"],
+                &["addr", "add", &own6, "dev", "ext0", "nodad"],
+                &["link", "set", "ext0", "up"],
+                &["route", "add", "default", "via", &gateway],
+                &["route", "add", "default", "via", &gateway6],
             ])?;
-            ns.ip(&["addr", "add", &format!("{external_ip}/24"), "dev", "ext0"])?;
-            add_v6(&ns, external_ip, 64, "ext0")?;
-            ns.ip(&["link", "set", "ext0", "up"])?;
-            ns.ip(&[
-                "route",
-                "add",
-                "default",
-                "via",
-                &external_client_ip(index).to_string(),
+            let clients = [external_client_ip(index), other_external_client_ip(index)];
+            let clients4 = clients.map(|ip| format!("{ip}/24"));
+            let clients6 = clients.map(|ip| format!("{}/64", v6(ip)));
+            external.ip_batch(&[
+                &["addr", "add", &clients4[0], "dev", &ext_if],
+                &["addr", "add", &clients4[1], "dev", &ext_if],
+                &["addr", "add", &clients6[0], "dev", &ext_if, "nodad"],
+                &["addr", "add", &clients6[1], "dev", &ext_if, "nodad"],
+                &["link", "set", &ext_if, "up"],
             ])?;
-            ns.ip(&[
-                "-6",
-                "route",
-                "add",
-                "default",
-                "via",
-                &v6(external_client_ip(index)).to_string(),
-            ])?;
-            external.ip(&[
-                "addr",
-                "add",
-                &format!("{}/24", external_client_ip(index)),
-                "dev",
-                &ext_if,
-            ])?;
-            external.ip(&[
-                "addr",
-                "add",
-                &format!("{}/24", other_external_client_ip(index)),
-                "dev",
-                &ext_if,
-            ])?;
-            add_v6(&external, external_client_ip(index), 64, &ext_if)?;
-            add_v6(&external, other_external_client_ip(index), 64, &ext_if)?;
-            external.ip(&["link", "set", &ext_if, "up"])?;
             let cgroup = cgroup_mount.join(format!("{id}-n{index}"));
             std::fs::create_dir_all(&cgroup)
                 .with_context(|| format!("creating cgroup {}", cgroup.display()))?;
@@ -245,26 +231,18 @@ impl Cluster {
             &nodes[1].ns.name,
         ])?;
         for (i, node) in nodes.iter().enumerate() {
-            let other = &format!("10.251.0.{}", 2 - i);
-            node.ns.ip(&[
-                "addr",
-                "add",
-                &format!("{}/24", node.internal_ip),
-                "dev",
-                "fab0",
-            ])?;
-            add_v6(&node.ns, node.internal_ip, 64, "fab0")?;
-            node.ns.ip(&["link", "set", "fab0", "up"])?;
+            let other = format!("10.251.0.{}", 2 - i);
+            let own = format!("{}/24", node.internal_ip);
+            let own6 = format!("{}/64", v6(node.internal_ip));
             let other_pods = format!("10.244.{}.0/24", 2 - i);
-            node.ns.ip(&["route", "add", &other_pods, "via", other])?;
-            let other_v6 = v6(Ipv4Addr::new(10, 251, 0, 2 - i as u8));
-            node.ns.ip(&[
-                "-6",
-                "route",
-                "add",
-                &format!("fd00:10:244:{}::/64", 2 - i),
-                "via",
-                &other_v6.to_string(),
+            let other_pods6 = format!("fd00:10:244:{}::/64", 2 - i);
+            let other6 = v6(Ipv4Addr::new(10, 251, 0, 2 - i as u8)).to_string();
+            node.ns.ip_batch(&[
+                &["addr", "add", &own, "dev", "fab0"],
+                &["addr", "add", &own6, "dev", "fab0", "nodad"],
+                &["link", "set", "fab0", "up"],
+                &["route", "add", &other_pods, "via", &other],
+                &["route", "add", &other_pods6, "via", &other6],
             ])?;
         }
         let mut cluster = Cluster {
@@ -301,8 +279,7 @@ impl Cluster {
         let ns = Netns::create(&format!("{}-{name}", self.id))?;
         let node_ns = &self.nodes[node as usize - 1].ns;
         let host_if = format!("lxc{}", self.pods.iter().filter(|p| p.node == node).count());
-        crate::lab::wire_pod(node_ns, &ns, &host_if, ip)?;
-        wire_pod_v6(node_ns, &ns, &host_if, v6(ip))?;
+        wire_dual_stack_pod(node_ns, &ns, &host_if, ip)?;
         let cgroup = self.nodes[node as usize - 1].cgroup.join(name);
         std::fs::create_dir_all(&cgroup)
             .with_context(|| format!("creating cgroup {}", cgroup.display()))?;
@@ -670,52 +647,31 @@ impl Drop for Cluster {
     }
 }
 
-/// Adds the IPv6 twin of `v4` with `prefix` to `dev` (no duplicate detection: lab addresses
-/// are unique by construction).
-fn add_v6(ns: &Netns, v4: Ipv4Addr, prefix: u8, dev: &str) -> Result<()> {
-    ns.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{}/{prefix}", v6(v4)),
-        "dev",
-        dev,
-        "nodad",
-    ])
-    .map(|_| ())
-}
-
-/// The IPv6 half of a pod's wiring (see `lab::wire_pod`): the pod's /128, a route to it on
-/// the node, and the pod's default route via a link-local gateway address the node holds on
-/// every pod interface, as Calico does with IPv4's 169.254.1.1.
-fn wire_pod_v6(node: &Netns, pod: &Netns, host_if: &str, ip: Ipv6Addr) -> Result<()> {
+/// A pod wired for both families: `lab::wire_pod`, and the IPv6 half: the pod's /128, a
+/// route to it on the node, and the pod's default route via a link-local gateway address
+/// the node holds on every pod interface, as Calico does with IPv4's 169.254.1.1.
+fn wire_dual_stack_pod(node: &Netns, pod: &Netns, host_if: &str, ip: Ipv4Addr) -> Result<()> {
     const GATEWAY: &str = "fe80::1";
-    node.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{GATEWAY}/64"),
-        "dev",
-        host_if,
-        "nodad",
-    ])?;
-    node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", host_if])?;
-    // Each family gets its own sockets, so IPv4 peers are not shown as ::ffff:a.b.c.d.
+    let gateway = format!("{GATEWAY}/64");
+    let host = format!("{}/128", v6(ip));
+    // Each family gets its own sockets, so IPv4 peers are not shown as ::ffff:a.b.c.d; the
+    // address is ready before the interface comes up.
     pod.sysctl("net.ipv6.bindv6only=1")?;
-    pod.sysctl("net.ipv6.conf.eth0.accept_dad=0")?;
-    pod.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{ip}/128"),
-        "dev",
-        "eth0",
-        "nodad",
-    ])?;
-    pod.ip(&[
-        "-6", "route", "add", "default", "via", GATEWAY, "dev", "eth0",
-    ])?;
-    Ok(())
+    pod.sysctl("net.ipv6.conf.default.accept_dad=0")?;
+    crate::lab::wire_pod_with(
+        node,
+        pod,
+        host_if,
+        ip,
+        &[
+            &["addr", "add", &gateway, "dev", host_if, "nodad"],
+            &["route", "add", &host, "dev", host_if],
+        ],
+        &[
+            &["addr", "add", &host, "dev", "eth0", "nodad"],
+            &["route", "add", "default", "via", GATEWAY, "dev", "eth0"],
+        ],
+    )
 }
 
 /// Removes node cgroups that labs of killed runs left (named after their process).
