@@ -49,10 +49,10 @@ use proxy_common::{
 };
 
 use crate::{
-    backend, bump, config, count_connection, remembered, schedule, scheduler_of, Frontend4,
-    SlotTable, BACKEND_STATS, BACKEND_STATS_ENABLED, HOST_NETNS_COOKIE, SERVICE_STATS,
-    SOCK_AFFINITY, SOCK_HOST_ONLY, SOCK_LB, SOCK_RELEASE_ATTACHED, SOCK_REVNAT, SOCK_SET_RETVAL,
-    SOURCE_RANGES,
+    affinity_timeout_again, backend, bump, config, count_connection, remembered, schedule,
+    scheduler_again, scheduler_of, Frontend4, SlotTable, BACKEND_STATS, BACKEND_STATS_ENABLED,
+    HOST_NETNS_COOKIE, SERVICE_STATS, SOCK_AFFINITY, SOCK_HOST_ONLY, SOCK_LB,
+    SOCK_RELEASE_ATTACHED, SOCK_REVNAT, SOCK_SET_RETVAL, SOURCE_RANGES,
 };
 
 /// cgroup sock_addr verdicts.
@@ -119,17 +119,44 @@ pub fn choose<F: SlotTable>(
             return Choice::Refuse;
         }
     }
-    let counts = scheduler::counts_connections(scheduler_of(header));
-    let release = SOCK_RELEASE_ATTACHED.load() != 0;
-    if counts && !release && !from_node {
+    if !from_node
+        && scheduler::counts_connections(scheduler_of(header))
+        && SOCK_RELEASE_ATTACHED.load() == 0
+    {
         return leave();
     }
+    // What the steps below need from the header is read again rather than kept: the
+    // verifier would walk them once per value it knows from the branches above (see
+    // `scheduler_again`).
+    let Some((backend_id, backend)) = pick(frontend, header, netns, destination) else {
+        return leave();
+    };
+    if call == Call::Connect
+        && scheduler::counts_connections(scheduler_again(header))
+        && SOCK_RELEASE_ATTACHED.load() != 0
+    {
+        count_socket(ctx, backend_id);
+    }
+    count_new_connection(service_id, backend_id);
+    bump(Stat::SocketTranslated);
+    Choice::Backend(backend_id, backend)
+}
+
+/// The backend for a socket of namespace `netns`: the one its affinity remembers, else the
+/// scheduler's; the affinity is refreshed.
+#[inline(always)]
+fn pick<F: SlotTable>(
+    frontend: F,
+    header: &ServiceValue,
+    netns: u64,
+    destination: u32,
+) -> Option<(u32, Backend)> {
     let now = unsafe { bpf_ktime_get_ns() };
     // The header slot's backend_id is the ClientIP affinity timeout in seconds.
     let affinity_ns = header.backend_id as u64 * 1_000_000_000;
     let key = SockAffinityKey {
         netns,
-        service_id,
+        service_id: header.service_id,
         _pad0: 0,
     };
     let chosen = match sticky(&key, affinity_ns, now) {
@@ -139,27 +166,18 @@ pub fn choose<F: SlotTable>(
             let slot = schedule(frontend, client, destination, header);
             // As on the tc path: slot 1 exists while count > 0, a shrinking service's
             // last slots may not.
-            match slot_backend(frontend, slot).or_else(|| slot_backend(frontend, 1)) {
-                Some(found) => found,
-                None => return leave(),
-            }
+            slot_backend(frontend, slot).or_else(|| slot_backend(frontend, 1))?
         }
     };
-    let (backend_id, _) = chosen;
-    if affinity_ns != 0 {
+    if affinity_timeout_again(header) != 0 {
         let value = AffinityValue {
             last_seen_ns: now,
-            backend_id,
+            backend_id: chosen.0,
             _pad0: 0,
         };
         let _ = SOCK_AFFINITY.insert(&key, &value, BPF_ANY as u64);
     }
-    if counts && release && call == Call::Connect {
-        count_socket(ctx, backend_id);
-    }
-    count_new_connection(service_id, backend_id);
-    bump(Stat::SocketTranslated);
-    Choice::Backend(chosen.0, chosen.1)
+    Some(chosen)
 }
 
 #[inline(always)]
