@@ -81,6 +81,50 @@ pub fn sctp_socket(addr: SocketAddr) -> std::io::Result<Option<std::os::fd::Owne
     }
 }
 
+/// What a hello runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Transport {
+    /// `tcp`, `udp` or `sctp` (podclient's argument).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "tcp" => Some(Transport::Tcp),
+            "udp" => Some(Transport::Udp),
+            "sctp" => Some(Transport::Sctp),
+            _ => None,
+        }
+    }
+}
+
+/// `n` hellos over `how`, each on a new socket (from `source` when given; a UDP datagram of
+/// `size` bytes): the greetings with the size of each answer (0 on streams), or the error
+/// with how long the failed one took.
+pub fn hellos(
+    how: Transport,
+    to: SocketAddr,
+    source: Option<IpAddr>,
+    n: usize,
+    size: usize,
+    timeout: Duration,
+) -> Vec<Result<(Hello, usize), (std::io::Error, Duration)>> {
+    (0..n)
+        .map(|_| {
+            let started = std::time::Instant::now();
+            match how {
+                Transport::Tcp => tcp_hello(to, source, timeout).map(|h| (h, 0)),
+                Transport::Udp => udp_hello(to, source, size, timeout),
+                Transport::Sctp => sctp_hello(to, source, timeout).map(|h| (h, 0)),
+            }
+            .map_err(|e| (e, started.elapsed()))
+        })
+        .collect()
+}
+
 /// Connects (from `source` when given), reads the greeting.
 pub fn tcp_hello(
     to: impl Into<SocketAddr>,

@@ -13,8 +13,9 @@ use std::{
 
 use proxy_tests::{
     cluster::{
-        client, external_client_ip, other_external_client_ip, v6, Cluster, Hello, PodSession,
-        CLIENT, CLIENT_2, CLIENT_2_IP, CLIENT_IP, SCTP_PORT,
+        client::{self, Transport},
+        external_client_ip, other_external_client_ip, v6, Cluster, Hello, PodSession, CLIENT,
+        CLIENT_2, CLIENT_2_IP, CLIENT_IP, SCTP_PORT,
     },
     require_kernel,
 };
@@ -349,13 +350,6 @@ enum From<'a> {
 
 /// `n` exchanges from `from` to `to` (TCP connections, or UDP datagrams each from a new
 /// socket); the greetings. Any failure fails the test with both agents' logs.
-#[derive(Clone, Copy)]
-enum Transport {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
 fn exchanges(c: &Cluster, from: From, how: Transport, to: SocketAddr, n: usize) -> Vec<Hello> {
     let logs = c.logs();
     let results: Vec<Result<Hello, PodError>> = match from {
@@ -366,18 +360,11 @@ fn exchanges(c: &Cluster, from: From, how: Transport, to: SocketAddr, n: usize) 
         From::Outside(via) => {
             let source = Some(outside_client(via, to));
             c.external
-                .run(move || {
-                    (0..n)
-                        .map(|_| match how {
-                            Transport::Udp => client::udp_hello(to, source, 10, T).map(|(h, _)| h),
-                            Transport::Tcp => client::tcp_hello(to, source, T),
-                            // SCTP retransmits a lost INIT after its initial RTO, 3 s.
-                            Transport::Sctp => client::sctp_hello(to, source, T_SCTP),
-                        })
-                        .map(|r| r.map_err(|e| PodError::from_io(&e)))
-                        .collect()
-                })
+                .run(move || client::hellos(how, to, source, n, 10, timeout_of(how)))
                 .unwrap()
+                .into_iter()
+                .map(|r| r.map(|(h, _)| h).map_err(PodError::from_failure))
+                .collect()
         }
     };
     results
@@ -397,10 +384,10 @@ struct PodError {
 }
 
 impl PodError {
-    fn from_io(e: &std::io::Error) -> Self {
+    fn from_failure((e, elapsed): (std::io::Error, Duration)) -> Self {
         PodError {
             errno: e.raw_os_error().unwrap_or(0),
-            elapsed: Duration::ZERO,
+            elapsed,
             message: e.to_string(),
         }
     }
@@ -422,35 +409,22 @@ fn pod_exchanges(
     timeout: Option<Duration>,
     size: usize,
 ) -> Vec<Result<(Hello, usize), PodError>> {
-    let (transport, timeout) = match how {
-        Transport::Tcp => ("tcp", timeout.unwrap_or(T)),
-        Transport::Udp => ("udp", timeout.unwrap_or(T)),
-        Transport::Sctp => ("sctp", timeout.unwrap_or(T_SCTP)),
-    };
+    let timeout = timeout.unwrap_or(timeout_of(how));
     if c.pod_clients_outside_hooks {
         return c
             .pod(pod)
             .ns
-            .run(move || {
-                (0..n)
-                    .map(|_| {
-                        let started = std::time::Instant::now();
-                        let hello = match how {
-                            Transport::Udp => client::udp_hello(to, None, size, timeout),
-                            Transport::Tcp => client::tcp_hello(to, None, timeout).map(|h| (h, 0)),
-                            Transport::Sctp => {
-                                client::sctp_hello(to, None, timeout).map(|h| (h, 0))
-                            }
-                        };
-                        hello.map_err(|e| PodError {
-                            elapsed: started.elapsed(),
-                            ..PodError::from_io(&e)
-                        })
-                    })
-                    .collect()
-            })
-            .unwrap();
+            .run(move || client::hellos(how, to, None, n, size, timeout))
+            .unwrap()
+            .into_iter()
+            .map(|r| r.map_err(PodError::from_failure))
+            .collect();
     }
+    let transport = match how {
+        Transport::Tcp => "tcp",
+        Transport::Udp => "udp",
+        Transport::Sctp => "sctp",
+    };
     let out = c
         .pod_command(pod, podclient())
         .args(["hello", transport, &to.to_string(), &n.to_string()])
@@ -469,6 +443,15 @@ fn pod_exchanges(
         .collect();
     assert_eq!(lines.len(), n, "podclient printed {lines:?}");
     lines.iter().map(|l| parse_pod_line(l)).collect()
+}
+
+/// How long a client waits for a hello over `how`: SCTP retransmits a lost INIT after its
+/// initial RTO, 3 s.
+fn timeout_of(how: Transport) -> Duration {
+    match how {
+        Transport::Sctp => T_SCTP,
+        Transport::Tcp | Transport::Udp => T,
+    }
 }
 
 /// The tests' pod client binary (`tests/src/bin/podclient.rs`).

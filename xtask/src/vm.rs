@@ -110,6 +110,13 @@ fn agent_args(kernel: &str) -> &'static str {
     }
 }
 
+/// eBPF map sizes of the agents the VM's tests start (the benchmark keeps the defaults).
+/// The rows use a handful of services, and under emulation creating the default maps
+/// (262 144 entries each; a per-CPU array allocates element by element) costs seconds of
+/// every agent start; the host's runs test the defaults.
+const TEST_MAP_SIZES: &str =
+    "--services-map-size 16384 --backends-map-size 16384 --conntrack-map-size 65536";
+
 const IPV6_ON_6_1: &str = "6.1's verifier gives up on the eBPF IPv6 programs (over 1M instructions processed; 6.6 and later load them): the agent serves IPv4 only there, and runs with --ebpf-ipv6=false";
 
 /// What the VM runs.
@@ -161,10 +168,8 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
                     "vm-test: skipping rows matching {pattern:?}: {reason}"
                 ));
             }
-            (
-                run_script(&suites, &skipped, agent_args(&opts.kernel)),
-                filters.join(" "),
-            )
+            let args = format!("{} {TEST_MAP_SIZES}", agent_args(&opts.kernel));
+            (run_script(&suites, &skipped, &args), filters.join(" "))
         }
         Payload::Bench {
             args,

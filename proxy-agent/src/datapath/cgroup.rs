@@ -42,32 +42,29 @@ pub fn attach(datapath: &mut Datapath, path: &Path, root: Option<&BpffsRoot>) ->
             path.display()
         )
     })?;
+    // Attaches program `$name`, of type `$program`, and keeps its link.
+    macro_rules! attach_hook {
+        ($program:ty, $name:expr) => {{
+            let name = $name;
+            let prog: &mut $program = datapath
+                .ebpf
+                .program_mut(name)
+                .with_context(|| format!("eBPF object has no program {name}"))?
+                .try_into()?;
+            let id = prog
+                .attach(&cgroup, CgroupAttachMode::Single)
+                .with_context(|| format!("attaching {name} to cgroup {}", path.display()))?;
+            let link = FdLink::try_from(prog.take_link(id)?).context(
+                "the kernel attached a cgroup program without a link (kernel before 5.7?)",
+            )?;
+            keep(link, name, root)?;
+        }};
+    }
     for name in program_names::SOCKET_HOOKS {
-        let prog: &mut CgroupSockAddr = datapath
-            .ebpf
-            .program_mut(name)
-            .with_context(|| format!("eBPF object has no program {name}"))?
-            .try_into()?;
-        let id = prog
-            .attach(&cgroup, CgroupAttachMode::Single)
-            .with_context(|| format!("attaching {name} to cgroup {}", path.display()))?;
-        let link = FdLink::try_from(prog.take_link(id)?)
-            .context("the kernel attached a cgroup program without a link (kernel before 5.7?)")?;
-        keep(link, name, root)?;
+        attach_hook!(CgroupSockAddr, name);
     }
     if KernelFeatures::get().sock_release_cookie {
-        let name = program_names::SOCK_RELEASE;
-        let prog: &mut CgroupSock = datapath
-            .ebpf
-            .program_mut(name)
-            .with_context(|| format!("eBPF object has no program {name}"))?
-            .try_into()?;
-        let id = prog
-            .attach(&cgroup, CgroupAttachMode::Single)
-            .with_context(|| format!("attaching {name} to cgroup {}", path.display()))?;
-        let link = FdLink::try_from(prog.take_link(id)?)
-            .context("the kernel attached a cgroup program without a link (kernel before 5.7?)")?;
-        keep(link, name, root)?;
+        attach_hook!(CgroupSock, program_names::SOCK_RELEASE);
     }
     info!(cgroup = %path.display(), "socket hooks attached: processes below it get backends at connect time");
     Ok(())

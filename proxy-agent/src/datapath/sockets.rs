@@ -110,9 +110,15 @@ impl FlowCleaner for SocketCleaner {
             return Ok(0);
         }
         let mut ended = 0;
+        let diag = diag_socket().context("opening a sock_diag socket")?;
         // IPv4 services are also reached from dual-stack IPv6 sockets (::ffff:a.b.c.d).
-        for family in [AF_INET, AF_INET6] {
-            for socket in udp_sockets(family)? {
+        let families: &[u8] = if gone.iter().any(|(endpoint, _)| endpoint.is_ipv4()) {
+            &[AF_INET, AF_INET6]
+        } else {
+            &[AF_INET6]
+        };
+        for &family in families {
+            for socket in udp_sockets(&diag, family)? {
                 let id = &socket.header.socket_id;
                 let peer = SocketAddr::new(id.destination_address, id.destination_port);
                 let cookie = u64::from_ne_bytes(id.cookie);
@@ -125,7 +131,7 @@ impl FlowCleaner for SocketCleaner {
                 if !self.translated(cookie, peer, *frontend) {
                     continue;
                 }
-                match destroy(family, id.clone()) {
+                match destroy(&diag, family, id.clone()) {
                     Ok(()) => {
                         debug!(%peer, %frontend, "ended a connected UDP socket whose backend left");
                         ended += 1;
@@ -176,23 +182,23 @@ fn send<T: netlink_packet_core::NetlinkSerializable>(
     Ok(())
 }
 
-/// The UDP sockets of `family` in this network namespace.
-fn udp_sockets(family: u8) -> Result<Vec<InetResponse>> {
-    let socket = diag_socket().context("opening a sock_diag socket")?;
+/// The connected UDP sockets of `family` in this network namespace.
+fn udp_sockets(socket: &Socket, family: u8) -> Result<Vec<InetResponse>> {
     let mut header = NetlinkHeader::default();
     header.flags = NLM_F_REQUEST | NLM_F_DUMP;
     let request = SockDiagMessage::InetRequest(InetRequest {
         family,
         protocol: IPPROTO_UDP,
         extensions: ExtensionFlags::empty(),
-        states: StateFlags::all(),
+        // A connected UDP socket is in state ESTABLISHED; the others have no backend.
+        states: StateFlags::ESTABLISHED,
         socket_id: if family == AF_INET {
             SocketId::new_v4()
         } else {
             SocketId::new_v6()
         },
     });
-    send(&socket, NetlinkMessage::new(header, request.into()))?;
+    send(socket, NetlinkMessage::new(header, request.into()))?;
     let mut found = Vec::new();
     let mut buf = vec![0u8; 65536];
     loop {
@@ -217,8 +223,7 @@ fn udp_sockets(family: u8) -> Result<Vec<InetResponse>> {
 }
 
 /// SOCK_DESTROY for the socket `id` names (its cookie included).
-fn destroy(family: u8, socket_id: SocketId) -> std::io::Result<()> {
-    let socket = diag_socket()?;
+fn destroy(socket: &Socket, family: u8, socket_id: SocketId) -> std::io::Result<()> {
     let mut header = NetlinkHeader::default();
     header.flags = NLM_F_REQUEST | NLM_F_ACK;
     let request = SockDiagDestroy::new(SockDiagMessage::InetRequest(InetRequest {
@@ -228,7 +233,7 @@ fn destroy(family: u8, socket_id: SocketId) -> std::io::Result<()> {
         states: StateFlags::all(),
         socket_id,
     }));
-    send(&socket, NetlinkMessage::new(header, request.into()))?;
+    send(socket, NetlinkMessage::new(header, request.into()))?;
     let mut buf = vec![0u8; 4096];
     let size = socket.recv(&mut &mut buf[..], 0)?;
     let message = <NetlinkMessage<SockDiagDestroy>>::deserialize(&buf[..size])

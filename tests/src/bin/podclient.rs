@@ -85,20 +85,18 @@ fn main() {
             timeout_ms,
             size,
         } => {
+            let Some(how) = client::Transport::parse(&transport) else {
+                eprintln!("podclient: {transport}: not tcp, udp or sctp");
+                std::process::exit(2);
+            };
             let timeout = Duration::from_millis(timeout_ms);
-            for _ in 0..count {
-                let started = Instant::now();
-                let hello = match transport.as_str() {
-                    "tcp" => client::tcp_hello(to, source, timeout).map(|h| (h, 0)),
-                    "udp" => client::udp_hello(to, source, size, timeout),
-                    _ => client::sctp_hello(to, source, timeout).map(|h| (h, 0)),
-                };
+            for hello in client::hellos(how, to, source, count, size, timeout) {
                 let line = match hello {
                     Ok((h, n)) => format!("OK {} {} {} {n}", h.pod, h.from, h.port),
-                    Err(e) => format!(
+                    Err((e, took)) => format!(
                         "ERR {} {} {e}",
                         e.raw_os_error().unwrap_or(0),
-                        started.elapsed().as_millis()
+                        took.as_millis()
                     ),
                 };
                 let _ = writeln!(out, "{line}");
