@@ -163,18 +163,7 @@ impl Cluster {
             let gateway = external_client_ip(index).to_string();
             let gateway6 = v6(external_client_ip(index)).to_string();
             ns.ip_batch(&[
-                &[
-                    "link",
-                    "add",
-                    "ext0",
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    &ext_if,
-                    "netns",
-                    &external.name,
-                ],
+                &crate::lab::veth("ext0", &ext_if, &external),
                 &["addr", "add", &own, "dev", "ext0"],
                 &["addr", "add", &own6, "dev", "ext0", "nodad"],
                 &["link", "set", "ext0", "up"],
@@ -218,18 +207,9 @@ impl Cluster {
             &v6(Ipv4Addr::new(10, 250, 1, 1)).to_string(),
         ])?;
         // The link between the nodes, and each node's route to the other's pods.
-        nodes[0].ns.ip(&[
-            "link",
-            "add",
-            "fab0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "fab0",
-            "netns",
-            &nodes[1].ns.name,
-        ])?;
+        nodes[0]
+            .ns
+            .ip(&crate::lab::veth("fab0", "fab0", &nodes[1].ns))?;
         for (i, node) in nodes.iter().enumerate() {
             let other = format!("10.251.0.{}", 2 - i);
             let own = format!("{}/24", node.internal_ip);

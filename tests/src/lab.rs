@@ -157,6 +157,23 @@ impl Drop for Netns {
     }
 }
 
+/// `ip` arguments for a veth pair: `local` in the namespace the command runs in, `peer`
+/// moved into `peer_ns`.
+pub fn veth<'a>(local: &'a str, peer: &'a str, peer_ns: &'a Netns) -> [&'a str; 10] {
+    [
+        "link",
+        "add",
+        local,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        peer,
+        "netns",
+        &peer_ns.name,
+    ]
+}
+
 /// Sets the loopback interface of the calling thread's network namespace up.
 fn loopback_up() -> Result<()> {
     // SAFETY: plain socket and ioctl calls on a descriptor owned here, and an ifreq this
@@ -200,9 +217,7 @@ pub(crate) fn wire_pod_with(
 ) -> Result<()> {
     let host = format!("{ip}/32");
     let mut node_side: Vec<&[&str]> = Vec::new();
-    let veth = [
-        "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", &pod.name,
-    ];
+    let veth = veth(host_if, "eth0", pod);
     let up = ["link", "set", host_if, "up"];
     let route = ["route", "add", &host, "dev", host_if];
     node_side.extend([&veth[..], &up, &route]);
@@ -394,18 +409,7 @@ impl Lab {
         node.sysctl("net.ipv4.ip_forward=1")?;
         let external = Netns::create(&format!("{id}-ext"))?;
         // The node's external link; its default route ends in the external namespace.
-        node.ip(&[
-            "link",
-            "add",
-            "ext0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            &external.name,
-        ])?;
+        node.ip(&veth("ext0", "eth0", &external))?;
         node.ip(&[
             "addr",
             "add",
