@@ -91,13 +91,19 @@ pub enum Transport {
 
 impl Transport {
     /// `tcp`, `udp` or `sctp` (podclient's argument).
-    pub fn parse(name: &str) -> Option<Self> {
-        match name {
-            "tcp" => Some(Transport::Tcp),
-            "udp" => Some(Transport::Udp),
-            "sctp" => Some(Transport::Sctp),
-            _ => None,
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Udp => "udp",
+            Transport::Sctp => "sctp",
         }
+    }
+
+    /// The transport [`Transport::name`] names.
+    pub fn parse(name: &str) -> Option<Self> {
+        [Transport::Tcp, Transport::Udp, Transport::Sctp]
+            .into_iter()
+            .find(|t| t.name() == name)
     }
 }
 

@@ -420,14 +420,9 @@ fn pod_exchanges(
             .map(|r| r.map_err(PodError::from_failure))
             .collect();
     }
-    let transport = match how {
-        Transport::Tcp => "tcp",
-        Transport::Udp => "udp",
-        Transport::Sctp => "sctp",
-    };
     let out = c
         .pod_command(pod, podclient())
-        .args(["hello", transport, &to.to_string(), &n.to_string()])
+        .args(["hello", how.name(), &to.to_string(), &n.to_string()])
         .args(["--timeout-ms", &timeout.as_millis().to_string()])
         .args(["--size", &size.to_string()])
         .output()
