@@ -19,7 +19,13 @@ fn main() -> ExitCode {
         }
     };
     agent::logging::init(settings.verbosity);
-    let runtime = match tokio::runtime::Builder::new_current_thread()
+    // The sync loop runs on this thread and blocks it while a sync lasts (an `nft` run over
+    // 100 000 services takes minutes); the health, metrics and healthCheckNodePort servers,
+    // the watches and the userspace relays run on the workers and keep answering. Two are
+    // enough for that light work on any node size, and leave the node's cores to its pods.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("proxy-agent-io")
         .enable_all()
         .build()
     {

@@ -388,6 +388,9 @@ pub struct Lab {
     pub dir: tempfile::TempDir,
     servers: Vec<(Arc<AtomicBool>, ServerThread)>,
     agent: Option<Agent>,
+    /// Searched before `PATH` for the node's tools by the agents started next: a test puts a
+    /// wrapper there to inject a fault (a tool that hangs).
+    pub tools_first: Option<PathBuf>,
     // Dropped last: deleting it removes every veth of the lab.
     pub node: Netns,
 }
@@ -480,6 +483,7 @@ impl Lab {
             dir,
             servers: Vec::new(),
             agent: None,
+            tools_first: None,
             node,
         };
         for i in 0..lab.backends.len() {
@@ -628,9 +632,13 @@ impl Lab {
         let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
         args.extend_from_slice(extra);
         let log = self.next_log();
-        Ok(self
-            .agent
-            .insert(Agent::start(&self.node, manifests, &log, &args)?))
+        Ok(self.agent.insert(Agent::start_with_tools(
+            &self.node,
+            manifests,
+            &log,
+            &args,
+            self.tools_first.as_deref(),
+        )?))
     }
 
     fn next_log(&self) -> PathBuf {
@@ -770,6 +778,17 @@ impl Agent {
         log: &Path,
         extra: &[&str],
     ) -> Result<Self> {
+        Self::start_with_tools(node, manifests, log, extra, None)
+    }
+
+    /// Like [`Agent::start`], with `tools_first` searched before `PATH` for its tools.
+    pub fn start_with_tools(
+        node: &Netns,
+        manifests: Option<&Path>,
+        log: &Path,
+        extra: &[&str],
+        tools_first: Option<&Path>,
+    ) -> Result<Self> {
         let bin = agent_binary()?;
         let logfile = File::create(log)?;
         let mut cmd = Command::new("ip");
@@ -780,6 +799,12 @@ impl Agent {
         // PROXY_AGENT_ARGS: flags for every agent a test starts (the VM runner's kernel
         // needs `--ebpf-ipv6=false`).
         let from_env = std::env::var("PROXY_AGENT_ARGS").unwrap_or_default();
+        if let Some(dir) = tools_first {
+            let mut path = std::ffi::OsString::from(dir);
+            path.push(":");
+            path.push(std::env::var_os("PATH").unwrap_or_default());
+            cmd.env("PATH", path);
+        }
         let child = cmd
             .args(["--interfaces", "lxc*", "-v", "2"])
             .args(extra)

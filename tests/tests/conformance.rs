@@ -929,7 +929,7 @@ fn http_get_path(ns: &proxy_tests::lab::Netns, to: SocketAddrV4, path: &str) -> 
     let request = format!("GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n");
     ns.run(move || {
         let mut s = std::net::TcpStream::connect_timeout(&to.into(), T).expect("connect");
-        s.set_read_timeout(Some(T)).unwrap();
+        s.set_read_timeout(Some(proxy_tests::scaled(T))).unwrap();
         s.write_all(request.as_bytes()).unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();

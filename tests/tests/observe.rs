@@ -526,6 +526,116 @@ mod safety {
         drop(stalled);
     }
 
+    /// A sync that hangs (here `iptables-restore`, wedged by a wrapper as a stuck xtables lock
+    /// or a huge ruleset would) must not silence the node's health answers: /healthz says 503
+    /// once the change has waited past 2 x syncPeriod, /metrics and a healthCheckNodePort
+    /// answer, and when the tool returns the change lands and /healthz is 200 again. Before,
+    /// every server shared the sync's thread and none answered until the sync ended, so load
+    /// balancers and the liveness probe saw a dead node instead of a reason.
+    #[test]
+    fn a_hung_sync_leaves_health_and_metrics_answering() {
+        require_kernel!();
+        let mut lab = Lab::new(LabOptions::default()).expect("lab");
+        let ips: Vec<Ipv4Addr> = lab.backends.iter().map(|p| p.ip).collect();
+        let lb = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: lab}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.26\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n  ports:\n  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30083}\n---\n";
+        let web = |ips: &[Ipv4Addr]| {
+            lb.to_string() + &service("web", *WEB.ip(), &[("http", "TCP", 80, TCP_PORT)], ips)
+        };
+        let manifests = lab.write_manifests(&web(&ips)).unwrap();
+        // The wrapper passes through until the test creates `wedge`, then says so in `wedged`
+        // and waits for `wedge` to go.
+        let tools = lab.dir.path().join("tools");
+        std::fs::create_dir(&tools).unwrap();
+        let (wedge, wedged) = (tools.join("wedge"), tools.join("wedged"));
+        for tool in ["iptables-restore", "ip6tables-restore"] {
+            let real = which(tool);
+            let script = tools.join(tool);
+            std::fs::write(
+                &script,
+                format!(
+                    "#!/bin/sh\nif [ -e {w} ]; then touch {d}; while [ -e {w} ]; do sleep 0.1; done; fi\nexec {real} \"$@\"\n",
+                    w = wedge.display(),
+                    d = wedged.display(),
+                    real = real.display(),
+                ),
+            )
+            .unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        lab.tools_first = Some(tools.clone());
+        let config = lab.dir.path().join("config.yaml");
+        std::fs::write(
+            &config,
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {syncPeriod: 1s, minSyncPeriod: 0s}\n",
+        )
+        .unwrap();
+        lab.start_agent(
+            &manifests,
+            &[
+                "--proxy-mode",
+                "iptables",
+                "--config",
+                config.to_str().unwrap(),
+            ],
+        )
+        .unwrap();
+        let healthz = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10256);
+        let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
+        let service_health = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 32100);
+        assert_eq!(get(&lab, healthz, "/healthz").0, 200);
+        let backends = "proxy_agent_backends{mode=\"iptables\"}";
+        wait_for_metric(&lab, metrics, backends, 3.0);
+
+        std::fs::write(&wedge, "").unwrap();
+        lab.write_manifests(&web(&ips[..2])).unwrap();
+        let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
+        while !wedged.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "no sync reached iptables-restore"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(2500)); // > 2 x syncPeriod (1 s)
+        assert!(wedged.exists() && wedge.exists());
+        let (code, body) = get(&lab, healthz, "/healthz");
+        assert_eq!(code, 503, "a change waits on a hung sync: {body}");
+        assert_eq!(get(&lab, metrics, "/metrics").0, 200);
+        let (code, body) = get(&lab, service_health, "/");
+        assert!(
+            body.contains("\"localEndpoints\""),
+            "the healthCheckNodePort answers ({code}): {body}"
+        );
+
+        std::fs::remove_file(&wedge).unwrap();
+        let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
+        loop {
+            let (code, _) = get(&lab, healthz, "/healthz");
+            let (_, now) = get(&lab, metrics, "/metrics");
+            if code == 200 && metric(&now, backends) == 2.0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the sync never completed:\n{now}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Where `PATH` finds `tool`.
+    fn which(tool: &str) -> std::path::PathBuf {
+        std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .into_iter()
+            .chain(["/usr/sbin".into(), "/sbin".into()])
+            .map(|d| d.join(tool))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| panic!("{tool} not found"))
+    }
+
     /// Open descriptors of process `pid`.
     fn open_fds(pid: u32) -> usize {
         std::fs::read_dir(format!("/proc/{pid}/fd"))

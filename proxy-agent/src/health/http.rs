@@ -9,8 +9,10 @@
 //! * At most `limit` connections are open per [`Connections`] budget. At the cap, the oldest
 //!   connection that is not in the middle of a request (a stalled half header, or an idle
 //!   keep-alive) is closed to make room; when every connection is busy answering, the new
-//!   one is closed instead. So a slowloris holds at most `limit` descriptors and never
-//!   starves a probe that sends its request at once.
+//!   one is closed instead. The new one is served only once the closed one's descriptor is
+//!   free (the closing runs on another worker thread). So a slowloris holds at most `limit`
+//!   descriptors (and the one just accepted) and never starves a probe that sends its
+//!   request at once.
 //!
 //! The agent raises its descriptor limit for the datapath; without these bounds a few
 //! thousand stalled connections would exhaust memory and descriptors and make syncs fail.
@@ -29,7 +31,10 @@ use std::{
 
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::{net::TcpListener, sync::oneshot};
+use tokio::{
+    net::TcpListener,
+    sync::{oneshot, Semaphore},
+};
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
@@ -51,6 +56,9 @@ pub struct Connections {
     limit: usize,
     header_read_timeout: Duration,
     table: Arc<Mutex<Table>>,
+    /// One per open descriptor: released when a connection's stream is gone, which a
+    /// connection closed to make room does some time after it is told to.
+    descriptors: Arc<Semaphore>,
     metrics: Option<Arc<Metrics>>,
 }
 
@@ -98,6 +106,7 @@ impl Connections {
             limit,
             header_read_timeout: HEADER_READ_TIMEOUT,
             table: Arc::default(),
+            descriptors: Arc::new(Semaphore::new(limit)),
             metrics,
         }
     }
@@ -212,6 +221,10 @@ pub async fn serve(listener: TcpListener, app: Router, connections: Connections)
             );
             continue;
         };
+        // At the cap, `admit` told the oldest idle connection to close; wait until it has.
+        let Ok(descriptor) = connections.descriptors.clone().acquire_owned().await else {
+            continue; // never closed
+        };
         let app = app.clone();
         let header_read_timeout = connections.header_read_timeout;
         tokio::spawn(async move {
@@ -236,6 +249,8 @@ pub async fn serve(listener: TcpListener, app: Router, connections: Connections)
                 _ = connection => {}
                 _ = &mut admitted.closed => {}
             }
+            // The stream went with `connection`.
+            drop(descriptor);
         });
     }
 }
