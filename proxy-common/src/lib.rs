@@ -142,7 +142,9 @@ pub struct ServiceKey {
     /// Frontend port, network byte order.
     pub port: u16,
     pub proto: u8,
-    pub _pad0: u8,
+    /// Which clients this entry set serves: [`SCOPE_ALL`], or [`SCOPE_IN_CLUSTER`] for the
+    /// second set of a frontend whose header has [`SERVICE_FLAG_IN_CLUSTER_SET`].
+    pub scope: u8,
     /// 0 for the header, 1..=count for backends (host byte order).
     pub slot: u16,
     pub _pad1: [u8; 2],
@@ -150,16 +152,27 @@ pub struct ServiceKey {
 
 impl ServiceKey {
     pub const fn new(addr_be: u32, port_be: u16, proto: u8, slot: u16) -> Self {
+        Self::scoped(addr_be, port_be, proto, SCOPE_ALL, slot)
+    }
+
+    pub const fn scoped(addr_be: u32, port_be: u16, proto: u8, scope: u8, slot: u16) -> Self {
         Self {
             addr: addr_be,
             port: port_be,
             proto,
-            _pad0: 0,
+            scope,
             slot,
             _pad1: [0; 2],
         }
     }
 }
+
+/// [`ServiceKey::scope`] of a frontend's entries for every client.
+pub const SCOPE_ALL: u8 = 0;
+/// [`ServiceKey::scope`] of an `externalTrafficPolicy: Local` frontend's entries for clients
+/// on this node (its pods and its own processes): every endpoint cluster traffic may use,
+/// as kube-proxy short-circuits such traffic to its cluster chain.
+pub const SCOPE_IN_CLUSTER: u8 = 1;
 
 /// Slots of the `TAIL_CALLS` program array: each names the program in it.
 pub mod tail_calls {
@@ -183,7 +196,8 @@ pub struct ServiceKey6 {
     /// Frontend port, network byte order.
     pub port: u16,
     pub proto: u8,
-    pub _pad0: u8,
+    /// As [`ServiceKey::scope`].
+    pub scope: u8,
     /// 0 for the header, 1..=count for backends (host byte order).
     pub slot: u16,
     pub _pad1: [u8; 2],
@@ -191,11 +205,15 @@ pub struct ServiceKey6 {
 
 impl ServiceKey6 {
     pub const fn new(addr: [u8; 16], port_be: u16, proto: u8, slot: u16) -> Self {
+        Self::scoped(addr, port_be, proto, SCOPE_ALL, slot)
+    }
+
+    pub const fn scoped(addr: [u8; 16], port_be: u16, proto: u8, scope: u8, slot: u16) -> Self {
         Self {
             addr,
             port: port_be,
             proto,
-            _pad0: 0,
+            scope,
             slot,
             _pad1: [0; 2],
         }
@@ -343,6 +361,14 @@ pub const SERVICE_FLAG_EXTERNAL: u16 = 1 << 1;
 pub const SERVICE_FLAG_MASQUERADE: u16 = 1 << 2;
 /// Header flag: masquerade every new flow (`masqueradeAll`), whatever its backend.
 pub const SERVICE_FLAG_MASQUERADE_ALL: u16 = 1 << 4;
+/// Header flag (of the [`SCOPE_ALL`] header): the frontend has a second entry set under
+/// [`SCOPE_IN_CLUSTER`], which new flows from this node and its pods use instead.
+pub const SERVICE_FLAG_IN_CLUSTER_SET: u16 = 1 << 5;
+/// Header flag: this header is a frontend's [`SCOPE_IN_CLUSTER`] set. The datapath takes
+/// the scope of the slots it reads next from here, a value the verifier does not know,
+/// rather than from the branch that chose the set: so it walks what follows once, not
+/// once per scope.
+pub const SERVICE_FLAG_SCOPE_IN_CLUSTER: u16 = 1 << 6;
 /// Header: the scheduler (IPVS's names) sits in bits 8..12 of the flags.
 pub const SERVICE_SCHEDULER_SHIFT: u16 = 8;
 pub const SERVICE_SCHEDULER_MASK: u16 = 0xf;
@@ -998,7 +1024,7 @@ mod tests {
         assert_eq!(offset_of!(ServiceKey, addr), 0);
         assert_eq!(offset_of!(ServiceKey, port), 4);
         assert_eq!(offset_of!(ServiceKey, proto), 6);
-        assert_eq!(offset_of!(ServiceKey, _pad0), 7);
+        assert_eq!(offset_of!(ServiceKey, scope), 7);
         assert_eq!(offset_of!(ServiceKey, slot), 8);
         assert_eq!(offset_of!(ServiceKey, _pad1), 10);
     }

@@ -31,9 +31,9 @@ use proxy_common::{
     SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
     BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
     CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS,
-    HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
-    SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
-    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
+    HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP, SCOPE_ALL, SERVICE_FLAG_DROP_WHEN_EMPTY,
+    SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL,
+    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 use crate::{
@@ -43,7 +43,7 @@ use crate::{
         initial_expected_ack, lookup, may_open, note_reply, reply_taken, touch, track, Entry,
         Table, V6,
     },
-    count_connection, read,
+    count_connection, read, scope_of, scoped_header,
     sock::{choose, node_allowed4, refuse_socket, Call, Choice, SOCK_ALLOW},
     tcp_word, Frontend4, Hook, SlotTable, ETH_HLEN, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES,
     SOCK_REVNAT, TCP_ACK, TCP_ACK_OFF, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SEQ_OFF, TCP_SYN,
@@ -163,12 +163,16 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
     if hook == Hook::Egress {
         return Ok(TC_ACT_UNSPEC);
     }
-    let header_key = ServiceKey6::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
-    let Some(header) = (unsafe { SERVICES6.get(&header_key) }) else {
+    let mut header = ServiceValue {
+        backend_id: 0,
+        service_id: 0,
+        count: 0,
+        flags: 0,
+    };
+    if !frontend_header(&pkt, &mut header) {
         forget_clashing_flow(&pkt);
         return Ok(TC_ACT_UNSPEC);
-    };
-    let header = *header;
+    }
     if header.count == 0 {
         if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
             bump(Stat::NoLocalEndpoint);
@@ -514,7 +518,7 @@ fn schedule_slot(pkt: &Packet6, header: &ServiceValue) -> u16 {
     if header.count == 0 {
         return 1;
     }
-    let frontend = pkt.frontend();
+    let frontend = pkt.frontend(scope_of(header));
     let (client, destination) = (fold_address(&pkt.key.saddr), fold_address(&pkt.key.daddr));
     crate::schedule(frontend, client, destination, header)
 }
@@ -523,10 +527,11 @@ fn schedule_slot(pkt: &Packet6, header: &ServiceValue) -> u16 {
 /// remembered for the client under affinity; 0: none.
 #[inline(never)]
 fn slot_backend_remembered(pkt: &Packet6, header: &ServiceValue, slot: u16) -> u32 {
-    let mut id = slot_backend(pkt, slot);
+    let scope = scope_of(header);
+    let mut id = slot_backend(pkt, scope, slot);
     if id == 0 {
         // The agent lowers the count before it deletes slots; slot 1 exists while count > 0.
-        id = slot_backend(pkt, 1);
+        id = slot_backend(pkt, scope, 1);
     }
     if header.backend_id != 0 && id != 0 {
         let key = AffinityKey6 {
@@ -545,17 +550,18 @@ pub struct Frontend6 {
     addr: [u8; 16],
     port: u16,
     proto: u8,
-    _pad0: u8,
+    scope: u8,
 }
 
 impl Packet6 {
+    /// The frontend the packet names, its entry set of `scope`.
     #[inline(always)]
-    fn frontend(&self) -> Frontend6 {
+    fn frontend(&self, scope: u8) -> Frontend6 {
         Frontend6 {
             addr: self.key.daddr,
             port: self.key.dport,
             proto: self.key.proto,
-            _pad0: 0,
+            scope,
         }
     }
 }
@@ -563,7 +569,13 @@ impl Packet6 {
 impl SlotTable for Frontend6 {
     #[inline(always)]
     fn slot(self, slot: u16) -> Option<&'static ServiceValue> {
-        unsafe { SERVICES6.get(&ServiceKey6::new(self.addr, self.port, self.proto, slot)) }
+        let key = ServiceKey6::scoped(self.addr, self.port, self.proto, self.scope, slot);
+        unsafe { SERVICES6.get(&key) }
+    }
+
+    #[inline(always)]
+    fn scoped(self, scope: u8) -> Self {
+        Frontend6 { scope, ..self }
     }
 }
 
@@ -594,8 +606,8 @@ fn remember_affinity(key: &AffinityKey6, backend_id: u32, now: u64) {
 }
 
 #[inline(always)]
-fn slot_backend(pkt: &Packet6, slot: u16) -> u32 {
-    match pkt.frontend().slot(slot) {
+fn slot_backend(pkt: &Packet6, scope: u8, slot: u16) -> u32 {
+    match pkt.frontend(scope).slot(slot) {
         Some(entry) if backend(entry.backend_id).is_some() => entry.backend_id,
         _ => 0,
     }
@@ -754,6 +766,36 @@ fn resolve_clash(ctx: &TcContext, pkt: &Packet6, backend_id: u32) -> bool {
 #[inline(always)]
 fn config6() -> Option<&'static DatapathConfig6> {
     CONFIG6.get(0)
+}
+
+/// The header a new flow to the packet's destination uses (see `scoped_header`), into
+/// `out`; false if the destination is no frontend. Its own call: the keys it builds would
+/// not fit in the entry program's stack.
+#[inline(never)]
+fn frontend_header(pkt: &Packet6, out: &mut ServiceValue) -> bool {
+    let frontend = pkt.frontend(SCOPE_ALL);
+    let Some(header) = frontend.slot(0) else {
+        return false;
+    };
+    *out = scoped_header(frontend, header, || inside_cluster_cidr(&pkt.key.saddr));
+    true
+}
+
+/// Whether an IPv6 source is inside the cluster CIDR (a pod's; false without one). Bits
+/// are gathered without a branch per byte, which would multiply the verifier's paths.
+#[inline(always)]
+fn inside_cluster_cidr(addr: &[u8; 16]) -> bool {
+    let Some(c) = config6() else {
+        return false;
+    };
+    let mut set = 0u8;
+    let mut outside = 0u8;
+    for i in 0..16 {
+        let m = c.cluster_cidr_mask[i];
+        set |= m;
+        outside |= (addr[i] ^ c.cluster_cidr_addr[i]) & m;
+    }
+    set != 0 && outside == 0
 }
 
 #[inline(always)]
@@ -981,16 +1023,19 @@ fn ipv6_backend(
         addr: *addr,
         port,
         proto,
-        _pad0: 0,
+        scope: SCOPE_ALL,
     };
     let Some(header) = frontend.slot(0) else {
         return SocketBackend::Untouched;
     };
+    // Every socket below the hooks is a client on this node.
+    let header = scoped_header(frontend, header, || true);
+    let frontend = frontend.scoped(scope_of(&header));
     let destination = fold_address(addr);
     let id = match choose(
         ctx,
         frontend,
-        header,
+        &header,
         proto,
         call,
         destination,
@@ -1036,7 +1081,9 @@ fn mapped_backend(
     let Some(header) = frontend.slot(0) else {
         return SocketBackend::Untouched;
     };
-    let b = match choose(ctx, frontend, header, proto, call, v4, node_allowed4) {
+    let header = scoped_header(frontend, header, || true);
+    let frontend = frontend.scoped(scope_of(&header));
+    let b = match choose(ctx, frontend, &header, proto, call, v4, node_allowed4) {
         Choice::Leave => return SocketBackend::Untouched,
         Choice::Refuse => return SocketBackend::Refused,
         Choice::Backend(_, b) => b,

@@ -56,9 +56,10 @@ use proxy_common::{
     SourceRangeKey, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING,
     CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY,
     CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP,
-    LBLCR_SET_SIZE, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
-    SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
-    SERVICE_SCHEDULER_SHIFT,
+    LBLCR_SET_SIZE, SCOPE_ALL, SCOPE_IN_CLUSTER, SERVICE_FLAG_DROP_WHEN_EMPTY,
+    SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_IN_CLUSTER_SET, SERVICE_FLAG_MASQUERADE,
+    SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SCOPE_IN_CLUSTER, SERVICE_FLAG_SOURCE_RANGES,
+    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -335,10 +336,10 @@ impl Hook {
 /// with, so the datagram's other fragments get the same at this hook.
 #[inline(always)]
 fn remember_fragment(ctx: &TcContext, pkt: &Packet, hook: Hook) {
-    let (Some(saddr), Some(daddr)) = (
-        read::<u32>(ctx, IP_SADDR_OFF),
-        read::<u32>(ctx, IP_DADDR_OFF),
-    ) else {
+    // One read, one bounds check: with two, the compiler may leave a register unset on a
+    // path where only the second succeeds, which cannot happen but which the verifier
+    // walks (it refused the program once, seeing a map pointer spilled as the address).
+    let Some([saddr, daddr]) = read::<[u32; 2]>(ctx, IP_SADDR_OFF) else {
         return;
     };
     if saddr == pkt.key.saddr && daddr == pkt.key.daddr {
@@ -434,12 +435,11 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
         return Ok(TC_ACT_UNSPEC);
     }
 
-    let header_key = ServiceKey::new(pkt.key.daddr, pkt.key.dport, pkt.key.proto, 0);
-    let Some(header) = (unsafe { SERVICES.get(header_key) }) else {
+    let Some(header) = pkt.frontend().slot(0) else {
         forget_clashing_flow::<V4>(&pkt.key, pkt.tcp_flags);
         return Ok(TC_ACT_UNSPEC);
     };
-    let header = *header;
+    let header = scoped_header(pkt.frontend(), header, || in_cluster_cidr(pkt.key.saddr));
     if header.count == 0 {
         if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
             bump(Stat::NoLocalEndpoint);
@@ -460,7 +460,49 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
         return Ok(TC_ACT_UNSPEC);
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    new_flow(ctx, pkt, &header, now)
+    new_flow(
+        ctx,
+        pkt,
+        pkt.frontend().scoped(scope_of(&header)),
+        &header,
+        now,
+    )
+}
+
+/// Whether an IPv4 source is inside the cluster CIDR (a pod's; false without one).
+#[inline(always)]
+fn in_cluster_cidr(saddr: u32) -> bool {
+    let c = config();
+    c.cluster_cidr_mask != 0 && saddr & c.cluster_cidr_mask == c.cluster_cidr_addr
+}
+
+/// The header of the entry set a new flow to `frontend` uses: a frontend with a second set
+/// for clients on this node (`externalTrafficPolicy: Local`, kube-proxy's short-circuit)
+/// gives theirs to them when `on_node()` says the client is one; otherwise, or while that
+/// set is missing (being written or removed), the frontend's own. A copy: the verifier
+/// refuses a map value pointer the compiler spills as half of a pair. Which set it is,
+/// [`scope_of`] reads from it.
+#[inline(always)]
+pub fn scoped_header<F: SlotTable>(
+    frontend: F,
+    header: &ServiceValue,
+    on_node: impl FnOnce() -> bool,
+) -> ServiceValue {
+    if header.flags & SERVICE_FLAG_IN_CLUSTER_SET != 0 && on_node() {
+        if let Some(inner) = frontend.scoped(SCOPE_IN_CLUSTER).slot(0) {
+            return *inner;
+        }
+    }
+    *header
+}
+
+/// The scope of the set `header` heads (see `SERVICE_FLAG_SCOPE_IN_CLUSTER`): arithmetic,
+/// not a branch, so the verifier sees one unknown value rather than two known ones.
+#[inline(always)]
+pub fn scope_of(header: &ServiceValue) -> u8 {
+    const _: () = assert!(SCOPE_ALL == 0 && SCOPE_IN_CLUSTER == 1);
+    ((header.flags & SERVICE_FLAG_SCOPE_IN_CLUSTER)
+        >> SERVICE_FLAG_SCOPE_IN_CLUSTER.trailing_zeros()) as u8
 }
 
 #[inline(always)]
@@ -725,7 +767,13 @@ fn reply_key(pkt: &Packet, ct: &ConntrackValue) -> ConntrackKey {
 
 /// First packet of a flow to a service with `count` backends.
 #[inline(always)]
-fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> Result<i32, Stat> {
+fn new_flow(
+    ctx: &TcContext,
+    pkt: &Packet,
+    frontend: Frontend4,
+    header: &ServiceValue,
+    now: u64,
+) -> Result<i32, Stat> {
     let service_id = header.service_id;
     if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0 && !source_allowed(pkt, service_id) {
         bump(Stat::SourceRangeDenied);
@@ -740,13 +788,13 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, header: &ServiceValue, now: u64) -> R
     let (backend_id, backend) = match sticky_backend(&affinity_key, affinity_ns, now) {
         Some(found) => found,
         None => {
-            let slot = schedule(pkt.frontend(), pkt.key.saddr, pkt.key.daddr, header);
-            match pick(pkt, slot) {
+            let slot = schedule(frontend, pkt.key.saddr, pkt.key.daddr, header);
+            match pick(frontend, slot) {
                 Some(found) => found,
                 // The agent shrinks a service by lowering the header's count before it
                 // deletes slots; a packet that read the old count can land on a deleted
                 // slot. Slot 1 always exists while count > 0.
-                None => pick(pkt, 1).ok_or(Stat::RewriteFailed)?,
+                None => pick(frontend, 1).ok_or(Stat::RewriteFailed)?,
             }
         }
     };
@@ -889,6 +937,8 @@ fn schedule<F: SlotTable>(
 /// theirs in different maps; everything else about scheduling is the same.
 pub trait SlotTable: Copy {
     fn slot(self, slot: u16) -> Option<&'static ServiceValue>;
+    /// The same frontend's entry set of `scope` (`SCOPE_*`).
+    fn scoped(self, scope: u8) -> Self;
 }
 
 /// An IPv4 frontend (`SERVICES`). Small scalars: they stay in registers, and the packet
@@ -899,7 +949,7 @@ pub struct Frontend4 {
     addr: u32,
     port: u16,
     proto: u8,
-    _pad0: u8,
+    scope: u8,
 }
 
 impl Frontend4 {
@@ -909,7 +959,7 @@ impl Frontend4 {
             addr,
             port,
             proto,
-            _pad0: 0,
+            scope: SCOPE_ALL,
         }
     }
 }
@@ -917,19 +967,20 @@ impl Frontend4 {
 impl SlotTable for Frontend4 {
     #[inline(always)]
     fn slot(self, slot: u16) -> Option<&'static ServiceValue> {
-        unsafe { SERVICES.get(ServiceKey::new(self.addr, self.port, self.proto, slot)) }
+        let key = ServiceKey::scoped(self.addr, self.port, self.proto, self.scope, slot);
+        unsafe { SERVICES.get(key) }
+    }
+
+    #[inline(always)]
+    fn scoped(self, scope: u8) -> Self {
+        Frontend4 { scope, ..self }
     }
 }
 
 impl Packet {
     #[inline(always)]
     fn frontend(&self) -> Frontend4 {
-        Frontend4 {
-            addr: self.key.daddr,
-            port: self.key.dport,
-            proto: self.key.proto,
-            _pad0: 0,
-        }
+        Frontend4::new(self.key.daddr, self.key.dport, self.key.proto)
     }
 }
 
@@ -1612,14 +1663,8 @@ fn client_as_seen(saddr: u32, flags: u8) -> u32 {
 }
 
 #[inline(always)]
-fn pick(pkt: &Packet, slot: u16) -> Option<(u32, Backend)> {
-    pick_slot(pkt.key.daddr, pkt.key.dport, pkt.key.proto, slot)
-}
-
-#[inline(always)]
-fn pick_slot(addr: u32, port: u16, proto: u8, slot: u16) -> Option<(u32, Backend)> {
-    let key = ServiceKey::new(addr, port, proto, slot);
-    let id = unsafe { SERVICES.get(key) }?.backend_id;
+fn pick(frontend: Frontend4, slot: u16) -> Option<(u32, Backend)> {
+    let id = frontend.slot(slot)?.backend_id;
     Some((id, backend(id)?))
 }
 

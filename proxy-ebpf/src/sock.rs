@@ -50,9 +50,9 @@ use proxy_common::{
 
 use crate::{
     affinity_timeout_again, backend, bump, config, count_connection, remembered, schedule,
-    scheduler_again, scheduler_of, Frontend4, SlotTable, BACKEND_STATS, BACKEND_STATS_ENABLED,
-    HOST_NETNS_COOKIE, SERVICE_STATS, SOCK_AFFINITY, SOCK_HOST_ONLY, SOCK_LB,
-    SOCK_RELEASE_ATTACHED, SOCK_REVNAT, SOCK_SET_RETVAL, SOURCE_RANGES,
+    scheduler_again, scheduler_of, scope_of, scoped_header, Frontend4, SlotTable, BACKEND_STATS,
+    BACKEND_STATS_ENABLED, HOST_NETNS_COOKIE, SERVICE_STATS, SOCK_AFFINITY, SOCK_HOST_ONLY,
+    SOCK_LB, SOCK_RELEASE_ATTACHED, SOCK_REVNAT, SOCK_SET_RETVAL, SOURCE_RANGES,
 };
 
 /// cgroup sock_addr verdicts.
@@ -318,7 +318,10 @@ pub fn socket_to_backend(ctx: &SockAddrContext, call: Call) -> i32 {
     let Some(header) = frontend.slot(0) else {
         return SOCK_ALLOW;
     };
-    let backend = match choose(ctx, frontend, header, proto, call, addr, node_allowed4) {
+    // Every socket below the hooks is a client on this node.
+    let header = scoped_header(frontend, header, || true);
+    let frontend = frontend.scoped(scope_of(&header));
+    let backend = match choose(ctx, frontend, &header, proto, call, addr, node_allowed4) {
         Choice::Leave => return SOCK_ALLOW,
         Choice::Refuse => return refuse_socket(),
         Choice::Backend(_, b) => b,

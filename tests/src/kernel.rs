@@ -91,7 +91,7 @@ impl TestDatapath {
     pub fn set_service(&mut self, frontend: Frontend, backends: &[SocketAddrV4]) -> Result<()> {
         let backends: Vec<SocketAddr> = backends.iter().map(|b| SocketAddr::V4(*b)).collect();
         self.sync
-            .set(&frontend, &backends)
+            .set(frontend, &backends)
             .with_context(|| format!("programming {frontend}"))?;
         Ok(())
     }
@@ -113,7 +113,7 @@ impl TestDatapath {
             ..FrontendSpec::new(&backends)
         };
         self.sync
-            .set_with(&frontend, &spec)
+            .set_with(frontend, &spec)
             .with_context(|| format!("programming {frontend}"))?;
         Ok(())
     }

@@ -144,6 +144,7 @@ conformance!(
         run,
         "relays each flow from the node's own address: it cannot keep the client's"
     ],
+    external_traffic_policy_local_short_circuits_clients_on_the_node,
     node_port_addresses_restrict_where_node_ports_listen,
     external_ips_and_load_balancer_ips_are_served,
     a_cluster_ip_listed_as_another_services_external_ip_keeps_its_own_pods,
@@ -1670,6 +1671,95 @@ fn external_policy_local_in(mode: Mode, family: Family) {
     }
     // Cluster-IP traffic is not affected by the external policy.
     assert_eq!(pods(&tcp_from_pod(&c, CLIENT, to(&vip, 80), 40)), set(&ALL));
+}
+
+/// kube-proxy's short-circuit: the pods and processes of a node reach an
+/// `externalTrafficPolicy: Local` Service's load-balancer IP, external IP and node port
+/// through every endpoint, so a node without a local endpoint does not black-hole its own
+/// clients; clients from outside still reach only the node's own endpoints, with their
+/// address kept, and nothing through a node that has none. Pods are told apart by the
+/// cluster CIDR (kube-proxy's default detectLocalMode); the eBPF mode's socket hooks know
+/// every socket below them is on the node.
+fn external_traffic_policy_local_short_circuits_clients_on_the_node(mode: Mode) {
+    let (vip, lb_ip, external_ip) = (V4.vip(32), V4.external(13), V4.external(14));
+    let yaml = |c: &Cluster, endpoints: &[&'static str]| {
+        let svc = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: lab}}\nspec:\n  type: LoadBalancer\n  clusterIP: \"{vip}\"\n  externalTrafficPolicy: Local\n  externalIPs: [\"{external_ip}\"]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30084}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: \"{lb_ip}\"}}]\n---\n");
+        svc + &V4.slice(c, "lb", "1", &[("http", "TCP", 8080)], &ready(endpoints))
+    };
+    let flags = ["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/48"];
+    let mut c = cluster_with_flags(mode, &flags, |c| yaml(c, &["web-2a", "web-2b"]));
+    let remote = set(&["web-2a", "web-2b"]);
+    let (lb, external) = (to(&lb_ip, 80), to(&external_ip, 80));
+    let node_port = SocketAddr::new(V4.lab(c.node(1).internal_ip), 30084);
+    // A pod of node-1, which has no endpoint: every endpoint, its own address kept.
+    for dest in [lb, external, node_port] {
+        let hellos = tcp_from_pod(&c, CLIENT, dest, 20);
+        assert_eq!(pods(&hellos), remote, "to {dest}: {:?}", counts(&hellos));
+        if mode.keeps_client_address() {
+            for h in &hellos {
+                assert_eq!(h.from.ip(), V4.lab(CLIENT_IP), "to {dest}: {h:?}");
+            }
+        }
+    }
+    if mode == Mode::Ebpf {
+        // A pod outside the socket hooks (a service mesh's, or --socket-lb host-only): the
+        // tc path tells it by the cluster CIDR.
+        c.pod_clients_outside_hooks = true;
+        let hellos = tcp_from_pod(&c, CLIENT, lb, 20);
+        c.pod_clients_outside_hooks = false;
+        assert_eq!(pods(&hellos), remote, "tc path: {:?}", counts(&hellos));
+        for h in &hellos {
+            assert_eq!(h.from.ip(), V4.lab(CLIENT_IP), "tc path: {h:?}");
+        }
+    }
+    // A process of node-1 itself.
+    let script = format!(
+        "for i in $(seq 20); do exec 3<>/dev/tcp/{lb_ip}/80 && head -1 <&3; exec 3<&-; done"
+    );
+    let (ok, out) = c.on_node(1, &script).unwrap();
+    assert!(ok, "{out}\n{}", c.logs());
+    let from_node: BTreeSet<String> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    assert_eq!(from_node, remote, "from node-1: {out}");
+    // From outside, through node-1 (where the lab routes the LB IP): nothing (dropped, so
+    // the load balancer's health check, not a refusal, steers clients away); through
+    // node-2's node port: its endpoints, the client's address kept.
+    let source = Some(outside_client(1, lb));
+    let through_1 = c
+        .external
+        .run(move || client::tcp_hello(lb, source, Duration::from_secs(1)).map(|h| h.pod))
+        .unwrap();
+    assert!(through_1.is_err(), "through node-1: {through_1:?}");
+    let node_port_2 = SocketAddr::new(V4.lab(c.node(2).external_ip), 30084);
+    let hellos = tcp_from_outside(&c, 2, node_port_2, 20);
+    assert_eq!(
+        pods(&hellos),
+        remote,
+        "through node-2: {:?}",
+        counts(&hellos)
+    );
+    if mode.keeps_client_address() {
+        for h in &hellos {
+            assert_eq!(h.from.ip(), outside_client(2, node_port_2), "{h:?}");
+        }
+    }
+    // With an endpoint on node-1 too, its pods still reach every endpoint, and the outside
+    // only node-1's. The ipvs mode's virtual server has one set of real servers for every
+    // client: its pods then get the local endpoint, as with kube-proxy's ipvs mode.
+    let before = c.sync_count();
+    c.write_manifests(&yaml(&c, &ALL)).unwrap();
+    c.wait_for_syncs(before).unwrap();
+    let hellos = tcp_from_pod(&c, CLIENT, lb, 40);
+    let want = if mode == Mode::Ipvs {
+        set(&["web-1a"])
+    } else {
+        set(&ALL)
+    };
+    assert_eq!(pods(&hellos), want, "{:?}\n{}", counts(&hellos), c.logs());
+    let hellos = tcp_from_outside(&c, 1, lb, 20);
+    assert_eq!(pods(&hellos), set(&["web-1a"]), "{:?}", counts(&hellos));
 }
 
 fn source_ranges_in(mode: Mode, family: Family) {

@@ -886,7 +886,7 @@ fn evictions_are_counted(family: Family) {
         port: 80,
         protocol: Protocol::Udp,
     };
-    dp.sync.set(&f, &family.backends).unwrap();
+    dp.sync.set(f, &family.backends).unwrap();
     let vip = SocketAddr::new(family.vip, 80);
     let remaining = |sweep: &proxy_agent::datapath::ConntrackSweep| {
         sweep.remaining + sweep.remaining6 + sweep.remaining_new + sweep.remaining_new6
@@ -897,7 +897,7 @@ fn evictions_are_counted(family: Family) {
         open_confirmed(&dp, &family, sport, false);
     }
     assert_eq!(stat(&dp, Stat::FlowConfirmed), 50);
-    dp.sync.set(&f, &family.backends[1..]).unwrap();
+    dp.sync.set(f, &family.backends[1..]).unwrap();
     for sport in 20000..20050u16 {
         sent_to(&dp, SocketAddr::new(family.client, sport), vip, None);
     }
@@ -954,7 +954,7 @@ fn traffic_is_counted_per_service_port_in_both_directions() {
     let id = dp
         .sync
         .service_ids()
-        .find(|(f, _)| **f == tcp)
+        .find(|(f, _)| **f == tcp.into())
         .map(|(_, id)| id)
         .unwrap();
     let syn = PacketSpec::tcp(CLIENT, 48000, VIP, 80, TCP_SYN).build();
@@ -1057,7 +1057,7 @@ fn set_scheduled(
         weights: &weights,
         ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(&backends)
     };
-    dp.sync.set_with(&f, &spec).unwrap();
+    dp.sync.set_with(f, &spec).unwrap();
 }
 
 /// The backend a new flow from `client:port` is given.
@@ -1306,7 +1306,7 @@ fn expired_flows_stop_counting_once_collected() {
         },
         ..proxy_agent::proxier::ebpf::sync::FrontendSpec::new(&v4_backends)
     };
-    dp.sync.set_with(&f, &spec).unwrap();
+    dp.sync.set_with(f, &spec).unwrap();
     let udp_active = |dp: &TestDatapath| -> i64 {
         let map = dp.datapath.ebpf.map("BACKEND_CONNS").unwrap();
         let conns: aya::maps::Array<&aya::maps::MapData, u64> =
@@ -1406,7 +1406,7 @@ fn ipv6_flows_are_translated_both_ways_with_valid_checksums() {
             port: 80,
             protocol,
         };
-        dp.sync.set(&f, &backends).unwrap();
+        dp.sync.set(f, &backends).unwrap();
     }
     for (i, udp) in [(0u16, false), (1, true), (2, false), (3, true)] {
         let sport = 40000 + i;
@@ -1469,7 +1469,7 @@ fn ipv6_tcp_to_a_service_without_endpoints_is_reset() {
         port: 80,
         protocol: Protocol::Tcp,
     };
-    dp.sync.set(&f, &[]).unwrap();
+    dp.sync.set(f, &[]).unwrap();
     let frame = PacketSpec6::tcp(client, 43000, vip, 80, TCP_SYN).build();
     let (verdict, out) = dp.run(Hook::Ingress, &frame).unwrap();
     assert_eq!(verdict, TC_ACT_REDIRECT);
@@ -1548,7 +1548,7 @@ mod safety {
                 port: 80,
                 protocol,
             };
-            dp.sync.set(&f, &family.backends).unwrap();
+            dp.sync.set(f, &family.backends).unwrap();
         }
         let vip = SocketAddr::new(family.vip, 80);
         let flows: Vec<(SocketAddr, bool, SocketAddr)> = (0..10u16)
@@ -1632,7 +1632,7 @@ mod safety {
             port: 80,
             protocol: Protocol::Tcp,
         };
-        dp.sync.set(&f, &family.backends).unwrap();
+        dp.sync.set(f, &family.backends).unwrap();
         let vip = SocketAddr::new(family.vip, 80);
         let client = SocketAddr::new(family.client, 41000);
         let syn = frame(client, vip, Some(TCP_SYN));
@@ -1727,7 +1727,7 @@ mod safety {
                 port: 80,
                 protocol: Protocol::Tcp,
             };
-            dp.sync.set(&f, &[pod]).unwrap();
+            dp.sync.set(f, &[pod]).unwrap();
         }
         let held = open_confirmed(&dp, &family, 40000, true);
         assert_eq!(held, pod);
@@ -1844,7 +1844,7 @@ mod safety {
             .expect("some client lands on the second backend");
 
         // A goes; a full sync reloads the maps; B takes A's service id, C its slots.
-        dp.sync.remove(&a).unwrap();
+        dp.sync.remove(a).unwrap();
         dp.sync.reload_from_maps().unwrap();
         dp.set_service_with(b, &[pod(11)], sticky, &[]).unwrap();
         dp.set_service_with(c, &[pod(21)], HeaderSettings::default(), &[])
@@ -1860,8 +1860,18 @@ mod safety {
         }
 
         // An affinity entry naming C's live backend, under B's service id: ignored.
-        let b_id = dp.sync.service_ids().find(|(f, _)| **f == b).unwrap().1;
-        let c_backend = dp.sync.backend_ids().find(|(f, _, _)| **f == c).unwrap().2;
+        let b_id = dp
+            .sync
+            .service_ids()
+            .find(|(f, _)| **f == b.into())
+            .unwrap()
+            .1;
+        let c_backend = dp
+            .sync
+            .backend_ids()
+            .find(|(f, _, _)| **f == c.into())
+            .unwrap()
+            .2;
         let other = Ipv4Addr::new(10, 244, 9, 251);
         {
             let map = dp.datapath.ebpf.map_mut("AFFINITY").unwrap();
@@ -1911,7 +1921,7 @@ mod safety {
             port: 80,
             protocol: Protocol::Udp,
         };
-        dp.sync.set(&f, &family.backends).unwrap();
+        dp.sync.set(f, &family.backends).unwrap();
         open_confirmed(&dp, &family, 52000, false);
         assert_eq!(stat(&dp, Stat::FlowConfirmed), 1);
         let original = proxy_common::ConntrackKey::new(

@@ -63,6 +63,7 @@ fn external(
             .collect(),
         masquerade: true,
         masquerade_all: false,
+        in_cluster: None,
     }
 }
 

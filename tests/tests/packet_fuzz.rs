@@ -120,7 +120,7 @@ fn populated() -> TestDatapath {
         let ranges = [(IpAddr::from(Ipv4Addr::new(198, 51, 100, 0)), 24)];
         dp.sync
             .set_with(
-                &at(LB_IP.into(), 80),
+                at(LB_IP.into(), 80),
                 &FrontendSpec {
                     header: external,
                     source_ranges: &ranges,
@@ -128,7 +128,7 @@ fn populated() -> TestDatapath {
                 },
             )
             .unwrap();
-        dp.sync.set(&at(VIP6.into(), 80), &backends6()).unwrap();
+        dp.sync.set(at(VIP6.into(), 80), &backends6()).unwrap();
     }
     dp
 }

@@ -90,7 +90,8 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
         ProxyMode::Userspace => {
             let routes = KernelLocalRoutes::open()
                 .context("the userspace proxier makes service addresses local with routes")?;
-            let proxier = UserspaceProxier::new(Box::new(routes), s.udp_idle_timeout);
+            let proxier = UserspaceProxier::new(Box::new(routes), s.udp_idle_timeout)
+                .with_cluster_cidrs(&s.cluster_cidrs);
             (ActiveProxier::Userspace(Box::new(proxier)), None)
         }
     })

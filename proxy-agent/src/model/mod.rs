@@ -274,6 +274,33 @@ pub struct FrontendState {
     pub masquerade: bool,
     /// `masqueradeAll`: every flow is source-NATed to the node.
     pub masquerade_all: bool,
+    /// `externalTrafficPolicy: Local`: what new flows from this node and its pods meet
+    /// instead of `backends` (kube-proxy's short-circuit, so a node without a local endpoint
+    /// does not black-hole in-cluster clients of an LB IP). `None`: every client alike.
+    pub in_cluster: Option<InCluster>,
+}
+
+impl FrontendState {
+    /// The endpoints that clients on this node take instead of `backends`, when there are
+    /// some (`externalTrafficPolicy: Local`'s short-circuit).
+    pub fn short_circuit(&self) -> Option<&[SocketAddr]> {
+        self.in_cluster
+            .as_ref()
+            .map(|i| i.backends.as_slice())
+            .filter(|b| !b.is_empty())
+    }
+}
+
+/// The endpoints of an `externalTrafficPolicy: Local` frontend for clients on this node:
+/// those cluster traffic may use. Empty only when no endpoint serves anywhere (refused).
+/// Flows from the node's own addresses are masqueraded, as kube-proxy does; flows from
+/// its pods keep their source.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InCluster {
+    /// Endpoints that take new flows, sorted and without duplicates.
+    pub backends: Vec<SocketAddr>,
+    /// As [`FrontendState::draining`].
+    pub draining: Vec<SocketAddr>,
 }
 
 /// What the datapath must do for one service port.
@@ -355,6 +382,7 @@ impl ServicePortState {
             source_ranges: Vec::new(),
             masquerade: false,
             masquerade_all: self.masquerade_all,
+            in_cluster: None,
         }];
         all.extend(self.external.iter().cloned());
         all
@@ -488,6 +516,20 @@ impl DesiredState {
             };
             let draining = draining_for(svc.internal_local, &backends);
             let external_draining = draining_for(svc.external_local, &external_backends);
+            // kube-proxy's short-circuit sends such clients to its cluster-policy chain,
+            // whatever internalTrafficPolicy says.
+            let in_cluster = svc.external_local.then(|| {
+                let backends: Vec<SocketAddr> = picked
+                    .cluster
+                    .iter()
+                    .copied()
+                    .filter(|a| !quiesced(a))
+                    .collect();
+                InCluster {
+                    draining: draining_for(false, &backends),
+                    backends,
+                }
+            });
             let external = external_claimed
                 .into_iter()
                 .map(|(frontend, kind)| FrontendState {
@@ -507,6 +549,7 @@ impl DesiredState {
                     },
                     masquerade: !svc.external_local,
                     masquerade_all: node.masquerade_all,
+                    in_cluster: in_cluster.clone(),
                 })
                 .collect();
             let remote = endpoints

@@ -437,6 +437,9 @@ struct SelectionCase {
     /// Last octets chosen for cluster-IP traffic, and for NodePort traffic.
     internal: (&'static [u8], WhenEmpty),
     external: (&'static [u8], WhenEmpty),
+    /// For NodePort traffic from this node and its pods (`externalTrafficPolicy: Local`'s
+    /// short-circuit: the endpoints cluster traffic may use, whatever the internal policy).
+    in_cluster: Option<&'static [u8]>,
 }
 
 #[test]
@@ -454,6 +457,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "terminating endpoints are not used while any is ready",
@@ -462,6 +466,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1], Refuse),
             external: (&[1], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "no ready endpoint: serving-and-terminating ones take over (KEP-1669)",
@@ -474,6 +479,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "nothing ready or serving: refused",
@@ -482,6 +488,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: true,
             internal: (&[], Refuse),
             external: (&[], Refuse),
+            in_cluster: Some(&[]),
         },
         SelectionCase {
             what: "externalTrafficPolicy Local: only this node's ready endpoints",
@@ -490,6 +497,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: true,
             internal: (&[1, 2], Refuse),
             external: (&[1], Drop),
+            in_cluster: Some(&[1, 2]),
         },
         SelectionCase {
             what: "Local with endpoints only elsewhere: dropped, not refused",
@@ -498,6 +506,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: true,
             internal: (&[], Drop),
             external: (&[], Drop),
+            in_cluster: Some(&[2]),
         },
         SelectionCase {
             what: "Local falls back to this node's serving-and-terminating endpoints",
@@ -506,6 +515,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1], Drop),
             external: (&[2], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "topology: endpoints hinted for this node's zone",
@@ -518,6 +528,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1, 3], Refuse),
             external: (&[1, 3], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "topology ignored when an endpoint lacks hints",
@@ -526,6 +537,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "topology ignored when nothing is hinted for this zone",
@@ -534,6 +546,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             // kube-proxy 1.34: the EndpointSlice controller writes hints only when the
@@ -544,6 +557,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1], Refuse),
             external: (&[1], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "PreferSameNode: endpoints hinted for this node, before zone hints",
@@ -556,6 +570,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1, 3], Refuse),
             external: (&[1, 3], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "PreferSameNode with nothing hinted for this node falls back to zone hints",
@@ -567,6 +582,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1], Refuse),
             external: (&[1], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "node hints ignored when a ready endpoint lacks one (zone hints too: none)",
@@ -579,6 +595,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1, 2], Refuse),
             external: (&[1, 2], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "PreferSameNode narrows Cluster policy only, not Local",
@@ -590,6 +607,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1], Drop),
             external: (&[2], Refuse),
+            in_cluster: None,
         },
         SelectionCase {
             what: "Local policy is not narrowed by topology",
@@ -598,6 +616,7 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             external_local: false,
             internal: (&[1], Drop),
             external: (&[2], Refuse),
+            in_cluster: None,
         },
     ];
     let node = NodeContext {
@@ -647,6 +666,12 @@ fn endpoint_selection_follows_conditions_traffic_policy_and_topology() {
             case.what
         );
         assert_eq!(np.masquerade, !case.external_local, "{}", case.what);
+        assert_eq!(
+            np.in_cluster.as_ref().map(|i| i.backends.clone()),
+            case.in_cluster.map(chosen),
+            "NodePort from this node: {}",
+            case.what
+        );
     }
 }
 

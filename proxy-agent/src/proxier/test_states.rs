@@ -27,6 +27,7 @@ pub fn node_port(s: &ServicePortState, addr: &str, masquerade: bool) -> Frontend
         source_ranges: Vec::new(),
         masquerade,
         masquerade_all: false,
+        in_cluster: None,
     }
 }
 

@@ -166,7 +166,7 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
             source_ranges: ranges,
             ..FrontendSpec::new(&backends)
         };
-        dp.sync.set_with(&frontend, &spec)?;
+        dp.sync.set_with(frontend, &spec)?;
     }
     let program_ms = started.elapsed().as_secs_f64() * 1000.0;
 
@@ -274,7 +274,7 @@ fn maglev_memory(frontends: u32) -> Result<()> {
             },
             ..FrontendSpec::new(&backends)
         };
-        dp.sync.set_with(&frontend, &spec)?;
+        dp.sync.set_with(frontend, &spec)?;
     }
     // The newest map of that name is ours (the agent's maps were taken by the sync).
     let out = std::process::Command::new("bpftool")

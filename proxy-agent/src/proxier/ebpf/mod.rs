@@ -13,19 +13,29 @@ use anyhow::Result;
 use tracing::{debug, error};
 
 use proxy_common::{
-    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
-    SERVICE_FLAG_MASQUERADE_ALL,
+    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_IN_CLUSTER_SET,
+    SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SCOPE_IN_CLUSTER,
 };
 
 use self::{
     maps::{MapError, ServiceMaps},
-    sync::{FrontendSpec, HeaderSettings, MapSync},
+    sync::{FrontendSpec, HeaderSettings, MapSync, Target},
 };
 use super::{FlowCleaner, Proxier, ProxyMode, SyncReport};
 use crate::model::{
-    stale_flows, DesiredState, Frontend, ServiceChange, ServicePortName, ServicePortState,
+    stale_flows, DesiredState, FrontendState, ServiceChange, ServicePortName, ServicePortState,
     WhenEmpty,
 };
+
+/// The entry sets of a frontend: its own, and the one for clients on this node when its
+/// traffic policy gives them other endpoints.
+fn targets(f: &FrontendState) -> impl Iterator<Item = Target> {
+    let in_cluster = f
+        .in_cluster
+        .as_ref()
+        .map(|_| Target::in_cluster(f.frontend));
+    std::iter::once(Target::all(f.frontend)).chain(in_cluster)
+}
 
 pub struct EbpfProxier<M: ServiceMaps> {
     sync: MapSync<M>,
@@ -36,7 +46,7 @@ pub struct EbpfProxier<M: ServiceMaps> {
     /// programmed that is no longer desired.
     prune_on_next_sync: bool,
     /// Which service port each programmed frontend belongs to (for per-service metrics).
-    names: HashMap<Frontend, ServicePortName>,
+    names: HashMap<crate::model::Frontend, ServicePortName>,
     /// Ends the node's connected UDP sockets the socket hooks gave a backend that left
     /// (`datapath::sockets`); none without the hooks.
     socket_cleaner: Option<Box<dyn FlowCleaner>>,
@@ -67,7 +77,7 @@ impl<M: ServiceMaps> EbpfProxier<M> {
     pub fn backend_ids(&self) -> Vec<(ServicePortName, std::net::SocketAddr, u32)> {
         self.sync
             .backend_ids()
-            .filter_map(|(f, addr, id)| Some((self.names.get(f)?.clone(), addr, id)))
+            .filter_map(|(f, addr, id)| Some((self.names.get(&f.frontend())?.clone(), addr, id)))
             .collect()
     }
 
@@ -75,7 +85,7 @@ impl<M: ServiceMaps> EbpfProxier<M> {
     pub fn service_ids(&self) -> Vec<(ServicePortName, u32)> {
         self.sync
             .service_ids()
-            .filter_map(|(f, id)| Some((self.names.get(f)?.clone(), id)))
+            .filter_map(|(f, id)| Some((self.names.get(&f.frontend())?.clone(), id)))
             .collect()
     }
 
@@ -100,44 +110,67 @@ impl<M: ServiceMaps> EbpfProxier<M> {
     fn write_service_port(&mut self, state: &ServicePortState) -> Result<usize, MapError> {
         let mut ops = 0;
         for f in state.frontends() {
-            let mut flags = 0;
-            if f.when_empty == WhenEmpty::Drop {
-                flags |= SERVICE_FLAG_DROP_WHEN_EMPTY;
-            }
+            let mut flags = state.scheduler.datapath_id() << proxy_common::SERVICE_SCHEDULER_SHIFT;
             if f.kind.is_external() {
                 flags |= SERVICE_FLAG_EXTERNAL;
-            }
-            if f.masquerade {
-                flags |= SERVICE_FLAG_MASQUERADE;
             }
             if f.masquerade_all {
                 flags |= SERVICE_FLAG_MASQUERADE_ALL;
             }
-            flags |= state.scheduler.datapath_id() << proxy_common::SERVICE_SCHEDULER_SHIFT;
-            let header = HeaderSettings {
+            let header = |flags| HeaderSettings {
                 flags,
                 affinity_timeout: state.affinity_timeout.unwrap_or(0),
             };
             let ranges: Vec<(std::net::IpAddr, u8)> =
                 f.source_ranges.iter().map(|c| (c.addr, c.prefix)).collect();
-            let spec = FrontendSpec {
-                backends: &f.backends,
-                draining: &f.draining,
-                header,
+            let spec = |backends, draining, flags| FrontendSpec {
+                backends,
+                draining,
+                header: header(flags),
                 remote: &state.remote,
                 source_ranges: &ranges,
                 weights: &state.weights,
             };
-            ops += self
-                .sync
-                .set_with(&f.frontend, &spec)
-                .map_err(|e| match e {
+            let mut set = |target: Target, spec: &FrontendSpec| {
+                self.sync.set_with(target, spec).map_err(|e| match e {
                     MapError::Other { map, message } => MapError::Other {
                         map,
-                        message: format!("{}: {message}", f.frontend),
+                        message: format!("{target}: {message}"),
                     },
                     e => e,
-                })?;
+                })
+            };
+            // The set for clients on this node first, so the header that points to it
+            // finds it (the datapath also falls back to the frontend's own set).
+            let mut own = flags;
+            if let Some(inner) = &f.in_cluster {
+                // Pods keep their source (the node's own flows are masqueraded by the
+                // kernel's choice of source at connect time).
+                ops += set(
+                    Target::in_cluster(f.frontend),
+                    &spec(
+                        &inner.backends,
+                        &inner.draining,
+                        flags | SERVICE_FLAG_SCOPE_IN_CLUSTER,
+                    ),
+                )?;
+                own |= SERVICE_FLAG_IN_CLUSTER_SET;
+            }
+            if f.when_empty == WhenEmpty::Drop {
+                own |= SERVICE_FLAG_DROP_WHEN_EMPTY;
+            }
+            if f.masquerade {
+                own |= SERVICE_FLAG_MASQUERADE;
+            }
+            ops += set(
+                Target::all(f.frontend),
+                &spec(&f.backends, &f.draining, own),
+            )?;
+            if f.in_cluster.is_none() {
+                // A traffic policy changed back to Cluster: the header no longer points to
+                // the second set.
+                ops += self.sync.remove(Target::in_cluster(f.frontend))?;
+            }
             self.names.insert(f.frontend, state.name.clone());
         }
         Ok(ops)
@@ -175,22 +208,22 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
         let mut report = SyncReport::default();
         if std::mem::take(&mut self.prune_on_next_sync) {
-            let wanted: HashSet<Frontend> = desired
+            let wanted: HashSet<Target> = desired
                 .ports
                 .values()
                 .flat_map(|s| s.frontends())
-                .map(|f| f.frontend)
+                .flat_map(|f| targets(&f).collect::<Vec<_>>())
                 .collect();
-            let stale: Vec<Frontend> = self
+            let stale: Vec<Target> = self
                 .sync
                 .frontends()
                 .filter(|f| !wanted.contains(f))
                 .copied()
                 .collect();
             for f in stale {
-                self.names.remove(&f);
+                self.names.remove(&f.frontend());
                 debug!(frontend = %f, "removing what the previous agent programmed");
-                if let Err(e) = self.sync.remove(&f) {
+                if let Err(e) = self.sync.remove(f) {
                     error!(frontend = %f, "removing from the datapath: {e}");
                 }
             }
@@ -198,24 +231,26 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
         // Removals first: a frontend that moves from one Service to another is freed
         // before it is claimed again.
         for change in changes {
-            let (old, kept): (_, HashSet<Frontend>) = match change {
+            let (old, kept): (_, HashSet<Target>) = match change {
                 ServiceChange::Removed(old) => (old, HashSet::new()),
                 ServiceChange::Updated { old, new } => {
-                    (old, new.frontends().iter().map(|f| f.frontend).collect())
+                    (old, new.frontends().iter().flat_map(targets).collect())
                 }
                 ServiceChange::Added(_) => continue,
             };
             if kept.is_empty() {
                 self.failed.remove(&old.name);
             }
-            for gone in old
+            for f in old
                 .frontends()
-                .into_iter()
-                .filter(|f| !kept.contains(&f.frontend))
+                .iter()
+                .flat_map(targets)
+                .filter(|t| !kept.contains(t))
             {
-                let f = gone.frontend;
-                self.names.remove(&f);
-                if let Err(e) = self.sync.remove(&f) {
+                if !kept.contains(&Target::all(f.frontend())) {
+                    self.names.remove(&f.frontend());
+                }
+                if let Err(e) = self.sync.remove(f) {
                     error!(service = %old.name, frontend = %f, "removing from the datapath: {e}");
                 }
             }

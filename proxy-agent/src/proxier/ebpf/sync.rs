@@ -16,12 +16,79 @@ use std::{
 
 use proxy_common::{
     Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue, BACKEND_FLAG_IPV6,
-    BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK, MAX_BACKENDS,
-    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
+    BACKEND_FLAG_REMOTE, BACKEND_INDEX_BITS, BACKEND_INDEX_MASK, MAX_BACKENDS, SCOPE_ALL,
+    SCOPE_IN_CLUSTER, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 use super::maps::{MapError, ServiceMapKey, ServiceMaps};
 use crate::model::{Frontend, Protocol};
+
+/// One frontend's set of `SERVICES` entries: the frontend, and which clients the set
+/// serves (the key's scope). An `externalTrafficPolicy: Local` frontend has two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Target {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    /// The [`SCOPE_IN_CLUSTER`] set: new flows from this node and its pods.
+    pub in_cluster: bool,
+}
+
+impl Target {
+    pub fn frontend(&self) -> Frontend {
+        Frontend {
+            addr: self.addr,
+            port: self.port,
+            protocol: self.protocol,
+        }
+    }
+
+    /// `frontend`'s set for every client.
+    pub fn all(frontend: Frontend) -> Self {
+        Self {
+            addr: frontend.addr,
+            port: frontend.port,
+            protocol: frontend.protocol,
+            in_cluster: false,
+        }
+    }
+
+    /// `frontend`'s set for clients on this node.
+    pub fn in_cluster(frontend: Frontend) -> Self {
+        Self {
+            in_cluster: true,
+            ..Self::all(frontend)
+        }
+    }
+}
+
+impl From<Frontend> for Target {
+    fn from(frontend: Frontend) -> Self {
+        Self::all(frontend)
+    }
+}
+
+impl From<&Frontend> for Target {
+    fn from(frontend: &Frontend) -> Self {
+        Self::all(*frontend)
+    }
+}
+
+impl From<&Target> for Target {
+    fn from(target: &Target) -> Self {
+        *target
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.frontend())?;
+        if self.in_cluster {
+            write!(f, " (clients on this node)")?;
+        }
+        Ok(())
+    }
+}
 
 /// What the agent last wrote for one frontend.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,29 +138,47 @@ impl<'a> FrontendSpec<'a> {
     }
 }
 
-pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceMapKey {
+pub fn service_key(frontend: impl Into<Target>, slot: u16) -> ServiceMapKey {
+    let frontend = frontend.into();
     let (port, proto) = (frontend.port.to_be(), frontend.protocol.number());
+    let scope = if frontend.in_cluster {
+        SCOPE_IN_CLUSTER
+    } else {
+        SCOPE_ALL
+    };
     match frontend.addr {
-        IpAddr::V4(a) => {
-            ServiceMapKey::V4(ServiceKey::new(u32::from(a).to_be(), port, proto, slot))
+        IpAddr::V4(a) => ServiceMapKey::V4(ServiceKey::scoped(
+            u32::from(a).to_be(),
+            port,
+            proto,
+            scope,
+            slot,
+        )),
+        IpAddr::V6(a) => {
+            ServiceMapKey::V6(ServiceKey6::scoped(a.octets(), port, proto, scope, slot))
         }
-        IpAddr::V6(a) => ServiceMapKey::V6(ServiceKey6::new(a.octets(), port, proto, slot)),
     }
 }
 
-fn frontend_of(key: &ServiceMapKey) -> Option<Frontend> {
-    let (addr, port, proto) = match key {
+fn frontend_of(key: &ServiceMapKey) -> Option<Target> {
+    let (addr, port, proto, scope) = match key {
         ServiceMapKey::V4(k) => (
             IpAddr::V4(Ipv4Addr::from(u32::from_be(k.addr))),
             k.port,
             k.proto,
+            k.scope,
         ),
-        ServiceMapKey::V6(k) => (IpAddr::V6(Ipv6Addr::from(k.addr)), k.port, k.proto),
+        ServiceMapKey::V6(k) => (IpAddr::V6(Ipv6Addr::from(k.addr)), k.port, k.proto, k.scope),
     };
-    Some(Frontend {
+    Some(Target {
         addr,
         port: u16::from_be(port),
         protocol: Protocol::from_number(proto)?,
+        in_cluster: match scope {
+            SCOPE_ALL => false,
+            SCOPE_IN_CLUSTER => true,
+            _ => return None,
+        },
     })
 }
 
@@ -259,7 +344,7 @@ impl SlotIds {
 
 pub struct MapSync<M: ServiceMaps> {
     maps: M,
-    written: HashMap<Frontend, Written>,
+    written: HashMap<Target, Written>,
     /// `SERVICES` (index 0) and `SERVICES6` (1) entries `written` accounts for: a header
     /// and a slot per backend each. Kept with `written` by `take_written`/`put_written`.
     service_entries: [usize; 2],
@@ -293,7 +378,7 @@ impl<M: ServiceMaps> MapSync<M> {
         &mut self.maps
     }
 
-    pub fn frontends(&self) -> impl Iterator<Item = &Frontend> {
+    pub fn frontends(&self) -> impl Iterator<Item = &Target> {
         self.written.keys()
     }
 
@@ -309,21 +394,22 @@ impl<M: ServiceMaps> MapSync<M> {
     }
 
     /// The service id (index into `SERVICE_STATS`) of every frontend written.
-    pub fn service_ids(&self) -> impl Iterator<Item = (&Frontend, u32)> {
+    pub fn service_ids(&self) -> impl Iterator<Item = (&Target, u32)> {
         self.written.iter().map(|(f, w)| (f, w.service_id))
     }
 
     /// Every backend written: its frontend, address and id.
-    pub fn backend_ids(&self) -> impl Iterator<Item = (&Frontend, SocketAddr, u32)> {
+    pub fn backend_ids(&self) -> impl Iterator<Item = (&Target, SocketAddr, u32)> {
         self.written
             .iter()
             .flat_map(|(f, w)| w.slots.iter().map(move |(id, addr)| (f, *addr, *id)))
     }
 
-    /// Service ports and backends currently written.
+    /// Frontends and backend slots currently written (a frontend's second set, for clients
+    /// on this node, counts its slots but not as another frontend).
     pub fn counts(&self) -> (usize, usize) {
         (
-            self.written.len(),
+            self.written.keys().filter(|t| !t.in_cluster).count(),
             self.written.values().map(|w| w.slots.len()).sum(),
         )
     }
@@ -338,8 +424,8 @@ impl<M: ServiceMaps> MapSync<M> {
         }
         let backends: HashMap<u32, Backend> =
             contents.backends.iter().map(|b| (b.id, *b)).collect();
-        let mut headers: HashMap<Frontend, ServiceValue> = HashMap::new();
-        let mut slots: HashMap<Frontend, HashMap<u16, ServiceValue>> = HashMap::new();
+        let mut headers: HashMap<Target, ServiceValue> = HashMap::new();
+        let mut slots: HashMap<Target, HashMap<u16, ServiceValue>> = HashMap::new();
         let mut stray = Vec::new();
         for (key, value) in contents.services {
             match frontend_of(&key) {
@@ -376,7 +462,7 @@ impl<M: ServiceMaps> MapSync<M> {
                 .collect();
             // Slots beyond the count are leftovers of an interrupted shrink.
             for slot in found.keys() {
-                stray.push(service_key(&frontend, *slot));
+                stray.push(service_key(frontend, *slot));
             }
             match list {
                 Some(list) if list.iter().all(|(id, _)| self.backend_ids.mark_used(*id)) => {
@@ -423,7 +509,7 @@ impl<M: ServiceMaps> MapSync<M> {
             }
         }
         for (frontend, found) in slots {
-            stray.extend(found.keys().map(|slot| service_key(&frontend, *slot)));
+            stray.extend(found.keys().map(|slot| service_key(frontend, *slot)));
         }
         for key in stray {
             self.maps.remove_service(&key)?;
@@ -441,17 +527,17 @@ impl<M: ServiceMaps> MapSync<M> {
         Ok(self.written.len())
     }
 
-    fn family_index(frontend: &Frontend) -> usize {
+    fn family_index(frontend: &Target) -> usize {
         usize::from(frontend.addr.is_ipv6())
     }
 
-    fn take_written(&mut self, frontend: &Frontend) -> Option<Written> {
+    fn take_written(&mut self, frontend: &Target) -> Option<Written> {
         let w = self.written.remove(frontend)?;
         self.service_entries[Self::family_index(frontend)] -= 1 + w.slots.len();
         Some(w)
     }
 
-    fn put_written(&mut self, frontend: Frontend, w: Written) {
+    fn put_written(&mut self, frontend: Target, w: Written) {
         self.service_entries[Self::family_index(&frontend)] += 1 + w.slots.len();
         if let Some(old) = self.written.insert(frontend, w) {
             self.service_entries[Self::family_index(&frontend)] -= 1 + old.slots.len();
@@ -461,7 +547,7 @@ impl<M: ServiceMaps> MapSync<M> {
     /// Whether `SERVICES` (or `SERVICES6`) has room for `frontend` with `slots` backends
     /// once its current entries (already taken out of the count) are replaced: checked
     /// before writing, so a Service that does not fit leaves what it had untouched.
-    fn services_room(&self, frontend: &Frontend, slots: usize) -> Result<(), MapError> {
+    fn services_room(&self, frontend: &Target, slots: usize) -> Result<(), MapError> {
         let Some((capacity, per_family)) = self.maps.services_capacity() else {
             return Ok(());
         };
@@ -486,16 +572,21 @@ impl<M: ServiceMaps> MapSync<M> {
     /// Makes `frontend` select among `backends` (empty: refuse connections). Returns the
     /// number of map operations it took. On error the frontend is removed from the maps (a
     /// half-written service is worse than none) and a later call retries it from scratch.
-    pub fn set(&mut self, frontend: &Frontend, backends: &[SocketAddr]) -> Result<usize, MapError> {
+    pub fn set(
+        &mut self,
+        frontend: impl Into<Target>,
+        backends: &[SocketAddr],
+    ) -> Result<usize, MapError> {
         self.set_with(frontend, &FrontendSpec::new(backends))
     }
 
     /// Like [`MapSync::set`], with everything else a frontend carries.
     pub fn set_with(
         &mut self,
-        frontend: &Frontend,
+        frontend: impl Into<Target>,
         spec: &FrontendSpec,
     ) -> Result<usize, MapError> {
+        let frontend = &frontend.into();
         let backends = spec.backends;
         let mut header = spec.header;
         let ranges: RangeSet = spec.source_ranges.iter().copied().collect();
@@ -679,7 +770,7 @@ impl<M: ServiceMaps> MapSync<M> {
     }
 
     /// Writes `old` back after a failed update purged `frontend`.
-    fn restore(&mut self, frontend: &Frontend, old: Written, remote: &BTreeSet<SocketAddr>) {
+    fn restore(&mut self, frontend: &Target, old: Written, remote: &BTreeSet<SocketAddr>) {
         for (id, _) in old.slots.iter().chain(&old.draining) {
             self.backend_ids.mark_used(*id);
         }
@@ -765,7 +856,7 @@ impl<M: ServiceMaps> MapSync<M> {
 
     /// Writes `t` in the order that keeps every packet's view consistent (see the module
     /// documentation).
-    fn write(&mut self, frontend: &Frontend, t: &Transition) -> Result<usize, MapError> {
+    fn write(&mut self, frontend: &Target, t: &Transition) -> Result<usize, MapError> {
         let Transition {
             service_id,
             header: settings,
@@ -864,7 +955,8 @@ impl<M: ServiceMaps> MapSync<M> {
 
     /// Removes `frontend` from the maps: header first (no new flow picks it), then slots,
     /// then backends.
-    pub fn remove(&mut self, frontend: &Frontend) -> Result<usize, MapError> {
+    pub fn remove(&mut self, frontend: impl Into<Target>) -> Result<usize, MapError> {
+        let frontend = &frontend.into();
         let Some(old) = self.take_written(frontend) else {
             return Ok(0);
         };
@@ -891,7 +983,7 @@ impl<M: ServiceMaps> MapSync<M> {
 
     fn purge(
         &mut self,
-        frontend: &Frontend,
+        frontend: &Target,
         slot_count: usize,
         backend_ids: BTreeSet<u32>,
     ) -> Result<usize, MapError> {

@@ -135,6 +135,7 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
         source_ranges: vec![],
         masquerade: true,
         masquerade_all: false,
+        in_cluster: None,
     }];
     let exposed = Arc::new(exposed);
     let mut proxier = EbpfProxier::new(InMemoryMaps::default());
@@ -143,7 +144,7 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
         .sync(&first, &diff(&DesiredState::default(), &first))
         .unwrap();
     let maps = proxier.map_sync().maps();
-    let header = maps.services[&service_key(&node_port, 0)];
+    let header = maps.services[&service_key(node_port, 0)];
     assert_eq!(
         header.flags,
         SERVICE_FLAG_EXTERNAL | SERVICE_FLAG_MASQUERADE
@@ -172,7 +173,7 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
     dropping.external[0].masquerade = false;
     let second = desired(&[Arc::new(dropping)]);
     proxier.sync(&second, &diff(&first, &second)).unwrap();
-    let header = proxier.map_sync().maps().services[&service_key(&node_port, 0)];
+    let header = proxier.map_sync().maps().services[&service_key(node_port, 0)];
     assert_eq!(
         (header.count, header.flags),
         (0, SERVICE_FLAG_DROP_WHEN_EMPTY | SERVICE_FLAG_EXTERNAL)

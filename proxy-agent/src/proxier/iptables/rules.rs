@@ -9,6 +9,9 @@
 //!                         -d <external/LB IP> --dport P    -> KUBE-EXT-<hash> (or KUBE-FW-<hash>)
 //!                         -d <node address>                -> KUBE-NODEPORTS (last)
 //!         KUBE-NODEPORTS  --dport <nodePort>               -> KUBE-EXT-<hash>
+//!         KUBE-EXT-<hash> externalTrafficPolicy: Local: -s <cluster CIDR> (pods) and
+//!                         src-type LOCAL (the node, masqueraded) -> every endpoint's chain;
+//!                         the rest -> KUBE-SVL-<hash>, this node's endpoints
 //!         KUBE-SVC-<hash> statistic random over the endpoints -> KUBE-SEP-<hash>
 //!         KUBE-SEP-<hash> DNAT to one endpoint
 //!         POSTROUTING -> KUBE-POSTROUTING: MASQUERADE what KUBE-MARK-MASQ marked
@@ -234,12 +237,10 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
     // Endpoint chains, for every endpoint any frontend selects.
     let any_remote_masquerade = state.external.iter().any(|f| f.masquerade);
     let mut endpoints: BTreeSet<SocketAddr> = state.backends.iter().copied().collect();
-    endpoints.extend(
-        state
-            .external
-            .iter()
-            .flat_map(|f| f.backends.iter().copied()),
-    );
+    endpoints.extend(state.external.iter().flat_map(|f| {
+        let inner = f.in_cluster.iter().flat_map(|i| i.backends.iter());
+        f.backends.iter().chain(inner).copied()
+    }));
     let mut endpoint_chains = Vec::new();
     for ep in &endpoints {
         let sep = endpoint_chain(state, *ep);
@@ -285,24 +286,58 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
     }
 
     // External frontends: one KUBE-EXT chain per distinct treatment.
-    // (endpoints, masquerade, masquerade_all) -> KUBE-EXT chain.
-    type Treatment = (Vec<SocketAddr>, bool, bool);
+    // (endpoints, masquerade, masquerade_all, endpoints for clients on this node) -> chain.
+    type Treatment = (Vec<SocketAddr>, bool, bool, Option<Vec<SocketAddr>>);
     let mut externals: Vec<(Treatment, String)> = Vec::new();
     let mut firewalls: Vec<((String, Vec<Cidr>), String)> = Vec::new();
     for f in &state.external {
         let label = format!("{name} {}", kind_label(f.kind));
+        // externalTrafficPolicy: Local: clients on this node take every endpoint.
+        let in_cluster = f.short_circuit().map(<[SocketAddr]>::to_vec);
         if f.backends.is_empty() {
+            // What the short-circuit below does not translate is refused or dropped.
             r.filter
                 .push(refusal(state, f.kind, &f.frontend, f.when_empty));
-            continue;
+            if in_cluster.is_none() {
+                continue;
+            }
         }
-        let key = (f.backends.clone(), f.masquerade, f.masquerade_all);
+        let key = (
+            f.backends.clone(),
+            f.masquerade,
+            f.masquerade_all,
+            in_cluster.clone(),
+        );
         let ext = match externals.iter().find(|(k, _)| *k == key) {
             Some((_, chain)) => chain.clone(),
             None => {
                 let chain = chain_with("KUBE-EXT-", state, externals.len());
-                let target = selection_for(&f.backends, &mut r);
                 let mut rules = Vec::new();
+                if let Some(inner) = &in_cluster {
+                    // kube-proxy's short-circuit: the node's pods and the node itself reach
+                    // every endpoint (the node masqueraded: its source is the LB IP's
+                    // route's); the rest of the world only this node's.
+                    let all = selection_for(inner, &mut r);
+                    if let Some(cc) = &ctx.cluster_cidr {
+                        rules.push(format!(
+                            "-A {chain} {} -s {} -j {all}",
+                            comment(&format!("pod traffic for {name} external destinations")),
+                            cidr(cc)
+                        ));
+                    }
+                    rules.push(format!(
+                        "-A {chain} {} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+                        comment(&format!(
+                            "masquerade LOCAL traffic for {name} external destinations"
+                        ))
+                    ));
+                    rules.push(format!(
+                        "-A {chain} {} -m addrtype --src-type LOCAL -j {all}",
+                        comment(&format!(
+                            "route LOCAL traffic for {name} external destinations"
+                        ))
+                    ));
+                }
                 if f.masquerade_all {
                     rules.push(format!(
                         "-A {chain} {} -j KUBE-MARK-MASQ",
@@ -318,7 +353,10 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
                         ))
                     ));
                 }
-                rules.push(format!("-A {chain} -j {target}"));
+                if !f.backends.is_empty() {
+                    let target = selection_for(&f.backends, &mut r);
+                    rules.push(format!("-A {chain} -j {target}"));
+                }
                 r.chains.push((chain.clone(), rules));
                 externals.push((key, chain.clone()));
                 chain

@@ -367,3 +367,50 @@ fn cleanup_for_the_ipvs_mode_keeps_the_chains_it_writes_itself() {
         .iter()
         .any(|r| r.ends_with("-j KUBE-SERVICES")));
 }
+
+#[test]
+fn external_traffic_policy_local_short_circuits_pods_and_the_node() {
+    let flows = RecordedFlows::default();
+    let cidr = "10.244.0.0/16".parse().unwrap();
+    let mut p = IptablesProxier::new(
+        MemoryTables::default(),
+        Box::new(flows),
+        DEFAULT_MASQUERADE_BIT,
+        &[cidr],
+    );
+    let mut s = state("web", "10.96.0.10", &["10.0.2.1:8080", "10.0.2.2:8080"]);
+    let mut np = node_port(&s, "192.168.0.1", false);
+    // No endpoint on this node: the outside is dropped, the node's clients take them all.
+    np.backends.clear();
+    np.when_empty = crate::model::WhenEmpty::Drop;
+    np.in_cluster = Some(crate::model::InCluster {
+        backends: s.backends.clone(),
+        draining: Vec::new(),
+    });
+    s.external = vec![np];
+    let want = desired(std::slice::from_ref(&s));
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    let nodeports = nat(&p, "KUBE-NODEPORTS");
+    let ext = nodeports[0].rsplit(' ').next().unwrap().to_string();
+    let svc = service_chain(&s);
+    let rules = nat(&p, &ext);
+    assert_eq!(
+        rules,
+        vec![
+            format!("-m comment --comment \"pod traffic for default/web:http/TCP external destinations\" -s 10.244.0.0/16 -j {svc}"),
+            format!("-m comment --comment \"masquerade LOCAL traffic for default/web:http/TCP external destinations\" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"),
+            format!("-m comment --comment \"route LOCAL traffic for default/web:http/TCP external destinations\" -m addrtype --src-type LOCAL -j {svc}"),
+        ]
+    );
+    let filter = p
+        .tables()
+        .chain(IpFamily::V4, "filter", "KUBE-SERVICES")
+        .unwrap();
+    assert!(
+        filter
+            .iter()
+            .any(|r| r.contains("-d 192.168.0.1/32") && r.ends_with("-j DROP")),
+        "{filter:#?}"
+    );
+}

@@ -174,6 +174,7 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
                 }
             }
         }
+        let cluster_cidr = self.contexts[i].cluster_cidr;
         let Regenerated {
             current,
             write,
@@ -184,7 +185,7 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
             family,
             full,
             changed,
-            plan,
+            |s| plan(s, cluster_cidr.as_ref()),
         );
         let result = self.apply(family, &current, &write, &replaced, full);
         let state = &mut self.families[i];

@@ -7,7 +7,7 @@ use std::{fmt::Write as _, net::IpAddr};
 
 use super::ipset::SetKind;
 use crate::{
-    model::{FrontendKind, FrontendState, Scheduler, ServicePortState},
+    model::{Cidr, FrontendKind, FrontendState, Scheduler, ServicePortState},
     proxier::ipvs::netlink::{RealServer, VirtualServer},
     proxier::{iptables::rules::refusal, naming::protocol},
 };
@@ -45,7 +45,8 @@ fn host(addr: IpAddr) -> String {
     }
 }
 
-pub fn plan(state: &ServicePortState) -> PortPlan {
+/// The plan of `state`; `cluster_cidr` (this family's) tells pods from other clients.
+pub fn plan(state: &ServicePortState, cluster_cidr: Option<&Cidr>) -> PortPlan {
     let mut p = PortPlan::default();
     let proto = protocol(state.name.protocol);
     let name = &state.name;
@@ -55,10 +56,10 @@ pub fn plan(state: &ServicePortState) -> PortPlan {
         let FrontendState {
             frontend,
             kind,
-            ref backends,
-            ref draining,
+            mut backends,
+            mut draining,
             ..
-        } = f;
+        } = f.clone();
         let entry = ip_port(frontend.addr, proto, frontend.port);
         if kind != FrontendKind::NodePort && !p.addresses.contains(&frontend.addr) {
             p.addresses.push(frontend.addr);
@@ -78,6 +79,28 @@ pub fn plan(state: &ServicePortState) -> PortPlan {
             any_external_masquerade = true;
         }
         if backends.is_empty() {
+            if let (Some(_), Some(inner)) = (f.short_circuit(), &f.in_cluster) {
+                // externalTrafficPolicy: Local with no endpoint on this node. A virtual
+                // server has one set of real servers: as kube-proxy's ipvs mode, it takes
+                // every endpoint, so the node's pods and processes are served; the rest
+                // of the world is still dropped, before IPVS sees it. (With a local
+                // endpoint, clients on the node get only the local ones, as there.)
+                let matches = format!(
+                    "-m comment --comment \"{name} clients on this node\" -d {} -p {proto} -m {proto} --dport {}",
+                    host(frontend.addr),
+                    frontend.port
+                );
+                if let Some(c) = cluster_cidr {
+                    p.filter.push(format!(
+                        "-A KUBE-SERVICES {matches} -s {}/{} -j RETURN",
+                        c.addr, c.prefix
+                    ));
+                }
+                p.filter.push(format!(
+                    "-A KUBE-SERVICES {matches} -m addrtype --src-type LOCAL -j RETURN"
+                ));
+                (backends, draining) = (inner.backends.clone(), inner.draining.clone());
+            }
             p.filter.push(refusal(state, kind, &frontend, f.when_empty));
         }
         if !f.source_ranges.is_empty() {

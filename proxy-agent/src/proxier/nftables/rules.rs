@@ -9,7 +9,9 @@
 //! nat-prerouting/nat-output -> services: ip daddr . meta l4proto . th dport vmap @service-ips
 //!                                        ip daddr @nodeport-ips ... vmap @service-nodeports
 //! service-<hash>-ns/name/tcp/port: numgen random mod N-i == 0 goto endpoint-... (each i)
-//! external-<hash>-...: mark for (remote) masquerade, goto the service chain
+//! external-<hash>-...: mark for (remote) masquerade, goto the service chain; under
+//!     externalTrafficPolicy: Local, pods (saddr in the cluster CIDR) and the node (fib
+//!     saddr type local, masqueraded) first goto the chain of every endpoint
 //! endpoint-<hash>-...__<ip>/<port>: dnat to <ip>:<port>
 //! filter-input/forward/output (ct state new): vmap @no-endpoint-services (reject / drop)
 //! ```
@@ -223,12 +225,10 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
 
     let any_remote_masquerade = state.external.iter().any(|f| f.masquerade);
     let mut endpoints: BTreeSet<SocketAddr> = state.backends.iter().copied().collect();
-    endpoints.extend(
-        state
-            .external
-            .iter()
-            .flat_map(|f| f.backends.iter().copied()),
-    );
+    endpoints.extend(state.external.iter().flat_map(|f| {
+        let inner = f.in_cluster.iter().flat_map(|i| i.backends.iter());
+        f.backends.iter().chain(inner).copied()
+    }));
     let mut endpoint_chains = Vec::new();
     for ep in &endpoints {
         let mut rules = vec![format!("{ip} saddr {} jump mark-for-masquerade", ep.ip())];
@@ -263,28 +263,50 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
         ));
     }
 
-    type Treatment = (Vec<SocketAddr>, bool, bool);
+    // (endpoints, masquerade, masquerade_all, endpoints for clients on this node).
+    type Treatment = (Vec<SocketAddr>, bool, bool, Option<Vec<SocketAddr>>);
     let mut externals: Vec<(Treatment, String)> = Vec::new();
     let mut firewalls: Vec<((String, Vec<Cidr>), String)> = Vec::new();
     for f in &state.external {
         let k = key(f.frontend.addr, proto, f.frontend.port);
+        // externalTrafficPolicy: Local: clients on this node take every endpoint.
+        let in_cluster = f.short_circuit().map(<[SocketAddr]>::to_vec);
         if f.backends.is_empty() {
-            r.no_endpoints.push((k, reject(f.when_empty)));
-            continue;
+            // What the short-circuit does not translate is refused or dropped.
+            r.no_endpoints.push((k.clone(), reject(f.when_empty)));
+            if in_cluster.is_none() {
+                continue;
+            }
         }
-        let treatment = (f.backends.clone(), f.masquerade, f.masquerade_all);
+        let treatment = (
+            f.backends.clone(),
+            f.masquerade,
+            f.masquerade_all,
+            in_cluster.clone(),
+        );
         let ext = match externals.iter().find(|(t, _)| *t == treatment) {
             Some((_, chain)) => chain.clone(),
             None => {
                 let chain = chain_with("external", state, externals.len());
-                let target = selection_for(&f.backends, &mut r);
                 let mut rules = Vec::new();
+                if let Some(inner) = &in_cluster {
+                    // kube-proxy's short-circuit (see the iptables mode).
+                    let all = selection_for(inner, &mut r);
+                    if let Some(cc) = &ctx.cluster_cidr {
+                        rules.push(format!("{ip} saddr {} goto {all}", cidr(cc)));
+                    }
+                    rules.push("fib saddr type local jump mark-for-masquerade".to_string());
+                    rules.push(format!("fib saddr type local goto {all}"));
+                }
                 if f.masquerade_all {
                     rules.push("jump mark-for-masquerade".to_string());
                 } else if f.masquerade {
                     rules.push(format!("meta mark set meta mark | 0x{remote:x}"));
                 }
-                rules.push(format!("goto {target}"));
+                if !f.backends.is_empty() {
+                    let target = selection_for(&f.backends, &mut r);
+                    rules.push(format!("goto {target}"));
+                }
                 r.chains.push((chain.clone(), rules));
                 externals.push((treatment, chain.clone()));
                 chain
@@ -312,7 +334,9 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
                 }
             };
             // What the firewall chain leaves untranslated is dropped by the filter hooks.
-            r.no_endpoints.push((k.clone(), "drop".to_string()));
+            if !r.no_endpoints.iter().any(|(e, _)| *e == k) {
+                r.no_endpoints.push((k.clone(), "drop".to_string()));
+            }
             fw
         };
         if f.kind == FrontendKind::NodePort {

@@ -102,6 +102,7 @@ fn refusals_drops_and_source_ranges_go_through_the_no_endpoint_map() {
         }],
         masquerade: true,
         masquerade_all: false,
+        in_cluster: None,
     }];
     let want = desired(&[empty, s.clone()]);
     p.sync(&want, &diff(&DesiredState::default(), &want))

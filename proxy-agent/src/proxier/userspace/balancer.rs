@@ -25,6 +25,37 @@ pub struct Choice {
     pub affinity: Option<Duration>,
     /// `loadBalancerSourceRanges`; empty: every client.
     pub source_ranges: Vec<Cidr>,
+    /// `externalTrafficPolicy: Local`: the endpoints of clients on this node instead
+    /// (kube-proxy's short-circuit), and how such clients are told apart.
+    pub in_cluster: Option<(Vec<SocketAddr>, OnNode)>,
+}
+
+/// Which clients are on this node: pods (sources in the cluster CIDR, kube-proxy's default
+/// detectLocalMode) and the node's processes, whose connections to a local address come
+/// from that address (the kernel's choice) or from loopback.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OnNode {
+    pub cluster_cidrs: Vec<Cidr>,
+    /// The frontend's own address.
+    pub frontend: Option<IpAddr>,
+}
+
+impl OnNode {
+    pub fn holds(&self, client: IpAddr) -> bool {
+        client.is_loopback()
+            || Some(client) == self.frontend
+            || self.cluster_cidrs.iter().any(|c| c.contains(client))
+    }
+}
+
+impl Choice {
+    /// The endpoints new flows from `client` choose among.
+    fn backends_for(&self, client: IpAddr) -> &[SocketAddr] {
+        match &self.in_cluster {
+            Some((backends, on_node)) if on_node.holds(client) => backends,
+            _ => &self.backends,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -99,8 +130,9 @@ impl Balancer {
         {
             let mut picker = self.picker.lock().expect("not poisoned");
             if picker.choice != choice {
-                let backends = choice.backends.clone();
-                picker.sticky.retain(|_, (ep, _)| backends.contains(ep));
+                picker
+                    .sticky
+                    .retain(|client, (ep, _)| choice.backends_for(*client).contains(ep));
                 picker.choice = choice;
             }
         }
@@ -149,7 +181,8 @@ impl Balancer {
         if !ranges.is_empty() && !ranges.iter().any(|r| r.contains(client)) {
             return None;
         }
-        if p.choice.backends.is_empty() {
+        let backends = p.choice.backends_for(client);
+        if backends.is_empty() {
             return None;
         }
         if let Some(timeout) = p.choice.affinity {
@@ -160,7 +193,7 @@ impl Balancer {
                 }
             }
         }
-        let ep = p.choice.backends[p.next % p.choice.backends.len()];
+        let ep = backends[p.next % backends.len()];
         p.next = p.next.wrapping_add(1);
         if let Some(timeout) = p.choice.affinity {
             if p.sticky.len() >= STICKY_PRUNE_AT {

@@ -36,7 +36,7 @@ use crate::{
     proxier::{Proxier, ProxyMode, SyncReport},
 };
 
-use balancer::{Balancer, Choice};
+use balancer::{Balancer, Choice, OnNode};
 
 /// kube-proxy's userspace default for `udpIdleTimeout`.
 pub const DEFAULT_UDP_IDLE_TIMEOUT: Duration = Duration::from_millis(250);
@@ -86,6 +86,8 @@ pub struct UserspaceProxier {
     udp_idle: Duration,
     /// The caps on UDP sessions, shared by every UDP frontend.
     udp_budget: Arc<udp::UdpBudget>,
+    /// Tells pods from other clients (`externalTrafficPolicy: Local`'s short-circuit).
+    cluster_cidrs: Vec<crate::model::Cidr>,
 }
 
 /// Whether a frontend's address is made local by a route (NodePort addresses are the
@@ -105,7 +107,14 @@ impl UserspaceProxier {
             sources: Sources::default(),
             udp_idle,
             udp_budget: Arc::default(),
+            cluster_cidrs: Vec::new(),
         }
+    }
+
+    /// The cluster CIDRs (at most one per family), which tell pods from other clients.
+    pub fn with_cluster_cidrs(mut self, cidrs: &[crate::model::Cidr]) -> Self {
+        self.cluster_cidrs = cidrs.to_vec();
+        self
     }
 
     /// The UDP sessions' caps and counts (metrics).
@@ -188,14 +197,33 @@ impl UserspaceProxier {
             listener: None,
         });
         served.state = f.clone();
+        let on_node = OnNode {
+            cluster_cidrs: self.cluster_cidrs.clone(),
+            frontend: Some(f.frontend.addr),
+        };
         let choice = Choice {
             backends: f.backends.clone(),
             affinity: affinity.map(|s| Duration::from_secs(s.into())),
             source_ranges: f.source_ranges.clone(),
+            in_cluster: f.in_cluster.as_ref().map(|i| (i.backends.clone(), on_node)),
         };
-        let live = f.backends.iter().chain(&f.draining).copied().collect();
+        let inner = f
+            .in_cluster
+            .iter()
+            .flat_map(|i| i.backends.iter().chain(&i.draining));
+        let live = f
+            .backends
+            .iter()
+            .chain(&f.draining)
+            .chain(inner)
+            .copied()
+            .collect();
         served.balancer.update(choice, live);
-        if f.backends.is_empty() {
+        let serves_anyone = !f.backends.is_empty()
+            || f.in_cluster
+                .as_ref()
+                .is_some_and(|i| !i.backends.is_empty());
+        if !serves_anyone {
             served.listener = None;
             return Ok(());
         }

@@ -191,6 +191,7 @@ async fn source_ranges_reset_clients_outside_them() {
         }],
         masquerade: true,
         masquerade_all: false,
+        in_cluster: None,
     };
     svc.external.push(lb);
     sync(&mut p, &DesiredState::default(), &state(&[svc]));

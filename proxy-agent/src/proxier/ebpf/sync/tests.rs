@@ -64,7 +64,7 @@ impl CheckedMaps {
         self.checks += 1;
         // A header that asks for source ranges always finds some: a moment without them
         // would drop every new flow.
-        if let Some(h) = self.inner.services.get(&service_key(&self.watched, 0)) {
+        if let Some(h) = self.inner.services.get(&service_key(self.watched, 0)) {
             if h.flags & proxy_common::SERVICE_FLAG_SOURCE_RANGES != 0 {
                 assert!(
                     self.inner
@@ -166,7 +166,7 @@ fn replacing_backends_never_passes_through_zero_or_a_dangling_slot() {
         allowed: pods(1..200),
         checks: 0,
     });
-    sync.set(&f, &pods(1..4)).unwrap();
+    sync.set(f, &pods(1..4)).unwrap();
     sync.maps.nonempty = true;
     // Every kind of replacement: all at once, grow, shrink, partial overlap, one swap.
     let steps = [
@@ -180,7 +180,7 @@ fn replacing_backends_never_passes_through_zero_or_a_dangling_slot() {
         pods(100..101),
     ];
     for want in steps {
-        sync.set(&f, &want).unwrap();
+        sync.set(f, &want).unwrap();
         assert_eq!(datapath_view(&sync.maps.inner, &f).unwrap(), want);
     }
     assert!(sync.maps.checks > 300, "checked after every write");
@@ -191,13 +191,13 @@ fn one_endpoint_change_costs_three_writes_whatever_the_service_size() {
     let f = frontend(1);
     let mut sync = MapSync::new(InMemoryMaps::default());
     let mut backends = pods(1..201);
-    sync.set(&f, &backends).unwrap();
+    sync.set(f, &backends).unwrap();
     backends.retain(|b| b.ip() != std::net::IpAddr::from([10, 244, 0, 57]));
     backends.push(SocketAddr::new(Ipv4Addr::new(10, 244, 1, 1).into(), 8080));
-    let ops = sync.set(&f, &backends).unwrap();
+    let ops = sync.set(f, &backends).unwrap();
     // new backend, the departed one's slot, the departed backend's deletion
     assert_eq!(ops, 3);
-    assert_eq!(sync.set(&f, &backends).unwrap(), 0, "no change, no write");
+    assert_eq!(sync.set(f, &backends).unwrap(), 0, "no change, no write");
     backends.sort();
     assert_eq!(datapath_view(sync.maps(), &f).unwrap(), backends);
 }
@@ -206,10 +206,10 @@ fn one_endpoint_change_costs_three_writes_whatever_the_service_size() {
 fn a_service_without_endpoints_keeps_a_header_with_count_zero() {
     let f = frontend(1);
     let mut sync = MapSync::new(InMemoryMaps::default());
-    sync.set(&f, &[]).unwrap();
+    sync.set(f, &[]).unwrap();
     assert_eq!(datapath_view(sync.maps(), &f), Some(vec![]));
-    sync.set(&f, &pods(1..3)).unwrap();
-    sync.set(&f, &[]).unwrap();
+    sync.set(f, &pods(1..3)).unwrap();
+    sync.set(f, &[]).unwrap();
     assert_eq!(datapath_view(sync.maps(), &f), Some(vec![]));
     assert_eq!(sync.maps().services.len(), 1, "only the header is left");
     assert!(sync.maps().backends.is_empty());
@@ -219,15 +219,15 @@ fn a_service_without_endpoints_keeps_a_header_with_count_zero() {
 fn removal_leaves_nothing_behind() {
     let mut sync = MapSync::new(InMemoryMaps::default());
     for i in 1..5 {
-        sync.set(&frontend(i), &pods(1..(i * 3))).unwrap();
+        sync.set(frontend(i), &pods(1..(i * 3))).unwrap();
     }
     for i in 1..5 {
-        sync.remove(&frontend(i)).unwrap();
+        sync.remove(frontend(i)).unwrap();
     }
     assert!(sync.maps().services.is_empty());
     assert!(sync.maps().backends.is_empty());
     assert_eq!(
-        sync.remove(&frontend(1)).unwrap(),
+        sync.remove(frontend(1)).unwrap(),
         0,
         "removing twice is harmless"
     );
@@ -237,8 +237,8 @@ fn removal_leaves_nothing_behind() {
 fn full_map_fails_one_service_cleanly_and_the_others_keep_working() {
     // Room for 2 headers + 8 slots, and 8 backends (slot 0 of BACKENDS is never used).
     let mut sync = MapSync::new(InMemoryMaps::with_capacity(10, 9));
-    sync.set(&frontend(1), &pods(1..5)).unwrap(); // 5 service entries, 4 backends
-    let err = sync.set(&frontend(2), &pods(10..16)).unwrap_err(); // needs 6 more backends
+    sync.set(frontend(1), &pods(1..5)).unwrap(); // 5 service entries, 4 backends
+    let err = sync.set(frontend(2), &pods(10..16)).unwrap_err(); // needs 6 more backends
     assert_eq!(
         err,
         MapError::Full {
@@ -258,8 +258,8 @@ fn full_map_fails_one_service_cleanly_and_the_others_keep_working() {
         "the other service is intact"
     );
     // Once room is made, the same call succeeds from scratch.
-    sync.remove(&frontend(1)).unwrap();
-    sync.set(&frontend(2), &pods(10..16)).unwrap();
+    sync.remove(frontend(1)).unwrap();
+    sync.set(frontend(2), &pods(10..16)).unwrap();
     assert_eq!(
         datapath_view(sync.maps(), &frontend(2)).unwrap(),
         pods(10..16)
@@ -270,9 +270,9 @@ fn full_map_fails_one_service_cleanly_and_the_others_keep_working() {
 fn backend_ids_are_not_reused_right_away() {
     let f = frontend(1);
     let mut sync = MapSync::new(InMemoryMaps::default());
-    sync.set(&f, &pods(1..2)).unwrap();
+    sync.set(f, &pods(1..2)).unwrap();
     let first: Vec<u32> = sync.maps().backends.keys().copied().collect();
-    sync.set(&f, &pods(2..3)).unwrap();
+    sync.set(f, &pods(2..3)).unwrap();
     let second: Vec<u32> = sync.maps().backends.keys().copied().collect();
     assert_ne!(
         first, second,
@@ -284,9 +284,9 @@ fn backend_ids_are_not_reused_right_away() {
 fn a_new_agent_adopts_the_maps_keeping_ids_and_writing_nothing_that_is_right() {
     let mut first = MapSync::new(InMemoryMaps::default());
     for i in 1..4 {
-        first.set(&frontend(i), &pods(1..(i * 4))).unwrap();
+        first.set(frontend(i), &pods(1..(i * 4))).unwrap();
     }
-    first.set(&frontend(9), &[]).unwrap();
+    first.set(frontend(9), &[]).unwrap();
     let maps = first.maps().clone();
 
     let mut second = MapSync::new(maps.clone());
@@ -299,16 +299,16 @@ fn a_new_agent_adopts_the_maps_keeping_ids_and_writing_nothing_that_is_right() {
     assert_eq!(second.maps().backends, maps.backends);
     for i in 1..4 {
         assert_eq!(
-            second.set(&frontend(i), &pods(1..(i * 4))).unwrap(),
+            second.set(frontend(i), &pods(1..(i * 4))).unwrap(),
             0,
             "already right"
         );
     }
-    assert_eq!(second.set(&frontend(9), &[]).unwrap(), 0);
+    assert_eq!(second.set(frontend(9), &[]).unwrap(), 0);
     // Conntrack entries name backend ids: a changed service keeps the ids of kept backends
     // and never hands a new backend an id that is still in use.
     let before: BTreeMap<u32, Backend> = second.maps().backends.clone();
-    second.set(&frontend(3), &pods(1..20)).unwrap();
+    second.set(frontend(3), &pods(1..20)).unwrap();
     for (id, b) in &before {
         assert_eq!(
             second.maps().backends.get(id),
@@ -325,16 +325,16 @@ fn a_new_agent_adopts_the_maps_keeping_ids_and_writing_nothing_that_is_right() {
 #[test]
 fn adoption_repairs_what_an_interrupted_agent_left_half_written() {
     let mut first = MapSync::new(InMemoryMaps::default());
-    first.set(&frontend(1), &pods(1..4)).unwrap();
-    first.set(&frontend(2), &pods(4..7)).unwrap();
+    first.set(frontend(1), &pods(1..4)).unwrap();
+    first.set(frontend(2), &pods(4..7)).unwrap();
     let mut maps = first.maps().clone();
     // frontend 1 lost a slot; frontend 2 has a leftover slot beyond its count; an orphan
     // backend and a slot without a header exist.
-    maps.services.remove(&service_key(&frontend(1), 2));
-    let v = maps.services[&service_key(&frontend(2), 1)];
-    maps.services.insert(service_key(&frontend(2), 7), v);
+    maps.services.remove(&service_key(frontend(1), 2));
+    let v = maps.services[&service_key(frontend(2), 1)];
+    maps.services.insert(service_key(frontend(2), 7), v);
     maps.backends.insert(4242, Backend::new(4242, 1, 1, 0, 0));
-    maps.services.insert(service_key(&frontend(5), 1), v);
+    maps.services.insert(service_key(frontend(5), 1), v);
 
     let mut second = MapSync::new(maps);
     assert_eq!(second.adopt().unwrap(), 1, "only frontend 2 is consistent");
@@ -350,15 +350,15 @@ fn adoption_repairs_what_an_interrupted_agent_left_half_written() {
     assert!(!second
         .maps()
         .services
-        .contains_key(&service_key(&frontend(2), 7)));
+        .contains_key(&service_key(frontend(2), 7)));
     assert!(!second
         .maps()
         .services
-        .contains_key(&service_key(&frontend(5), 1)));
+        .contains_key(&service_key(frontend(5), 1)));
     assert!(!second.maps().backends.contains_key(&4242));
     assert_eq!(second.maps().backends.len(), 3);
     // And the sync that follows rebuilds frontend 1 from scratch.
-    second.set(&frontend(1), &pods(1..4)).unwrap();
+    second.set(frontend(1), &pods(1..4)).unwrap();
     assert_eq!(
         datapath_view(second.maps(), &frontend(1)).unwrap(),
         pods(1..4)
@@ -378,7 +378,7 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
     let a = (Ipv4Addr::new(198, 51, 100, 0).into(), 24);
     let b = (Ipv4Addr::new(203, 0, 113, 7).into(), 32);
     sync.set_with(
-        &f,
+        f,
         &FrontendSpec {
             source_ranges: &[a],
             ..FrontendSpec::new(&pods(1..3))
@@ -386,7 +386,7 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
     )
     .unwrap();
     sync.set_with(
-        &f,
+        f,
         &FrontendSpec {
             source_ranges: &[a, b],
             ..FrontendSpec::new(&pods(1..3))
@@ -394,7 +394,7 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
     )
     .unwrap();
     sync.set_with(
-        &f,
+        f,
         &FrontendSpec {
             source_ranges: &[b],
             ..FrontendSpec::new(&pods(1..3))
@@ -410,25 +410,25 @@ fn source_ranges_are_written_before_the_header_asks_for_them_and_removed_after()
         .collect();
     assert_eq!(ranges, vec![(b.0, 32)]);
     sync.set_with(
-        &f,
+        f,
         &FrontendSpec {
             source_ranges: &[],
             ..FrontendSpec::new(&pods(1..3))
         },
     )
     .unwrap();
-    let h = sync.maps.inner.services[&service_key(&f, 0)];
+    let h = sync.maps.inner.services[&service_key(f, 0)];
     assert_eq!(h.flags & proxy_common::SERVICE_FLAG_SOURCE_RANGES, 0);
     assert!(sync.maps.inner.source_ranges.is_empty());
     sync.set_with(
-        &f,
+        f,
         &FrontendSpec {
             source_ranges: &[a],
             ..FrontendSpec::new(&pods(1..3))
         },
     )
     .unwrap();
-    sync.remove(&f).unwrap();
+    sync.remove(f).unwrap();
     assert!(
         sync.maps.inner.source_ranges.is_empty(),
         "removed with the frontend"
@@ -440,7 +440,7 @@ fn a_draining_backend_keeps_its_id_without_a_slot_and_survives_adoption() {
     let f = frontend(9);
     let mut sync = MapSync::new(InMemoryMaps::default());
     let all = pods(1..4);
-    sync.set(&f, &all).unwrap();
+    sync.set(f, &all).unwrap();
     let id_of = |sync: &MapSync<InMemoryMaps>, addr: SocketAddr| {
         sync.backend_ids()
             .find(|(_, a, _)| *a == addr)
@@ -453,7 +453,7 @@ fn a_draining_backend_keeps_its_id_without_a_slot_and_survives_adoption() {
         draining: &[leaving],
         ..FrontendSpec::new(&all[1..])
     };
-    sync.set_with(&f, &spec).unwrap();
+    sync.set_with(f, &spec).unwrap();
     assert_eq!(datapath_view(&sync.maps, &f).unwrap(), all[1..].to_vec());
     assert_eq!(
         sync.maps.backends[&id].id, id,
@@ -464,11 +464,11 @@ fn a_draining_backend_keeps_its_id_without_a_slot_and_survives_adoption() {
     adopted.adopt().unwrap();
     assert!(adopted.maps.backends.contains_key(&id), "kept by adoption");
     // Ready again: back into a slot with the same id.
-    adopted.set(&f, &all).unwrap();
+    adopted.set(f, &all).unwrap();
     assert_eq!(id_of(&adopted, leaving), Some(id));
     // Gone: removed.
-    adopted.set_with(&f, &spec).unwrap();
-    adopted.set(&f, &all[1..]).unwrap();
+    adopted.set_with(f, &spec).unwrap();
+    adopted.set(f, &all[1..]).unwrap();
     assert!(!adopted.maps.backends.contains_key(&id));
 }
 
@@ -494,8 +494,8 @@ fn pods6(range: std::ops::Range<u16>) -> Vec<SocketAddr> {
 #[test]
 fn ipv6_frontends_go_to_their_own_map_and_share_backend_ids_with_ipv4() {
     let mut sync = MapSync::new(InMemoryMaps::default());
-    sync.set(&frontend(1), &pods(1..3)).unwrap();
-    sync.set(&frontend6(1), &pods6(1..4)).unwrap();
+    sync.set(frontend(1), &pods(1..3)).unwrap();
+    sync.set(frontend6(1), &pods6(1..4)).unwrap();
     let maps = sync.maps();
     assert!(matches!(
         maps.services.keys().find(|k| k.slot() == 0 && matches!(k, ServiceMapKey::V6(_))),
@@ -511,7 +511,7 @@ fn ipv6_frontends_go_to_their_own_map_and_share_backend_ids_with_ipv4() {
     for (f, _, id) in sync.backend_ids() {
         let b = maps.backends[&id];
         let v6 = b.flags & proxy_common::BACKEND_FLAG_IPV6 != 0;
-        assert_eq!(v6, f.family() == crate::model::IpFamily::V6);
+        assert_eq!(v6, f.frontend().family() == crate::model::IpFamily::V6);
         assert_eq!(
             maps.backend_addrs6.contains_key(&(id & BACKEND_INDEX_MASK)),
             v6
@@ -521,15 +521,15 @@ fn ipv6_frontends_go_to_their_own_map_and_share_backend_ids_with_ipv4() {
     // A new agent adopts both families as they are.
     let mut second = MapSync::new(maps.clone());
     assert_eq!(second.adopt().unwrap(), 2);
-    assert_eq!(second.set(&frontend6(1), &pods6(1..4)).unwrap(), 0);
-    assert_eq!(second.set(&frontend(1), &pods(1..3)).unwrap(), 0);
+    assert_eq!(second.set(frontend6(1), &pods6(1..4)).unwrap(), 0);
+    assert_eq!(second.set(frontend(1), &pods(1..3)).unwrap(), 0);
     // ... and changes them as usual.
-    second.set(&frontend6(1), &pods6(2..4)).unwrap();
+    second.set(frontend6(1), &pods6(2..4)).unwrap();
     assert_eq!(
         datapath_view(second.maps(), &frontend6(1)),
         Some(pods6(2..4))
     );
-    second.remove(&frontend6(1)).unwrap();
+    second.remove(frontend6(1)).unwrap();
     assert!(second
         .maps()
         .services
@@ -545,25 +545,25 @@ fn ipv6_frontends_go_to_their_own_map_and_share_backend_ids_with_ipv4() {
 fn removed_backend_ids_never_come_back_after_a_restart_or_a_full_sync() {
     // Four BACKENDS slots (slot 0 is never used), so every set below reuses them.
     let mut sync = MapSync::new(InMemoryMaps::with_capacity(100, 5));
-    sync.set(&frontend(1), &pods(1..5)).unwrap();
+    sync.set(frontend(1), &pods(1..5)).unwrap();
     let mut seen: BTreeSet<u32> = sync.maps().backends.keys().copied().collect();
-    sync.remove(&frontend(1)).unwrap();
+    sync.remove(frontend(1)).unwrap();
 
     // A restart: a new agent adopts the maps.
     let mut restarted = MapSync::new(sync.maps().clone());
     restarted.adopt().unwrap();
-    restarted.set(&frontend(2), &pods(10..14)).unwrap();
+    restarted.set(frontend(2), &pods(10..14)).unwrap();
     for id in restarted.maps().backends.keys() {
         assert!(
             seen.insert(*id),
             "id {id:#x} handed out again after a restart"
         );
     }
-    restarted.remove(&frontend(2)).unwrap();
+    restarted.remove(frontend(2)).unwrap();
 
     // A full sync: the same agent reloads from the maps.
     restarted.reload_from_maps().unwrap();
-    restarted.set(&frontend(3), &pods(20..24)).unwrap();
+    restarted.set(frontend(3), &pods(20..24)).unwrap();
     for id in restarted.maps().backends.keys() {
         assert!(
             seen.insert(*id),
@@ -580,10 +580,10 @@ fn removed_backend_ids_never_come_back_after_a_restart_or_a_full_sync() {
 fn a_failed_update_keeps_what_was_serving() {
     // Room for 10 SERVICES entries: f1 (1 + 4) and f2 (1 + 2) use 8.
     let mut sync = MapSync::new(InMemoryMaps::with_capacity(10, 64));
-    sync.set(&frontend(1), &pods(1..5)).unwrap();
-    sync.set(&frontend(2), &pods(20..22)).unwrap();
+    sync.set(frontend(1), &pods(1..5)).unwrap();
+    sync.set(frontend(2), &pods(20..22)).unwrap();
     let before = sync.maps().clone();
-    let err = sync.set(&frontend(1), &pods(1..8)).unwrap_err();
+    let err = sync.set(frontend(1), &pods(1..8)).unwrap_err();
     assert_eq!(
         sync.maps().operations,
         before.operations,
@@ -611,8 +611,8 @@ fn a_failed_update_keeps_what_was_serving() {
         pods(20..22)
     );
     // Once there is room, the update goes through from the old state.
-    sync.remove(&frontend(2)).unwrap();
-    sync.set(&frontend(1), &pods(1..8)).unwrap();
+    sync.remove(frontend(2)).unwrap();
+    sync.set(frontend(1), &pods(1..8)).unwrap();
     assert_eq!(
         datapath_view(sync.maps(), &frontend(1)).unwrap(),
         pods(1..8)
