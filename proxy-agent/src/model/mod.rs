@@ -388,11 +388,14 @@ impl ServicePortState {
         all
     }
 
-    /// Every backend of any frontend, sorted, without duplicates.
+    /// Every backend of any frontend (for any client), sorted, without duplicates.
     pub fn all_backends(&self) -> BTreeSet<SocketAddr> {
         self.backends
             .iter()
-            .chain(self.external.iter().flat_map(|f| f.backends.iter()))
+            .chain(self.external.iter().flat_map(|f| {
+                let inner = f.in_cluster.iter().flat_map(|i| i.backends.iter());
+                f.backends.iter().chain(inner)
+            }))
             .copied()
             .collect()
     }
@@ -789,9 +792,15 @@ pub fn stale_flows(changes: &[ServiceChange], desired: &DesiredState) -> Vec<Sta
             .frontends()
             .into_iter()
             .flat_map(|f| {
+                // Clients on the node have their own endpoints (the short-circuit).
+                let inner = f
+                    .in_cluster
+                    .into_iter()
+                    .flat_map(|i| i.backends.into_iter().chain(i.draining));
                 f.backends
                     .into_iter()
                     .chain(f.draining)
+                    .chain(inner)
                     .map(move |b| (f.frontend, b))
             })
             .collect()
@@ -800,7 +809,7 @@ pub fn stale_flows(changes: &[ServiceChange], desired: &DesiredState) -> Vec<Sta
         state
             .frontends()
             .into_iter()
-            .filter(|f| !f.backends.is_empty())
+            .filter(|f| !f.backends.is_empty() || f.short_circuit().is_some())
             .map(|f| f.frontend)
             .collect()
     };

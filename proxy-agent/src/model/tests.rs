@@ -1101,3 +1101,65 @@ fn external_ips_outside_the_allowed_cidrs_are_refused_and_reported() {
         vec!["test.yaml: Service default/web: port 80: spec.externalIPs[1]: 10.96.0.10 not served: outside --external-ip-cidrs"]
     );
 }
+
+/// The short-circuit's endpoints count for the flows a change ends: a pod's flow through an
+/// `externalTrafficPolicy: Local` LB IP to an endpoint that left ends, and untranslated
+/// entries end once such a frontend serves the node's clients at all.
+#[test]
+fn flows_of_clients_on_the_node_end_with_their_short_circuit_endpoint() {
+    let (a, b): (SocketAddr, SocketAddr) = (
+        "10.0.2.1:8080".parse().unwrap(),
+        "10.0.2.2:8080".parse().unwrap(),
+    );
+    let with = |inner: Vec<SocketAddr>| {
+        let mut s = ServicePortState::cluster_ip(
+            "default",
+            "web",
+            "http",
+            "10.96.0.1".parse().unwrap(),
+            // internalTrafficPolicy: Local, no endpoint on this node.
+            Vec::new(),
+        );
+        s.external = vec![FrontendState {
+            frontend: Frontend {
+                addr: "203.0.113.9".parse().unwrap(),
+                port: 80,
+                protocol: Protocol::Tcp,
+            },
+            kind: FrontendKind::LoadBalancer,
+            backends: Vec::new(),
+            draining: Vec::new(),
+            when_empty: WhenEmpty::Drop,
+            source_ranges: Vec::new(),
+            masquerade: false,
+            masquerade_all: false,
+            in_cluster: Some(InCluster {
+                backends: inner,
+                draining: Vec::new(),
+            }),
+        }];
+        Arc::new(s)
+    };
+    let lb = with(vec![]).external[0].frontend;
+    let change = |old: Arc<ServicePortState>, new: Arc<ServicePortState>| {
+        let desired = DesiredState {
+            ports: [(new.name.clone(), new.clone())].into(),
+        };
+        stale_flows(&[ServiceChange::Updated { old, new }], &desired)
+    };
+    assert_eq!(
+        change(with(vec![a, b]), with(vec![a])),
+        vec![StaleFlow {
+            frontend: lb,
+            endpoint: Some(b),
+        }]
+    );
+    assert_eq!(
+        change(with(vec![]), with(vec![a])),
+        vec![StaleFlow {
+            frontend: lb,
+            endpoint: None,
+        }]
+    );
+    assert!(with(vec![a]).all_backends().contains(&a));
+}
