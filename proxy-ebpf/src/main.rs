@@ -435,11 +435,14 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
         return Ok(TC_ACT_UNSPEC);
     }
 
+    // The tc path serves every client from the frontend's own set: the second set of an
+    // externalTrafficPolicy: Local frontend (clients on the node) is the socket hooks' for
+    // now (choosing it here took Debian 6.1's verifier over its limit).
     let Some(header) = pkt.frontend().slot(0) else {
         forget_clashing_flow::<V4>(&pkt.key, pkt.tcp_flags);
         return Ok(TC_ACT_UNSPEC);
     };
-    let header = scoped_header(pkt.frontend(), header, || in_cluster_cidr(pkt.key.saddr));
+    let header = *header;
     if header.count == 0 {
         if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
             bump(Stat::NoLocalEndpoint);
@@ -460,20 +463,7 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
         return Ok(TC_ACT_UNSPEC);
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    new_flow(
-        ctx,
-        pkt,
-        pkt.frontend().scoped(scope_of(&header)),
-        &header,
-        now,
-    )
-}
-
-/// Whether an IPv4 source is inside the cluster CIDR (a pod's; false without one).
-#[inline(always)]
-fn in_cluster_cidr(saddr: u32) -> bool {
-    let c = config();
-    c.cluster_cidr_mask != 0 && saddr & c.cluster_cidr_mask == c.cluster_cidr_addr
+    new_flow(ctx, pkt, pkt.frontend(), &header, now)
 }
 
 /// The header of the entry set a new flow to `frontend` uses: a frontend with a second set
