@@ -166,11 +166,6 @@ impl<M: ServiceMaps> EbpfProxier<M> {
                 Target::all(f.frontend),
                 &spec(&f.backends, &f.draining, own),
             )?;
-            if f.in_cluster.is_none() {
-                // A traffic policy changed back to Cluster: the header no longer points to
-                // the second set.
-                ops += self.sync.remove(Target::in_cluster(f.frontend))?;
-            }
             self.names.insert(f.frontend, state.name.clone());
         }
         Ok(ops)

@@ -186,3 +186,72 @@ fn external_frontends_carry_their_flags_and_go_when_the_service_stops_exposing_t
     assert_eq!(header_count(&proxier, &plain.frontend), Some(2));
     assert_eq!(proxier.programmed(), (1, 2));
 }
+
+#[test]
+fn a_local_policy_frontend_has_a_second_set_for_the_node_until_the_policy_changes() {
+    let node_port = Frontend {
+        addr: Ipv4Addr::new(192, 168, 0, 1).into(),
+        port: 30080,
+        protocol: Protocol::Tcp,
+    };
+    let inner = sync::Target::in_cluster(node_port);
+    let remote: std::net::SocketAddr = "10.0.1.1:80".parse().unwrap();
+    let mut local = (*state("a", [10, 96, 0, 1], &["10.0.1.1:80"])).clone();
+    local.external = vec![FrontendState {
+        frontend: node_port,
+        kind: crate::model::FrontendKind::NodePort,
+        backends: vec![],
+        draining: vec![],
+        when_empty: WhenEmpty::Drop,
+        source_ranges: vec![],
+        masquerade: false,
+        masquerade_all: false,
+        in_cluster: Some(crate::model::InCluster {
+            backends: vec![remote],
+            draining: vec![],
+        }),
+    }];
+    let mut proxier = EbpfProxier::new(InMemoryMaps::default());
+    let first = desired(&[Arc::new(local.clone())]);
+    proxier
+        .sync(&first, &diff(&DesiredState::default(), &first))
+        .unwrap();
+    let maps = proxier.map_sync().maps();
+    let own = maps.services[&service_key(node_port, 0)];
+    assert_eq!(
+        (own.count, own.flags & SERVICE_FLAG_IN_CLUSTER_SET),
+        (0, SERVICE_FLAG_IN_CLUSTER_SET)
+    );
+    let second = maps.services[&service_key(inner, 0)];
+    assert_eq!(
+        (second.count, second.flags & SERVICE_FLAG_SCOPE_IN_CLUSTER),
+        (1, SERVICE_FLAG_SCOPE_IN_CLUSTER)
+    );
+    assert_ne!(
+        second.service_id, own.service_id,
+        "a frontend id of its own"
+    );
+    assert_eq!(
+        proxier.programmed(),
+        (2, 2),
+        "one more set, not one more frontend"
+    );
+
+    // externalTrafficPolicy back to Cluster: the second set goes, the header no longer
+    // points to it.
+    let mut cluster = local;
+    cluster.external[0].backends = vec![remote];
+    cluster.external[0].when_empty = WhenEmpty::Refuse;
+    cluster.external[0].masquerade = true;
+    cluster.external[0].in_cluster = None;
+    let next = desired(&[Arc::new(cluster)]);
+    proxier.sync(&next, &diff(&first, &next)).unwrap();
+    let maps = proxier.map_sync().maps();
+    assert!(!maps.services.contains_key(&service_key(inner, 0)));
+    assert!(!maps.services.contains_key(&service_key(inner, 1)));
+    assert_eq!(
+        maps.services[&service_key(node_port, 0)].flags & SERVICE_FLAG_IN_CLUSTER_SET,
+        0
+    );
+    assert_eq!(proxier.programmed(), (2, 2));
+}
