@@ -150,6 +150,21 @@ pub struct Cli {
     #[arg(long = "cluster-cidr")]
     pub cluster_cidr: Option<String>,
 
+    /// How the node's pods are told from other clients (kube-proxy's detectLocalMode):
+    /// ClusterCIDR (default: source in --cluster-cidr), NodeCIDR (source in the Node's
+    /// spec.podCIDRs), BridgeInterface (arrived on --pod-bridge-interface),
+    /// InterfaceNamePrefix (arrived on an interface named --pod-interface-name-prefix*).
+    #[arg(long = "detect-local-mode", value_parser = clap::builder::PossibleValuesParser::new(crate::config::DETECT_LOCAL_MODES))]
+    pub detect_local_mode: Option<String>,
+
+    /// The bridge the node's pods are attached to (--detect-local-mode BridgeInterface).
+    #[arg(long = "pod-bridge-interface")]
+    pub pod_bridge_interface: Option<String>,
+
+    /// The name prefix of the node's pod interfaces (--detect-local-mode InterfaceNamePrefix).
+    #[arg(long = "pod-interface-name-prefix")]
+    pub pod_interface_name_prefix: Option<String>,
+
     /// The name of this node (default: $NODE_NAME, else the host name).
     #[arg(long = "hostname-override")]
     pub hostname_override: Option<String>,
@@ -248,12 +263,12 @@ pub struct Settings {
     pub sync_period: Duration,
     pub min_sync_period: Duration,
     pub config_sync_period: Duration,
+    /// The datapath's settings; the cluster CIDR and the masquerade address follow the
+    /// Node object (`datapath::runtime`).
     pub datapath: DatapathConfig,
-    /// The IPv6 half of the datapath settings (the IPv6 cluster CIDR; the masquerade
-    /// address follows the Node object).
-    pub datapath6: proxy_common::DatapathConfig6,
-    /// `--cluster-cidr`: the first range of each family (the netfilter modes' rules).
-    pub cluster_cidrs: Vec<crate::model::Cidr>,
+    /// `--detect-local-mode` / `detectLocalMode`, with `--cluster-cidr`'s first range of
+    /// each family or the interface it names.
+    pub detect_local: crate::model::local::DetectLocal,
     /// `iptables.masqueradeBit` (default 14).
     pub masquerade_bit: u32,
     /// The ipvs mode's own settings (`ipvs.*`, `--ipvs-*`).
@@ -449,35 +464,19 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         None => f.map(|f| f.cluster_cidrs.clone()).unwrap_or_default(),
     };
     // One range per family (kube-proxy takes the first of each in a dual-stack list).
-    let mut datapath6 = proxy_common::DatapathConfig6::default();
-    let (mut seen_v4, mut seen_v6) = (false, false);
-    let mut cluster_cidrs = Vec::new();
+    let mut cluster_cidrs: Vec<crate::model::Cidr> = Vec::new();
     for text in cidrs.iter().filter(|c| !c.is_empty()) {
         let cidr: crate::model::Cidr = text
             .parse()
             .map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
         if !cluster_cidrs
             .iter()
-            .any(|c: &crate::model::Cidr| c.addr.is_ipv4() == cidr.addr.is_ipv4())
+            .any(|c| c.addr.is_ipv4() == cidr.addr.is_ipv4())
         {
             cluster_cidrs.push(cidr);
         }
-        match cidr.addr {
-            std::net::IpAddr::V4(addr) if !seen_v4 => {
-                seen_v4 = true;
-                let mask = u32::MAX.checked_shl(32 - cidr.prefix as u32).unwrap_or(0);
-                datapath.cluster_cidr_addr = (u32::from(addr) & mask).to_be();
-                datapath.cluster_cidr_mask = mask.to_be();
-            }
-            std::net::IpAddr::V6(addr) if !seen_v6 => {
-                seen_v6 = true;
-                let mask = u128::MAX.checked_shl(128 - cidr.prefix as u32).unwrap_or(0);
-                datapath6.cluster_cidr_addr = (u128::from(addr) & mask).to_be_bytes();
-                datapath6.cluster_cidr_mask = mask.to_be_bytes();
-            }
-            _ => {}
-        }
     }
+    let detect_local = detect_local(&cli, f, cluster_cidrs)?;
     // The file's section of the netfilter mode in use: kube-proxy reads `iptables.*` in
     // iptables mode and `nftables.*` in nftables mode. (The eBPF mode has its own sync
     // periods and reads `iptables.masqueradeAll`, as before.)
@@ -547,8 +546,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
             .and_then(|f| f.config_sync_period)
             .unwrap_or(DEFAULT_CONFIG_SYNC_PERIOD),
         datapath,
-        datapath6,
-        cluster_cidrs,
+        detect_local,
         masquerade_bit: masquerade_section
             .and_then(|t| t.masquerade_bit)
             .unwrap_or(crate::proxier::iptables::rules::DEFAULT_MASQUERADE_BIT),
@@ -560,3 +558,36 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
 
 #[cfg(test)]
 mod tests;
+
+/// `--detect-local-mode` and its parameter, each flag over its `detectLocal*` field.
+fn detect_local(
+    cli: &Cli,
+    f: Option<&FileSettings>,
+    cluster_cidrs: Vec<crate::model::Cidr>,
+) -> Result<crate::model::local::DetectLocal> {
+    use crate::model::local::{check_interface_name, DetectLocal};
+    let mode = cli
+        .detect_local_mode
+        .clone()
+        .or_else(|| f.and_then(|f| f.detect_local_mode.clone()))
+        .unwrap_or_else(|| "ClusterCIDR".into());
+    let interface = |flag: &Option<String>, field: Option<&String>, names: &str| {
+        let name = flag.clone().or_else(|| field.cloned()).unwrap_or_default();
+        check_interface_name(names, &name).map_err(|m| anyhow::anyhow!(m))?;
+        anyhow::Ok(name)
+    };
+    Ok(match mode.as_str() {
+        "NodeCIDR" => DetectLocal::NodeCidr,
+        "BridgeInterface" => DetectLocal::BridgeInterface(interface(
+            &cli.pod_bridge_interface,
+            f.and_then(|f| f.bridge_interface.as_ref()),
+            "--pod-bridge-interface (detectLocal.bridgeInterface)",
+        )?),
+        "InterfaceNamePrefix" => DetectLocal::InterfaceNamePrefix(interface(
+            &cli.pod_interface_name_prefix,
+            f.and_then(|f| f.interface_name_prefix.as_ref()),
+            "--pod-interface-name-prefix (detectLocal.interfaceNamePrefix)",
+        )?),
+        _ => DetectLocal::ClusterCidr(cluster_cidrs),
+    })
+}

@@ -200,6 +200,14 @@ pub struct NftablesConfig {
     pub min_sync_period: Option<GoDuration>,
 }
 
+/// kube-proxy's `detectLocalMode` values (ClusterCIDR is the default).
+pub const DETECT_LOCAL_MODES: [&str; 4] = [
+    "ClusterCIDR",
+    "NodeCIDR",
+    "BridgeInterface",
+    "InterfaceNamePrefix",
+];
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct DetectLocal {
@@ -280,6 +288,11 @@ pub struct FileSettings {
     pub metrics_bind_address: Option<String>,
     pub hostname_override: Option<String>,
     pub cluster_cidrs: Vec<String>,
+    /// `detectLocalMode`, checked to be one of [`DETECT_LOCAL_MODES`].
+    pub detect_local_mode: Option<String>,
+    /// `detectLocal.bridgeInterface` and `.interfaceNamePrefix`, checked as interface names.
+    pub bridge_interface: Option<String>,
+    pub interface_name_prefix: Option<String>,
     pub node_port_addresses: Vec<String>,
     pub config_sync_period: Option<Duration>,
     pub udp_idle_timeout: Option<Duration>,
@@ -469,13 +482,6 @@ fn settings(
         k.show_hidden_metrics_for_version.is_some(),
     );
     ignore("winkernel", k.winkernel.is_some());
-    ignore(
-        "detectLocalMode",
-        k.detect_local_mode
-            .as_deref()
-            .is_some_and(|m| !m.is_empty()),
-    );
-    ignore("detectLocal", k.detect_local.is_some());
     ignore("oomScoreAdj", k.oom_score_adj.is_some());
     ignore(
         "portRange",
@@ -538,6 +544,31 @@ fn settings(
     for c in &cluster_cidrs {
         check_cidr("clusterCIDR", c)?;
     }
+    let detect_local_mode = match k.detect_local_mode.as_deref() {
+        None | Some("") => None,
+        Some(m) if DETECT_LOCAL_MODES.contains(&m) => Some(m.to_string()),
+        Some(m) => {
+            return Err(bad(
+                "detectLocalMode",
+                format!("{m:?} is not one of {}", DETECT_LOCAL_MODES.join(", ")),
+            ))
+        }
+    };
+    let detect_local = k.detect_local.unwrap_or_default();
+    let interface = |path: &str, name: Option<String>| -> Result<_, ConfigError> {
+        match name.filter(|n| !n.is_empty()) {
+            None => Ok(None),
+            Some(n) => {
+                crate::model::local::check_interface_name(path, &n).map_err(|m| bad(path, m))?;
+                Ok(Some(n))
+            }
+        }
+    };
+    let bridge_interface = interface("detectLocal.bridgeInterface", detect_local.bridge_interface)?;
+    let interface_name_prefix = interface(
+        "detectLocal.interfaceNamePrefix",
+        detect_local.interface_name_prefix,
+    )?;
     let node_port_addresses = k.node_port_addresses.clone().unwrap_or_default();
     for (i, c) in node_port_addresses.iter().enumerate() {
         if c != "primary" {
@@ -677,6 +708,9 @@ fn settings(
         metrics_bind_address: k.metrics_bind_address.filter(|m| !m.is_empty()),
         hostname_override: k.hostname_override.filter(|h| !h.is_empty()),
         cluster_cidrs,
+        detect_local_mode,
+        bridge_interface,
+        interface_name_prefix,
         node_port_addresses,
         config_sync_period: duration("configSyncPeriod", k.config_sync_period)?,
         udp_idle_timeout: duration("udpIdleTimeout", k.udp_idle_timeout)?,

@@ -20,6 +20,7 @@
 //! |---|---|
 //! | a Service change, to a map write | [`source`] → [`agent::sync_loop::SyncLoop::ingest`] → [`model::DesiredState::build`] and [`model::ChangeTracker::update`] → [`agent::sync_loop::SyncLoop::sync`] → [`proxier::Proxier::sync`] → [`proxier::ebpf::sync::MapSync`] → [`proxier::ebpf::maps::ServiceMaps`] ([`proxier::ebpf::maps::KernelMaps`] in production) |
 //! | which endpoints serve, affinity, traffic policy | [`model`] (`ServicePortState`: decided once for every mode) |
+//! | which clients are the node's pods (`detectLocalMode`: cluster-IP masquerade, the short-circuit) | [`model::local`] decides; [`agent::sync_loop::SyncLoop`] resolves it with the Node and hands it to [`proxier::Proxier::set_local_traffic`] and [`datapath::runtime::EbpfRuntime::follow_local_traffic`] |
 //! | who owns a frontend two Services claim; `--external-ip-cidrs` | [`model::ownership`]; the Events telling the losing Service: [`source::events`] |
 //! | NodePort | eBPF: the classifier's service lookup in `proxy-ebpf/src/main.rs` on `SERVICES` entries written per node address ([`model::NodeContext`]); iptables: `KUBE-NODEPORTS` ([`proxier::iptables::rules`]); nftables: the `service-nodeports` map ([`proxier::nftables::rules`]); ipvs: one virtual server per node address ([`proxier::ipvs`]); userspace: a listener per node port ([`proxier::userspace`]) |
 //! | refusal (no endpoints) | eBPF: `proxy-ebpf/src/refuse.rs` (TCP reset, ICMP); iptables and nftables: REJECT rules; ipvs: the refusal ipset rules; userspace: not listening. Decided in [`model::WhenEmpty`] |

@@ -373,14 +373,15 @@ impl Cluster {
     }
 
     /// The two Node objects (InternalIP on the link between nodes, ExternalIP outside, zones
-    /// z1 and z2).
+    /// z1 and z2, each node's pod ranges as spec.podCIDRs).
     fn node_objects(&self) -> String {
         self.nodes
             .iter()
             .map(|n| {
                 format!(
-                    "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\n  labels: {{topology.kubernetes.io/zone: z{}}}\nstatus:\n  addresses:\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n---\n",
-                    n.name, n.index, n.internal_ip, v6(n.internal_ip), n.external_ip, v6(n.external_ip)
+                    "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\n  labels: {{topology.kubernetes.io/zone: z{}}}\nspec:\n  podCIDR: \"10.244.{i}.0/24\"\n  podCIDRs: [\"10.244.{i}.0/24\", \"fd00:10:244:{i}::/64\"]\nstatus:\n  addresses:\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n  - {{type: ExternalIP, address: \"{}\"}}\n---\n",
+                    n.name, n.index, n.internal_ip, v6(n.internal_ip), n.external_ip, v6(n.external_ip),
+                    i = n.index
                 )
             })
             .collect()

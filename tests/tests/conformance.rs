@@ -164,6 +164,20 @@ conformance!(
     established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone,
     udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
     the_node_itself_reaches_cluster_ips,
+    detect_local_mode_node_cidr_reads_the_node_objects_pod_ranges: [
+        run,
+        run,
+        vm,
+        run,
+        "relays each flow from the node's own address: it cannot keep the client's"
+    ],
+    detect_local_mode_interface_name_prefix_tells_pods_by_their_link: [
+        "the eBPF datapath tells pods by source address only: with an interface-based detectLocalMode it masquerades no cluster-IP flow (logged at start)",
+        run,
+        vm,
+        run,
+        "relays each flow from the node's own address: it cannot keep the client's"
+    ],
     schedulers_chosen_by_annotation_keep_their_defining_property: [
         run,
         "balances at random as kube-proxy's does; scheduler annotations are for ipvs and ebpf",
@@ -1158,10 +1172,40 @@ fn masquerade_all_in(mode: Mode, family: Family) {
 }
 
 fn cluster_cidr_in(mode: Mode, family: Family) {
-    let vip = family.vip(31);
     // A dual-stack list, as kube-proxy takes it: each family uses its own range.
-    let flags = ["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/48"];
-    let c = cluster_with_flags(mode, &flags, |c| {
+    pods_told_apart_in(
+        mode,
+        family,
+        &["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/48"],
+    )
+}
+
+/// detectLocalMode NodeCIDR: pods are told by the Node object's spec.podCIDRs (no
+/// --cluster-cidr given).
+fn detect_local_mode_node_cidr_reads_the_node_objects_pod_ranges(mode: Mode) {
+    pods_told_apart_in(mode, V4, &["--detect-local-mode", "NodeCIDR"])
+}
+
+/// detectLocalMode InterfaceNamePrefix: pods are told by the interface their packets
+/// arrive on (the lab's pod links are lxc*), whatever their address.
+fn detect_local_mode_interface_name_prefix_tells_pods_by_their_link(mode: Mode) {
+    pods_told_apart_in(
+        mode,
+        V4,
+        &[
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix",
+            "lxc",
+        ],
+    )
+}
+
+/// Cluster-IP traffic from the node's pods keeps its source; from anything else it is
+/// masqueraded, whichever way the `flags` tell pods apart.
+fn pods_told_apart_in(mode: Mode, family: Family, flags: &[&str]) {
+    let vip = family.vip(31);
+    let c = cluster_with_flags(mode, flags, |c| {
         service("web", &vip, &family.spec(&vip), &[("", "TCP", 80, "8080")])
             + &family.slice(c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
     });

@@ -10,8 +10,10 @@ use std::{
 
 use proxy_agent::{
     model::{
-        diff, Cidr, DesiredState, Frontend, FrontendKind, FrontendState, Protocol,
-        ServicePortState, WhenEmpty,
+        diff,
+        local::{LocalMatch, LocalTraffic},
+        Cidr, DesiredState, Frontend, FrontendKind, FrontendState, Protocol, ServicePortState,
+        WhenEmpty,
     },
     proxier::{
         nftables::{
@@ -175,19 +177,12 @@ fn listing(family: &str) -> String {
 }
 
 /// Every sync's resulting tables (ip, ip6), and whether it was full.
-fn drive<N: Nft>(nft: N, netlink_counts: impl Fn(&N) -> u64) -> (Vec<(bool, String, String)>, u64) {
-    // Cluster CIDRs: a prefix nft masks (/14) and one it compares bytewise (/56).
-    let cluster_cidrs = [
-        Cidr {
-            addr: "10.0.0.0".parse().unwrap(),
-            prefix: 14,
-        },
-        Cidr {
-            addr: "fd00:10::".parse().unwrap(),
-            prefix: 56,
-        },
-    ];
-    let mut p = NftablesProxier::new(nft, Box::new(RecordedFlows::default()), 14, &cluster_cidrs);
+fn drive<N: Nft>(
+    nft: N,
+    netlink_counts: impl Fn(&N) -> u64,
+    local: &LocalTraffic,
+) -> (Vec<(bool, String, String)>, u64) {
+    let mut p = NftablesProxier::new(nft, Box::new(RecordedFlows::default()), 14, local);
     let mut out = Vec::new();
     let mut current = DesiredState::default();
     for generation in 0..3 {
@@ -210,17 +205,60 @@ fn namespace(what: &str) -> Netns {
     .expect("namespace")
 }
 
+/// Pods told by range: a prefix nft masks (/14) and one it compares bytewise (/56).
+fn by_cidrs() -> LocalTraffic {
+    LocalTraffic::by_cidrs(&[
+        Cidr {
+            addr: "10.0.0.0".parse().unwrap(),
+            prefix: 14,
+        },
+        Cidr {
+            addr: "fd00:10::".parse().unwrap(),
+            prefix: 56,
+        },
+    ])
+}
+
+/// Both runs' tables after each step: (nft's, netlink's), and the netlink transactions.
+type Runs = (
+    Vec<(bool, String, String)>,
+    Vec<(bool, String, String)>,
+    u64,
+);
+
+fn both_ways(local: &LocalTraffic) -> Runs {
+    let (first, second) = (local.clone(), local.clone());
+    let (nft_steps, _) = namespace("nft")
+        .run(move || drive(NftCommand, |_| 0, &first))
+        .expect("nft namespace");
+    let (netlink_steps, transactions) = namespace("nl")
+        .run(move || drive(NftNetlink::default(), |n| n.netlink_transactions, &second))
+        .expect("netlink namespace");
+    (nft_steps, netlink_steps, transactions)
+}
+
+#[test]
+fn pods_told_by_interface_over_netlink_leave_the_tables_nft_would() {
+    require_kernel!();
+    // IPv4 pods by a name prefix, IPv6 pods by a bridge: both encodings of `iifname`.
+    let local = LocalTraffic([
+        Some(LocalMatch::InterfacePrefix("lxc".into())),
+        Some(LocalMatch::Interface("cbr0".into())),
+    ]);
+    let (nft_steps, netlink_steps, transactions) = both_ways(&local);
+    assert_eq!(transactions, 4);
+    for (step, (a, b)) in nft_steps.iter().zip(&netlink_steps).enumerate() {
+        assert!(a.1.contains("iifname != \"lxc*\""), "step {step}: {}", a.1);
+        assert!(a.2.contains("iifname != \"cbr0\""), "step {step}: {}", a.2);
+        assert_eq!(a.1, b.1, "step {step}: ip kube-proxy differs");
+        assert_eq!(a.2, b.2, "step {step}: ip6 kube-proxy differs");
+    }
+}
+
 #[test]
 fn incremental_transactions_over_netlink_leave_the_tables_nft_would() {
     require_kernel!();
-    let with_nft = namespace("nft")
-        .run(|| drive(NftCommand, |_| 0))
-        .expect("nft namespace");
-    let with_netlink = namespace("nl")
-        .run(|| drive(NftNetlink::default(), |n| n.netlink_transactions))
-        .expect("netlink namespace");
-    let (nft_steps, _) = with_nft;
-    let (netlink_steps, netlink_transactions) = with_netlink;
+    let (nft_steps, netlink_steps, netlink_transactions) = both_ways(&by_cidrs());
     // Two incremental syncs × two families went over netlink; the full ones through nft.
     assert_eq!(netlink_transactions, 4);
     let fulls: Vec<bool> = netlink_steps.iter().map(|(full, _, _)| *full).collect();

@@ -220,6 +220,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
     }
     if let Some(e) = ebpf.as_mut() {
         e.follow_masquerade_addresses(syncs.masquerade_addr, syncs.masquerade_addr6);
+        e.follow_local_traffic(&syncs.local);
     }
     syncs.first_sync(&mut proxier);
     let mut leftovers = Leftovers::default();
@@ -298,6 +299,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
         }
         if let Some(e) = ebpf.as_mut() {
             e.follow_masquerade_addresses(syncs.masquerade_addr, syncs.masquerade_addr6);
+            e.follow_local_traffic(&syncs.local);
         }
     }
     match s.mode {

@@ -70,7 +70,7 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
                 commands,
                 Box::new(ConntrackFlows),
                 s.masquerade_bit,
-                &s.cluster_cidrs,
+                &s.detect_local.resolve(None),
             );
             (ActiveProxier::Iptables(Box::new(proxier)), None)
         }
@@ -82,7 +82,7 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
                 NftNetlink::default(),
                 Box::new(ConntrackFlows),
                 s.masquerade_bit,
-                &s.cluster_cidrs,
+                &s.detect_local.resolve(None),
             );
             (ActiveProxier::Nftables(Box::new(proxier)), None)
         }
@@ -91,7 +91,7 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
             let routes = KernelLocalRoutes::open()
                 .context("the userspace proxier makes service addresses local with routes")?;
             let proxier = UserspaceProxier::new(Box::new(routes), s.udp_idle_timeout)
-                .with_cluster_cidrs(&s.cluster_cidrs);
+                .with_cluster_cidrs(&s.detect_local.resolve(None).cidrs());
             (ActiveProxier::Userspace(Box::new(proxier)), None)
         }
     })
@@ -217,7 +217,7 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
         None
     };
     datapath.configure(&s.datapath)?;
-    datapath.configure6(&s.datapath6)?;
+    datapath.configure6(&proxy_common::DatapathConfig6::default())?;
     let maps = KernelMaps::take(&mut datapath)?;
     let mut proxier = EbpfProxier::new(maps);
     proxier.set_maglev_size(s.datapath.maglev_table_size);
@@ -313,7 +313,7 @@ fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand
             flows: Box::new(ConntrackFlows),
         },
         s.masquerade_bit,
-        &s.cluster_cidrs,
+        &s.detect_local.resolve(None),
         s.ipvs.options.clone(),
     ))
 }
@@ -468,5 +468,9 @@ impl Proxier for ActiveProxier {
         v6: Option<std::net::Ipv6Addr>,
     ) {
         self.inner().set_masquerade_addresses(v4, v6)
+    }
+
+    fn set_local_traffic(&mut self, local: &crate::model::local::LocalTraffic) {
+        self.inner().set_local_traffic(local)
     }
 }

@@ -23,8 +23,10 @@ use crate::{
     kernel::host::local_addresses,
     metrics::{unix_seconds, Metrics},
     model::{
-        objects::NodeInfo, ChangeTracker, DesiredState, NodeContext, NodePortAddress, ObjectStore,
-        Problem, ProblemKind, Scheduler, ServiceChange, ServicePortName, WhenEmpty,
+        local::{DetectLocal, LocalTraffic},
+        objects::NodeInfo,
+        ChangeTracker, DesiredState, NodeContext, NodePortAddress, ObjectStore, Problem,
+        ProblemKind, Scheduler, ServiceChange, ServicePortName, WhenEmpty,
     },
     proxier::Proxier,
     source::events::{Notice, ServiceEvents},
@@ -90,6 +92,8 @@ pub struct LoopOptions {
     pub default_scheduler: Scheduler,
     pub min_sync_period: Duration,
     pub full_sync_period: Duration,
+    /// `detectLocalMode` with its parameter.
+    pub detect_local: DetectLocal,
 }
 
 impl From<&Settings> for LoopOptions {
@@ -102,6 +106,7 @@ impl From<&Settings> for LoopOptions {
             default_scheduler: s.scheduler,
             min_sync_period: s.min_sync_period,
             full_sync_period: FULL_SYNC_PERIOD,
+            detect_local: s.detect_local.clone(),
         }
     }
 }
@@ -113,6 +118,9 @@ pub struct SyncLoop {
     pub masquerade_addr: Option<std::net::Ipv4Addr>,
     /// The same for IPv6: this node's first IPv6 InternalIP.
     pub masquerade_addr6: Option<std::net::Ipv6Addr>,
+    /// How this node's pods are told apart, resolved with its Node object.
+    pub local: LocalTraffic,
+    local_told: bool,
     /// This node's Node object, as last seen.
     node: Option<NodeInfo>,
     pending: Vec<ServiceChange>,
@@ -142,6 +150,8 @@ impl SyncLoop {
             tracker: ChangeTracker::default(),
             masquerade_addr: None,
             masquerade_addr6: None,
+            local: LocalTraffic::default(),
+            local_told: false,
             node: None,
             pending: Vec::new(),
             pending_since: None,
@@ -241,6 +251,7 @@ impl SyncLoop {
                 .set_ineligible(node.as_ref().and_then(|n| n.ineligible.clone()));
             self.node = node;
         }
+        self.follow_local_traffic();
         let changes = self.tracker.update(desired);
         if changes.is_empty() {
             return;
@@ -300,12 +311,33 @@ impl SyncLoop {
         self.sync(proxier, full);
     }
 
+    /// Resolves `detectLocalMode` with the Node object as last seen, logging each change.
+    fn follow_local_traffic(&mut self) {
+        let mode = &self.options.detect_local;
+        let local = mode.resolve(self.node.as_ref());
+        if local == self.local && std::mem::replace(&mut self.local_told, true) {
+            return;
+        }
+        match mode {
+            DetectLocal::NodeCidr if local.0.iter().all(Option::is_none) => warn!(
+                node = %self.options.node_name,
+                "detectLocalMode NodeCIDR: the Node has no spec.podCIDRs yet; until it does, no client counts as a pod (cluster-IP traffic is not masqueraded, pods take externalTrafficPolicy: Local as other clients)"
+            ),
+            DetectLocal::ClusterCidr(c) if c.is_empty() => info!(
+                "detectLocalMode ClusterCIDR without a cluster CIDR: no client counts as a pod"
+            ),
+            _ => info!("detectLocalMode {}: {local}", mode.mode()),
+        }
+        self.local = local;
+    }
+
     /// One sync (full when asked or when the last one failed); whether it succeeded.
     pub fn sync(&mut self, proxier: &mut dyn ModeProxier, full: bool) -> bool {
         let full = full || self.needs_full;
         let started = Instant::now();
         let changes = std::mem::take(&mut self.pending);
         proxier.set_masquerade_addresses(self.masquerade_addr, self.masquerade_addr6);
+        proxier.set_local_traffic(&self.local);
         let result = if full {
             proxier.sync_full(self.tracker.current())
         } else {

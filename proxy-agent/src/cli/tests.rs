@@ -186,6 +186,7 @@ ipvs: {scheduler: wlc, excludeCIDRs: [192.0.2.0/24], strictARP: true, tcpTimeout
 
 #[test]
 fn a_dual_stack_cluster_cidr_sets_one_range_per_family() {
+    use crate::model::local::DetectLocal;
     let s = with_config(
         FILE,
         &[
@@ -193,19 +194,54 @@ fn a_dual_stack_cluster_cidr_sets_one_range_per_family() {
             "10.244.0.0/16, fd00:10:244::/48, 10.99.0.0/16",
         ],
     );
+    let cidr = |c: &str| c.parse::<crate::model::Cidr>().unwrap();
     assert_eq!(
-        s.datapath.cluster_cidr_addr,
-        u32::from(std::net::Ipv4Addr::new(10, 244, 0, 0)).to_be()
+        s.detect_local,
+        DetectLocal::ClusterCidr(vec![cidr("10.244.0.0/16"), cidr("fd00:10:244::/48")])
     );
-    assert_eq!(s.datapath.cluster_cidr_mask, 0xffff_0000u32.to_be());
-    let addr: std::net::Ipv6Addr = "fd00:10:244::".parse().unwrap();
-    assert_eq!(s.datapath6.cluster_cidr_addr, addr.octets());
-    let mut mask = [0u8; 16];
-    mask[..6].fill(0xff);
-    assert_eq!(s.datapath6.cluster_cidr_mask, mask);
-    // IPv4 only: the IPv6 range stays unset (no IPv6 flow is masqueraded for it).
-    let s = with_config(FILE, &["--cluster-cidr", "10.244.0.0/16"]);
-    assert_eq!(s.datapath6.cluster_cidr_mask, [0; 16]);
+}
+
+#[test]
+fn detect_local_mode_flags_override_the_file_and_name_what_is_missing() {
+    use crate::model::local::DetectLocal;
+    let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+detectLocalMode: BridgeInterface
+detectLocal: {bridgeInterface: cbr0}
+";
+    assert_eq!(
+        with_config(file, &[]).detect_local,
+        DetectLocal::BridgeInterface("cbr0".into())
+    );
+    let s = with_config(
+        file,
+        &[
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix",
+            "veth",
+        ],
+    );
+    assert_eq!(
+        s.detect_local,
+        DetectLocal::InterfaceNamePrefix("veth".into())
+    );
+    assert_eq!(
+        with_config(file, &["--detect-local-mode", "NodeCIDR"]).detect_local,
+        DetectLocal::NodeCidr
+    );
+    let m = Cli::command()
+        .try_get_matches_from(["proxy-agent", "--detect-local-mode", "InterfaceNamePrefix"])
+        .unwrap();
+    let err = settings(&m).err().unwrap();
+    assert!(
+        format!("{err:#}")
+            .contains("--pod-interface-name-prefix (detectLocal.interfaceNamePrefix) is required"),
+        "{err:#}"
+    );
+    assert!(Cli::command()
+        .try_get_matches_from(["proxy-agent", "--detect-local-mode", "PodCIDR"])
+        .is_err());
 }
 
 #[test]

@@ -30,12 +30,7 @@ fn kubeadm_config_loads_unchanged_and_reports_what_it_ignores() {
         s.conntrack.kernel,
         crate::kernel::conntrack::sysctls::ConntrackSysctls::default()
     );
-    for field in [
-        "bindAddressHardFail",
-        "winkernel",
-        "detectLocal",
-        "clientConnection.qps",
-    ] {
+    for field in ["bindAddressHardFail", "winkernel", "clientConnection.qps"] {
         assert!(
             s.ignored.iter().any(|f| f == field),
             "{field} not reported as ignored: {:?}",
@@ -312,4 +307,29 @@ fn go_durations_parse_as_go_writes_them() {
     assert!(GoDuration::parse("1x").is_err());
     assert!(GoDuration::parse("10").is_err());
     assert!(GoDuration::parse("").is_err());
+}
+
+#[test]
+fn detect_local_mode_and_its_interfaces_are_read_and_checked() {
+    let s = parse(KUBEADM).unwrap();
+    assert_eq!(
+        s.detect_local_mode, None,
+        "kubeadm's empty mode is the default"
+    );
+    assert_eq!(s.bridge_interface, None);
+    let s = parse(&kpc(
+        "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}",
+    ))
+    .unwrap();
+    assert_eq!(s.detect_local_mode.as_deref(), Some("InterfaceNamePrefix"));
+    assert_eq!(s.interface_name_prefix.as_deref(), Some("veth"));
+    assert!(!s.ignored.iter().any(|f| f.starts_with("detectLocal")));
+    let e = err(&kpc("detectLocalMode: PodCIDR"));
+    assert_eq!(e.path, "detectLocalMode");
+    assert!(e.reason.contains("NodeCIDR"), "{e}");
+    let e = err(&kpc(
+        "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: a-bridge-too-long}",
+    ));
+    assert_eq!(e.path, "detectLocal.bridgeInterface");
+    assert!(e.reason.contains("15 bytes"), "{e}");
 }

@@ -2,7 +2,7 @@
 //! attacher, the flow log, and its periodic work (conntrack garbage collection, counters,
 //! the masquerade addresses).
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::map_names;
 use tracing::{debug, info, warn};
@@ -11,7 +11,13 @@ use super::{
     attach::{self, Attacher},
     Datapath, DatapathSizes,
 };
-use crate::metrics::{Metrics, TrafficCounters};
+use crate::{
+    metrics::{Metrics, TrafficCounters},
+    model::{
+        local::{LocalMatch, LocalTraffic},
+        Cidr, IpFamily,
+    },
+};
 
 /// The datapath's log buffer, read when the kernel says it has something (`-v 4`).
 pub type FlowLogger = tokio::io::unix::AsyncFd<aya_log::EbpfLogger<&'static dyn log::Log>>;
@@ -30,6 +36,8 @@ pub struct EbpfRuntime {
     /// Evictions are derived from pinned counters, so they survive restarts; new ones are
     /// warned about.
     evicted_reported: Option<u64>,
+    /// An interface-based detectLocalMode was reported.
+    told_interfaces: bool,
 }
 
 impl EbpfRuntime {
@@ -49,6 +57,7 @@ impl EbpfRuntime {
             service_counters: TrafficCounters::default(),
             backend_counters: TrafficCounters::default(),
             evicted_reported: None,
+            told_interfaces: false,
         }
     }
 
@@ -174,6 +183,69 @@ impl EbpfRuntime {
             match datapath.configure6(&config) {
                 Ok(()) => info!(address = ?v6, "IPv6 masquerade address"),
                 Err(e) => warn!("setting the IPv6 masquerade address: {e:#}"),
+            }
+        }
+    }
+
+    /// Writes the pods' source ranges (`detectLocalMode` ClusterCIDR or NodeCIDR, as
+    /// resolved) to the datapath: cluster-IP flows from outside them are masqueraded. The
+    /// interface-based modes have no range: the datapath then masquerades no cluster-IP
+    /// flow but under masqueradeAll (logged once).
+    pub fn follow_local_traffic(&mut self, local: &LocalTraffic) {
+        if local.by_interface() && !std::mem::replace(&mut self.told_interfaces, true) {
+            warn!("the eBPF datapath tells pods by source address only: with detectLocalMode BridgeInterface or InterfaceNamePrefix it masquerades no cluster-IP flow (but under masqueradeAll)");
+        }
+        let cidr = |family| match local.of(family) {
+            Some(LocalMatch::Cidr(c)) => Some(*c),
+            _ => None,
+        };
+        let datapath = &mut self.datapath;
+        let (addr, mask) = match cidr(IpFamily::V4) {
+            Some(Cidr {
+                addr: IpAddr::V4(a),
+                prefix,
+            }) => {
+                let mask = u32::MAX.checked_shl(32 - prefix as u32).unwrap_or(0);
+                ((u32::from(a) & mask).to_be(), mask.to_be())
+            }
+            _ => (0, 0),
+        };
+        if (
+            datapath.config.cluster_cidr_addr,
+            datapath.config.cluster_cidr_mask,
+        ) != (addr, mask)
+        {
+            let config = proxy_common::DatapathConfig {
+                cluster_cidr_addr: addr,
+                cluster_cidr_mask: mask,
+                ..datapath.config
+            };
+            if let Err(e) = datapath.configure(&config) {
+                warn!("setting the IPv4 pod range: {e:#}");
+            }
+        }
+        let (addr6, mask6) = match cidr(IpFamily::V6) {
+            Some(Cidr {
+                addr: IpAddr::V6(a),
+                prefix,
+            }) => {
+                let mask = u128::MAX.checked_shl(128 - prefix as u32).unwrap_or(0);
+                ((u128::from(a) & mask).to_be_bytes(), mask.to_be_bytes())
+            }
+            _ => ([0; 16], [0; 16]),
+        };
+        if (
+            datapath.config6.cluster_cidr_addr,
+            datapath.config6.cluster_cidr_mask,
+        ) != (addr6, mask6)
+        {
+            let config = proxy_common::DatapathConfig6 {
+                cluster_cidr_addr: addr6,
+                cluster_cidr_mask: mask6,
+                ..datapath.config6
+            };
+            if let Err(e) = datapath.configure6(&config) {
+                warn!("setting the IPv6 pod range: {e:#}");
             }
         }
     }

@@ -3,6 +3,7 @@
 //! Every semantic decision (which endpoints serve, how a target port resolves) is made here,
 //! once; proxiers only receive [`DesiredState`] and the [`ServiceChange`]s that lead to it.
 
+pub mod local;
 pub mod objects;
 pub mod ownership;
 

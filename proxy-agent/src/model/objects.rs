@@ -792,9 +792,9 @@ impl Validated for SliceInfo {
 /// Label with a node's zone (topology-aware routing uses it).
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
-/// What the proxy needs of its own Node: its addresses (NodePort, later) and its zone
-/// (topology hints, later).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What the proxy needs of its own Node: its addresses (NodePort, masquerade source), its
+/// zone (topology hints), its pod ranges (`detectLocalMode: NodeCIDR`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeInfo {
     pub name: String,
     /// (type, address): InternalIP, ExternalIP, ...; unparsable addresses are left out.
@@ -803,6 +803,8 @@ pub struct NodeInfo {
     /// Why load balancers should stop sending new traffic here (KEP-3836): the Node is being
     /// deleted, or the cluster autoscaler is about to remove it. `/healthz` then answers 503.
     pub ineligible: Option<String>,
+    /// `spec.podCIDRs` (else `spec.podCIDR`); unparsable ranges are left out.
+    pub pod_cidrs: Vec<Cidr>,
 }
 
 /// The taint the cluster autoscaler sets on a node it is about to delete.
@@ -832,9 +834,19 @@ impl NodeInfo {
         } else {
             None
         };
+        let spec = node.spec.as_ref();
+        let pod_cidrs = spec
+            .and_then(|s| s.pod_cidrs.clone())
+            .filter(|c| !c.is_empty())
+            .or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c]))
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| c.parse().ok())
+            .collect();
         NodeInfo {
             name: node.metadata.name.clone().unwrap_or_default(),
             ineligible,
+            pod_cidrs,
             addresses,
             zone: node
                 .metadata
@@ -853,6 +865,9 @@ impl fmt::Display for NodeInfo {
         }
         if let Some(z) = &self.zone {
             write!(f, " zone={z}")?;
+        }
+        for c in &self.pod_cidrs {
+            write!(f, " podCIDR={c}")?;
         }
         if let Some(why) = &self.ineligible {
             write!(f, " not eligible for new traffic: {why}")?;

@@ -764,6 +764,7 @@ fn node_port_addresses_come_from_cidrs_the_node_object_or_local_addresses() {
         ],
         zone: Some("z1".into()),
         ineligible: None,
+        pod_cidrs: Vec::new(),
     };
     let ips = |list: &[&str]| -> Vec<IpAddr> { list.iter().map(|a| a.parse().unwrap()).collect() };
     let local = ips(&[

@@ -125,6 +125,10 @@ pub trait Proxier {
         _v6: Option<std::net::Ipv6Addr>,
     ) {
     }
+
+    /// How the node's pods are told from other clients (`detectLocalMode`, resolved with
+    /// the Node object), before each sync.
+    fn set_local_traffic(&mut self, _local: &crate::model::local::LocalTraffic) {}
 }
 
 /// Both address families, in the order per-family state is kept.
@@ -159,8 +163,27 @@ pub trait FamilyTables {
     /// Where `family`'s masquerade address is kept (written by full syncs only).
     fn masquerade_addr_mut(&mut self, family: IpFamily) -> &mut Option<std::net::IpAddr>;
 
+    /// Where `family`'s pod detector is kept (written by full syncs only).
+    fn local_mut(&mut self, family: IpFamily) -> &mut Option<crate::model::local::LocalMatch>;
+
     /// Makes `family`'s next write a full one.
     fn require_full(&mut self, family: IpFamily);
+}
+
+/// [`Proxier::set_local_traffic`] for the netfilter proxiers: a family whose detector
+/// changed is rewritten whole at its next sync (every cluster IP's rules use it).
+pub fn set_family_local_traffic(
+    tables: &mut impl FamilyTables,
+    local: &crate::model::local::LocalTraffic,
+) {
+    for family in FAMILIES {
+        let wanted = local.of(family).cloned();
+        let kept = tables.local_mut(family);
+        if *kept != wanted {
+            *kept = wanted;
+            tables.require_full(family);
+        }
+    }
 }
 
 /// [`Proxier::set_masquerade_addresses`] for the netfilter proxiers: a family whose

@@ -26,7 +26,7 @@ use proxy_agent::{
         conntrack::flows::ConntrackFlows,
         local_routes::{DummyAddresses, KernelLocalRoutes, LocalRoutes},
     },
-    model::{diff, DesiredState, ServicePortState},
+    model::{diff, local::LocalTraffic, DesiredState, ServicePortState},
     proxier::{
         ebpf::{maps::KernelMaps, EbpfProxier},
         iptables::tables::IptablesCommands,
@@ -178,18 +178,18 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                     IptablesCommands { variant },
                     Box::new(ConntrackFlows),
                     14,
-                    &[],
+                    &LocalTraffic::default(),
                 );
                 measure(&mut p, n, changes)
             }
             "nftables" => {
                 let mut p =
-                    NftablesProxier::new(NftNetlink::default(), Box::new(ConntrackFlows), 14, &[]);
+                    NftablesProxier::new(NftNetlink::default(), Box::new(ConntrackFlows), 14, &LocalTraffic::default());
                 measure(&mut p, n, changes)
             }
             // Every transaction through `nft -f`, as before incremental syncs used netlink.
             "nftables-nft" => {
-                let mut p = NftablesProxier::new(NftCommand, Box::new(ConntrackFlows), 14, &[]);
+                let mut p = NftablesProxier::new(NftCommand, Box::new(ConntrackFlows), 14, &LocalTraffic::default());
                 measure(&mut p, n, changes)
             }
             "ipvs" => {
@@ -206,7 +206,7 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                         flows: Box::new(ConntrackFlows),
                     },
                     14,
-                    &[],
+                    &LocalTraffic::default(),
                     IpvsOptions::default(),
                 );
                 measure(&mut p, n, changes)

@@ -127,6 +127,7 @@ fn sync_loop(min_sync_period: Duration) -> (SyncLoop, ProxyHealth, Arc<Metrics>)
         default_scheduler: Default::default(),
         min_sync_period,
         full_sync_period: FULL_SYNC_PERIOD,
+        detect_local: Default::default(),
     };
     (
         SyncLoop::new(options, health.clone(), metrics.clone()),

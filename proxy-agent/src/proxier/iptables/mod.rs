@@ -11,6 +11,7 @@ pub mod cleanup;
 pub mod rules;
 pub mod tables;
 
+use crate::model::local::{LocalMatch, LocalTraffic};
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
@@ -24,10 +25,11 @@ use self::{
     tables::RuleTables,
 };
 use super::{
-    family_index as index, regenerate, set_family_masquerade_addresses, sync_by_family,
-    FamilyTables, FlowCleaner, Proxier, ProxyMode, Regenerated, SyncReport, FAMILIES,
+    family_index as index, regenerate, set_family_local_traffic, set_family_masquerade_addresses,
+    sync_by_family, FamilyTables, FlowCleaner, Proxier, ProxyMode, Regenerated, SyncReport,
+    FAMILIES,
 };
-use crate::model::{Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
+use crate::model::{DesiredState, IpFamily, ServiceChange, ServicePortName};
 
 /// kube-proxy's jump rules from the built-in chains: (table, chain, rule).
 const HOOKS: &[(&str, &str, &str)] = &[
@@ -104,24 +106,17 @@ pub struct IptablesProxier<T: RuleTables> {
 }
 
 impl<T: RuleTables> IptablesProxier<T> {
-    /// `cluster_cidrs`: at most one per family; cluster-IP traffic from outside is
-    /// masqueraded.
+    /// `local`: how the node's pods are told apart until [`Proxier::set_local_traffic`].
     pub fn new(
         tables: T,
         flows: Box<dyn FlowCleaner>,
         masquerade_bit: u32,
-        cluster_cidrs: &[Cidr],
+        local: &LocalTraffic,
     ) -> Self {
-        let cidr_of = |family: IpFamily| {
-            cluster_cidrs
-                .iter()
-                .find(|c| IpFamily::of(c.addr) == family)
-                .copied()
-        };
         IptablesProxier {
             tables,
             flows,
-            contexts: FAMILIES.map(|f| RuleContext::new(masquerade_bit, cidr_of(f))),
+            contexts: FAMILIES.map(|f| RuleContext::new(masquerade_bit, local.of(f).cloned())),
             families: [
                 FamilyRules {
                     needs_full: true,
@@ -397,6 +392,10 @@ impl<T: RuleTables> FamilyTables for IptablesProxier<T> {
         &mut self.contexts[index(family)].masquerade_addr
     }
 
+    fn local_mut(&mut self, family: IpFamily) -> &mut Option<LocalMatch> {
+        &mut self.contexts[index(family)].local
+    }
+
     fn require_full(&mut self, family: IpFamily) {
         self.families[index(family)].needs_full = true;
     }
@@ -421,6 +420,10 @@ impl<T: RuleTables> Proxier for IptablesProxier<T> {
         v6: Option<std::net::Ipv6Addr>,
     ) {
         set_family_masquerade_addresses(self, v4, v6)
+    }
+
+    fn set_local_traffic(&mut self, local: &LocalTraffic) {
+        set_family_local_traffic(self, local)
     }
 
     fn programmed(&self) -> (usize, usize) {

@@ -30,7 +30,10 @@ use std::{
 };
 
 use crate::{
-    model::{Cidr, Frontend, FrontendKind, IpFamily, Protocol, ServicePortState, WhenEmpty},
+    model::{
+        local::LocalMatch, Cidr, Frontend, FrontendKind, IpFamily, Protocol, ServicePortState,
+        WhenEmpty,
+    },
     proxier::naming::{hash, port_key, protocol},
 };
 
@@ -46,20 +49,21 @@ pub struct RuleContext {
     /// another node (`externalTrafficPolicy: Cluster`): the endpoint's chain turns it into
     /// the masquerade mark. The bit below the masquerade bit.
     pub remote_masquerade_mark: u32,
-    /// The cluster CIDR of this family: cluster-IP traffic from outside it is masqueraded.
-    pub cluster_cidr: Option<Cidr>,
+    /// How this family's pods are told apart (`detectLocalMode`): cluster-IP traffic from
+    /// anything else is masqueraded.
+    pub local: Option<LocalMatch>,
     /// The address masqueraded flows get (the node's InternalIP of this family); without
     /// one, the outgoing link's (MASQUERADE).
     pub masquerade_addr: Option<IpAddr>,
 }
 
 impl RuleContext {
-    pub fn new(masquerade_bit: u32, cluster_cidr: Option<Cidr>) -> Self {
+    pub fn new(masquerade_bit: u32, local: Option<LocalMatch>) -> Self {
         let bit = masquerade_bit.clamp(1, 31);
         RuleContext {
             masquerade_mark: 1 << bit,
             remote_masquerade_mark: 1 << (bit - 1),
-            cluster_cidr,
+            local,
             masquerade_addr: None,
         }
     }
@@ -115,6 +119,17 @@ fn host(addr: IpAddr) -> String {
     match addr {
         IpAddr::V4(a) => format!("{a}/32"),
         IpAddr::V6(a) => format!("{a}/128"),
+    }
+}
+
+/// The match of this node's pods (`negate`: of every other client), as kube-proxy's local
+/// detector writes it.
+pub fn local_match(local: &LocalMatch, negate: bool) -> String {
+    let not = if negate { "! " } else { "" };
+    match local {
+        LocalMatch::Cidr(c) => format!("{not}-s {}", cidr(c)),
+        LocalMatch::Interface(name) => format!("{not}-i {name}"),
+        LocalMatch::InterfacePrefix(prefix) => format!("{not}-i {prefix}+"),
     }
 }
 
@@ -207,11 +222,11 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
                     host(state.frontend.addr),
                     port_match(proto, state.frontend.port)
                 ));
-            } else if let Some(cc) = &ctx.cluster_cidr {
+            } else if let Some(local) = &ctx.local {
                 rules.push(format!(
-                    "-A {chain} {} ! -s {} -d {} {} -j KUBE-MARK-MASQ",
+                    "-A {chain} {} {} -d {} {} -j KUBE-MARK-MASQ",
                     comment(&format!("{name} cluster IP")),
-                    cidr(cc),
+                    local_match(local, true),
                     host(state.frontend.addr),
                     port_match(proto, state.frontend.port)
                 ));
@@ -318,11 +333,11 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
                     // every endpoint (the node masqueraded: its source is the LB IP's
                     // route's); the rest of the world only this node's.
                     let all = selection_for(inner, &mut r);
-                    if let Some(cc) = &ctx.cluster_cidr {
+                    if let Some(local) = &ctx.local {
                         rules.push(format!(
-                            "-A {chain} {} -s {} -j {all}",
+                            "-A {chain} {} {} -j {all}",
                             comment(&format!("pod traffic for {name} external destinations")),
-                            cidr(cc)
+                            local_match(local, false)
                         ));
                     }
                     rules.push(format!(

@@ -1,6 +1,6 @@
 use super::{rules::*, tables::MemoryTables, *};
 use crate::{
-    model::{diff, FrontendKind, Protocol, StaleFlow},
+    model::{diff, Cidr, FrontendKind, Protocol, StaleFlow},
     proxier::{
         test_states::{desired, node_port, state},
         RecordedFlows,
@@ -13,7 +13,7 @@ fn proxier() -> (IptablesProxier<MemoryTables>, RecordedFlows) {
         MemoryTables::default(),
         Box::new(flows.clone()),
         DEFAULT_MASQUERADE_BIT,
-        &[],
+        &LocalTraffic::default(),
     );
     (p, flows)
 }
@@ -376,7 +376,7 @@ fn external_traffic_policy_local_short_circuits_pods_and_the_node() {
         MemoryTables::default(),
         Box::new(flows),
         DEFAULT_MASQUERADE_BIT,
-        &[cidr],
+        &LocalTraffic::by_cidrs(&[cidr]),
     );
     let mut s = state("web", "10.96.0.10", &["10.0.2.1:8080", "10.0.2.2:8080"]);
     let mut np = node_port(&s, "192.168.0.1", false);
@@ -413,4 +413,45 @@ fn external_traffic_policy_local_short_circuits_pods_and_the_node() {
             .any(|r| r.contains("-d 192.168.0.1/32") && r.ends_with("-j DROP")),
         "{filter:#?}"
     );
+}
+
+#[test]
+fn an_interface_detector_replaces_the_cluster_cidr_and_a_change_rewrites_the_rules() {
+    use crate::model::local::DetectLocal;
+    let (mut p, _) = proxier();
+    let s = state("web", "10.96.0.10", &["10.0.2.1:8080"]);
+    let want = desired(std::slice::from_ref(&s));
+    let svc = service_chain(&s);
+    p.set_local_traffic(&DetectLocal::InterfaceNamePrefix("veth".into()).resolve(None));
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    let masq = |p: &IptablesProxier<MemoryTables>| {
+        nat(p, &svc)
+            .into_iter()
+            .filter(|r| r.ends_with("-j KUBE-MARK-MASQ") && r.contains("cluster IP"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(masq(&p).len(), 1);
+    assert!(
+        masq(&p)[0].contains(" ! -i veth+ -d 10.96.0.10/32 "),
+        "{:?}",
+        masq(&p)
+    );
+    // The Node's pod range appears (NodeCIDR): the next sync, with no Service change,
+    // rewrites the rule.
+    let node = crate::model::NodeInfo {
+        pod_cidrs: vec!["10.244.1.0/24".parse().unwrap()],
+        ..Default::default()
+    };
+    p.set_local_traffic(&DetectLocal::NodeCidr.resolve(Some(&node)));
+    p.sync(&want, &[]).unwrap();
+    assert!(
+        masq(&p)[0].contains(" ! -s 10.244.1.0/24 -d "),
+        "{:?}",
+        masq(&p)
+    );
+    // None known: cluster-IP traffic is not masqueraded (kube-proxy's no-op detector).
+    p.set_local_traffic(&DetectLocal::NodeCidr.resolve(None));
+    p.sync(&want, &[]).unwrap();
+    assert!(masq(&p).is_empty(), "{:?}", masq(&p));
 }

@@ -26,6 +26,8 @@ pub mod ipset;
 pub mod netlink;
 pub mod plan;
 
+use crate::model::local::{LocalMatch, LocalTraffic};
+use crate::proxier::iptables::rules::local_match;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
@@ -41,8 +43,8 @@ use self::{
 use super::{
     family_index as index,
     iptables::{forward_chain, hooks, masquerade_chains, rules::RuleContext, tables::RuleTables},
-    regenerate, set_family_masquerade_addresses, sync_by_family, FamilyTables, FlowCleaner,
-    Proxier, ProxyMode, Regenerated, SyncReport, FAMILIES,
+    regenerate, set_family_local_traffic, set_family_masquerade_addresses, sync_by_family,
+    FamilyTables, FlowCleaner, Proxier, ProxyMode, Regenerated, SyncReport, FAMILIES,
 };
 use crate::{
     kernel::local_routes::LocalRoutes,
@@ -108,7 +110,7 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
     pub fn new(
         kernel: IpvsKernel<T, S>,
         masquerade_bit: u32,
-        cluster_cidrs: &[Cidr],
+        local: &LocalTraffic,
         options: IpvsOptions,
     ) -> Self {
         let IpvsKernel {
@@ -118,19 +120,13 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
             sets,
             flows,
         } = kernel;
-        let cidr_of = |family: IpFamily| {
-            cluster_cidrs
-                .iter()
-                .find(|c| IpFamily::of(c.addr) == family)
-                .copied()
-        };
         IpvsProxier {
             ipvs,
             addresses,
             tables,
             sets,
             flows,
-            contexts: FAMILIES.map(|f| RuleContext::new(masquerade_bit, cidr_of(f))),
+            contexts: FAMILIES.map(|f| RuleContext::new(masquerade_bit, local.of(f).cloned())),
             families: FAMILIES.map(|_| FamilyState {
                 needs_full: true,
                 ..Default::default()
@@ -174,7 +170,7 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
                 }
             }
         }
-        let cluster_cidr = self.contexts[i].cluster_cidr;
+        let local = self.contexts[i].local.clone();
         let Regenerated {
             current,
             write,
@@ -185,7 +181,7 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
             family,
             full,
             changed,
-            |s| plan(s, cluster_cidr.as_ref()),
+            |s| plan(s, local.as_ref()),
         );
         let result = self.apply(family, &current, &write, &replaced, full);
         let state = &mut self.families[i];
@@ -437,12 +433,11 @@ fn rules_input(
         "-A KUBE-SERVICES -m comment --comment \"masqueradeAll\" -m set --match-set {} dst,dst -j KUBE-MARK-MASQ",
         set(SetKind::MasqueradeAll)
     );
-    if let Some(c) = &ctx.cluster_cidr {
+    if let Some(local) = &ctx.local {
         let _ = writeln!(
             out,
-            "-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" ! -s {}/{} -m set --match-set {} dst,dst -j KUBE-MARK-MASQ",
-            c.addr,
-            c.prefix,
+            "-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" {} -m set --match-set {} dst,dst -j KUBE-MARK-MASQ",
+            local_match(local, true),
             set(SetKind::ClusterIp)
         );
     }
@@ -496,6 +491,10 @@ impl<T: RuleTables, S: IpSets> FamilyTables for IpvsProxier<T, S> {
         &mut self.contexts[index(family)].masquerade_addr
     }
 
+    fn local_mut(&mut self, family: IpFamily) -> &mut Option<LocalMatch> {
+        &mut self.contexts[index(family)].local
+    }
+
     fn require_full(&mut self, family: IpFamily) {
         self.families[index(family)].needs_full = true;
     }
@@ -520,6 +519,10 @@ impl<T: RuleTables, S: IpSets> Proxier for IpvsProxier<T, S> {
         v6: Option<std::net::Ipv6Addr>,
     ) {
         set_family_masquerade_addresses(self, v4, v6)
+    }
+
+    fn set_local_traffic(&mut self, local: &LocalTraffic) {
+        set_family_local_traffic(self, local)
     }
 
     fn programmed(&self) -> (usize, usize) {

@@ -3,11 +3,12 @@
 //! (refusals, drops, source ranges). kube-proxy's ipvs layout, spelled from the model's
 //! decisions: which endpoints serve each frontend, which drain, what is masqueraded.
 
+use crate::proxier::iptables::rules::local_match;
 use std::{fmt::Write as _, net::IpAddr};
 
 use super::ipset::SetKind;
 use crate::{
-    model::{Cidr, FrontendKind, FrontendState, Scheduler, ServicePortState},
+    model::{local::LocalMatch, FrontendKind, FrontendState, Scheduler, ServicePortState},
     proxier::ipvs::netlink::{RealServer, VirtualServer},
     proxier::{iptables::rules::refusal, naming::protocol},
 };
@@ -45,8 +46,8 @@ fn host(addr: IpAddr) -> String {
     }
 }
 
-/// The plan of `state`; `cluster_cidr` (this family's) tells pods from other clients.
-pub fn plan(state: &ServicePortState, cluster_cidr: Option<&Cidr>) -> PortPlan {
+/// The plan of `state`; `local` (this family's detector) tells pods from other clients.
+pub fn plan(state: &ServicePortState, local: Option<&LocalMatch>) -> PortPlan {
     let mut p = PortPlan::default();
     let proto = protocol(state.name.protocol);
     let name = &state.name;
@@ -90,10 +91,10 @@ pub fn plan(state: &ServicePortState, cluster_cidr: Option<&Cidr>) -> PortPlan {
                     host(frontend.addr),
                     frontend.port
                 );
-                if let Some(c) = cluster_cidr {
+                if let Some(local) = local {
                     p.filter.push(format!(
-                        "-A KUBE-SERVICES {matches} -s {}/{} -j RETURN",
-                        c.addr, c.prefix
+                        "-A KUBE-SERVICES {matches} {} -j RETURN",
+                        local_match(local, false)
                     ));
                 }
                 p.filter.push(format!(

@@ -34,7 +34,7 @@ fn node(options: IpvsOptions) -> Node {
             flows: Box::new(RecordedFlows::default()),
         },
         14,
-        &["10.244.0.0/16".parse().unwrap()],
+        &LocalTraffic::by_cidrs(&["10.244.0.0/16".parse().unwrap()]),
         options,
     );
     Node {
@@ -297,4 +297,31 @@ fn a_failed_write_makes_the_next_sync_a_full_one() {
     let report = n.proxier.sync(&new, &[]).unwrap();
     assert!(report.full);
     assert_eq!(n.server(tcp("10.96.0.10", 80)).unwrap().2.len(), 2);
+}
+
+#[test]
+fn the_cluster_ip_masquerade_follows_the_pod_detector() {
+    let mut n = node(IpvsOptions::default());
+    let want = desired(&[state("web", "10.96.0.10", &["10.244.1.2:8080"])]);
+    n.proxier.set_local_traffic(
+        &crate::model::local::DetectLocal::InterfaceNamePrefix("veth".into()).resolve(None),
+    );
+    n.proxier
+        .sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    let masq = |n: &Node| {
+        n.proxier
+            .tables()
+            .chain(IpFamily::V4, "nat", "KUBE-SERVICES")
+            .unwrap()
+            .into_iter()
+            .filter(|r| r.contains("--match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"))
+            .filter(|r| !r.contains("src-type LOCAL"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(masq(&n).len(), 1, "{:?}", masq(&n));
+    assert!(masq(&n)[0].contains(" ! -i veth+ -m set"), "{:?}", masq(&n));
+    n.proxier.set_local_traffic(&Default::default());
+    n.proxier.sync(&want, &[]).unwrap();
+    assert!(masq(&n).is_empty(), "{:?}", masq(&n));
 }

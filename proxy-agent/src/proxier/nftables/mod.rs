@@ -13,6 +13,7 @@ pub mod netlink;
 pub mod nft;
 pub mod rules;
 
+use crate::model::local::{LocalMatch, LocalTraffic};
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
@@ -26,10 +27,11 @@ use self::{
     rules::{service_rules, RuleContext, ServiceRules, TABLE},
 };
 use super::{
-    family_index as index, regenerate, set_family_masquerade_addresses, sync_by_family,
-    FamilyTables, FlowCleaner, Proxier, ProxyMode, Regenerated, SyncReport, FAMILIES,
+    family_index as index, regenerate, set_family_local_traffic, set_family_masquerade_addresses,
+    sync_by_family, FamilyTables, FlowCleaner, Proxier, ProxyMode, Regenerated, SyncReport,
+    FAMILIES,
 };
-use crate::model::{Cidr, DesiredState, IpFamily, ServiceChange, ServicePortName};
+use crate::model::{DesiredState, IpFamily, ServiceChange, ServicePortName};
 
 /// The table's fixed chains, with their hook if they have one.
 const BASE_CHAINS: &[(&str, &str)] = &[
@@ -219,18 +221,12 @@ impl<N: Nft> NftablesProxier<N> {
         nft: N,
         flows: Box<dyn FlowCleaner>,
         masquerade_bit: u32,
-        cluster_cidrs: &[Cidr],
+        local: &LocalTraffic,
     ) -> Self {
-        let cidr_of = |family: IpFamily| {
-            cluster_cidrs
-                .iter()
-                .find(|c| IpFamily::of(c.addr) == family)
-                .copied()
-        };
         NftablesProxier {
             nft,
             flows,
-            contexts: FAMILIES.map(|f| RuleContext::new(f, masquerade_bit, cidr_of(f))),
+            contexts: FAMILIES.map(|f| RuleContext::new(f, masquerade_bit, local.of(f).cloned())),
             families: [
                 FamilyTable {
                     needs_full: true,
@@ -549,6 +545,10 @@ impl<N: Nft> FamilyTables for NftablesProxier<N> {
         &mut self.contexts[index(family)].masquerade_addr
     }
 
+    fn local_mut(&mut self, family: IpFamily) -> &mut Option<LocalMatch> {
+        &mut self.contexts[index(family)].local
+    }
+
     fn require_full(&mut self, family: IpFamily) {
         self.families[index(family)].needs_full = true;
     }
@@ -589,6 +589,10 @@ impl<N: Nft> Proxier for NftablesProxier<N> {
         v6: Option<std::net::Ipv6Addr>,
     ) {
         set_family_masquerade_addresses(self, v4, v6)
+    }
+
+    fn set_local_traffic(&mut self, local: &LocalTraffic) {
+        set_family_local_traffic(self, local)
     }
 }
 

@@ -62,6 +62,7 @@ const CMP_NEQ: u32 = 1;
 const PAYLOAD_NETWORK: u32 = 1;
 const PAYLOAD_TRANSPORT: u32 = 2;
 const META_MARK: u32 = 3;
+const META_IIFNAME: u32 = 6;
 const META_L4PROTO: u32 = 16;
 
 /// nft's set key types (`ipv4_addr`, `ipv6_addr`), which `nft list` reads back.
@@ -257,6 +258,27 @@ fn address_match(
     Some(())
 }
 
+/// An input-interface match (`iifname "cbr0"`, `iifname != "veth*"`), as nft encodes it:
+/// a name is compared with its terminating zeros (IFNAMSIZ bytes), a `prefix*` only over
+/// the prefix's bytes.
+fn interface_match(list: &mut Vec<u8>, op: u32, quoted: &str) -> Option<()> {
+    const IFNAMSIZ: usize = 16;
+    let name = quoted.strip_prefix('"')?.strip_suffix('"')?;
+    meta_load(list, META_IIFNAME);
+    match name.strip_suffix('*') {
+        Some(prefix) if !prefix.is_empty() && prefix.len() < IFNAMSIZ => {
+            cmp(list, op, prefix.as_bytes())
+        }
+        None if !name.is_empty() && name.len() < IFNAMSIZ => {
+            let mut padded = [0u8; IFNAMSIZ];
+            padded[..name.len()].copy_from_slice(name.as_bytes());
+            cmp(list, op, &padded)
+        }
+        _ => return None,
+    }
+    Some(())
+}
+
 fn hex_mark(word: &str) -> Option<u32> {
     u32::from_str_radix(word.strip_prefix("0x")?, 16).ok()
 }
@@ -311,6 +333,15 @@ fn rule_expressions(family: Family, rule: &str) -> Option<Vec<u8>> {
                     attr(e, 3 /* FLAGS */, &be32(1 /* NFTA_FIB_F_SADDR */));
                 });
                 cmp(&mut list, CMP_EQ, &2u32.to_ne_bytes() /* RTN_LOCAL */);
+                rest
+            }
+            ["iifname", rest @ ..] => {
+                let (op, rest) = match rest {
+                    ["!=", rest @ ..] => (CMP_NEQ, rest),
+                    rest => (CMP_EQ, rest),
+                };
+                let (value, rest) = rest.split_first()?;
+                interface_match(&mut list, op, value)?;
                 rest
             }
             ["numgen", "random", "mod", n, "==", "0", rest @ ..] => {
@@ -774,6 +805,25 @@ mod tests {
             };
             assert_eq!(got, line);
         }
+    }
+
+    #[test]
+    fn interface_matches_compare_a_padded_name_or_only_a_prefix() {
+        let mut exact = Vec::new();
+        interface_match(&mut exact, CMP_NEQ, "\"cbr0\"").unwrap();
+        let mut padded = b"cbr0".to_vec();
+        padded.resize(16, 0);
+        assert!(exact.windows(16).any(|w| w == padded));
+        let mut prefix = Vec::new();
+        interface_match(&mut prefix, CMP_EQ, "\"veth*\"").unwrap();
+        assert!(prefix.windows(4).any(|w| w == b"veth"));
+        assert!(!prefix.windows(5).any(|w| w == b"veth*"));
+        assert!(prefix.len() < exact.len());
+        for bad in ["cbr0", "\"\"", "\"*\"", "\"a-name-too-long-x\""] {
+            assert_eq!(interface_match(&mut Vec::new(), CMP_EQ, bad), None, "{bad}");
+        }
+        let rule = "add rule ip kube-proxy external-x iifname \"veth*\" goto all-x";
+        assert!(encode_script(&format!("add table ip kube-proxy\n{rule}\n")).is_ok());
     }
 
     #[test]

@@ -26,7 +26,7 @@ use std::{
 };
 
 use crate::{
-    model::{Cidr, FrontendKind, IpFamily, ServicePortState, WhenEmpty},
+    model::{local::LocalMatch, Cidr, FrontendKind, IpFamily, ServicePortState, WhenEmpty},
     proxier::naming::{hash, port_key, protocol},
 };
 
@@ -37,18 +37,19 @@ pub struct RuleContext {
     pub masquerade_mark: u32,
     /// See `proxier::iptables::rules::RuleContext::remote_masquerade_mark`.
     pub remote_masquerade_mark: u32,
-    pub cluster_cidr: Option<Cidr>,
+    /// How this family's pods are told apart (`detectLocalMode`).
+    pub local: Option<LocalMatch>,
     pub masquerade_addr: Option<IpAddr>,
 }
 
 impl RuleContext {
-    pub fn new(family: IpFamily, masquerade_bit: u32, cluster_cidr: Option<Cidr>) -> Self {
+    pub fn new(family: IpFamily, masquerade_bit: u32, local: Option<LocalMatch>) -> Self {
         let bit = masquerade_bit.clamp(1, 31);
         RuleContext {
             family,
             masquerade_mark: 1 << bit,
             remote_masquerade_mark: 1 << (bit - 1),
-            cluster_cidr,
+            local,
             masquerade_addr: None,
         }
     }
@@ -151,6 +152,17 @@ fn affinity_set(state: &ServicePortState, ep: SocketAddr) -> String {
     )
 }
 
+/// The match of this node's pods (`negate`: of every other client), as kube-proxy's
+/// nftables mode writes it; `ip` is the family's word (`ip`, `ip6`).
+pub fn local_match(ip: &str, local: &LocalMatch, negate: bool) -> String {
+    let op = if negate { "!= " } else { "" };
+    match local {
+        LocalMatch::Cidr(c) => format!("{ip} saddr {op}{}", cidr(c)),
+        LocalMatch::Interface(name) => format!("iifname {op}\"{name}\""),
+        LocalMatch::InterfacePrefix(prefix) => format!("iifname {op}\"{prefix}*\""),
+    }
+}
+
 fn cidr(c: &Cidr) -> String {
     format!("{}/{}", c.addr, c.prefix)
 }
@@ -185,10 +197,10 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
             let dport = format!("{} dport {}", protocol(proto), state.frontend.port);
             if state.masquerade_all {
                 rules.push(format!("{ip} daddr {vip} {dport} jump mark-for-masquerade"));
-            } else if let Some(cc) = &ctx.cluster_cidr {
+            } else if let Some(local) = &ctx.local {
                 rules.push(format!(
-                    "{ip} daddr {vip} {dport} {ip} saddr != {} jump mark-for-masquerade",
-                    cidr(cc)
+                    "{ip} daddr {vip} {dport} {} jump mark-for-masquerade",
+                    local_match(ip, local, true)
                 ));
             }
         }
@@ -292,8 +304,8 @@ pub fn service_rules(state: &ServicePortState, ctx: &RuleContext) -> ServiceRule
                 if let Some(inner) = &in_cluster {
                     // kube-proxy's short-circuit (see the iptables mode).
                     let all = selection_for(inner, &mut r);
-                    if let Some(cc) = &ctx.cluster_cidr {
-                        rules.push(format!("{ip} saddr {} goto {all}", cidr(cc)));
+                    if let Some(local) = &ctx.local {
+                        rules.push(format!("{} goto {all}", local_match(ip, local, false)));
                     }
                     rules.push("fib saddr type local jump mark-for-masquerade".to_string());
                     rules.push(format!("fib saddr type local goto {all}"));

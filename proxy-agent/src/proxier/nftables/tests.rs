@@ -1,6 +1,6 @@
 use super::{nft::MemoryNft, rules::*, *};
 use crate::{
-    model::{diff, Frontend, FrontendKind, FrontendState, Protocol, WhenEmpty},
+    model::{diff, Cidr, Frontend, FrontendKind, FrontendState, Protocol, WhenEmpty},
     proxier::{
         test_states::{desired, node_port, state},
         RecordedFlows,
@@ -12,7 +12,7 @@ fn proxier() -> NftablesProxier<MemoryNft> {
         MemoryNft::default(),
         Box::new(RecordedFlows::default()),
         14,
-        &[],
+        &LocalTraffic::default(),
     )
 }
 
@@ -230,4 +230,24 @@ fn incremental_syncs_keep_elements_other_service_ports_still_claim() {
     p.sync_full(&empty).unwrap();
     let full: Vec<_> = MAPS.iter().map(|m| map(&p, "ip", m)).collect();
     assert_eq!(incremental, full);
+}
+
+#[test]
+fn an_interface_detector_matches_the_input_interface_in_both_families() {
+    let mut p = proxier();
+    let v4 = state("web", "10.96.0.10", &["10.0.0.1:8080"]);
+    let v6 = state("web6", "fd00::10", &["[fd00:1::1]:8080"]);
+    let want = desired(&[v4.clone(), v6.clone()]);
+    p.set_local_traffic(
+        &crate::model::local::DetectLocal::BridgeInterface("cbr0".into()).resolve(None),
+    );
+    p.sync(&want, &diff(&DesiredState::default(), &want))
+        .unwrap();
+    for (ip, s, vip) in [("ip", &v4, "10.96.0.10"), ("ip6", &v6, "fd00::10")] {
+        let rules = p.nft().chain(ip, TABLE, &service_chain(s)).unwrap();
+        assert_eq!(
+            rules[0],
+            format!("{ip} daddr {vip} tcp dport 80 iifname != \"cbr0\" jump mark-for-masquerade")
+        );
+    }
 }

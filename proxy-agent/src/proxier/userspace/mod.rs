@@ -88,6 +88,10 @@ pub struct UserspaceProxier {
     udp_budget: Arc<udp::UdpBudget>,
     /// Tells pods from other clients (`externalTrafficPolicy: Local`'s short-circuit).
     cluster_cidrs: Vec<crate::model::Cidr>,
+    /// The detector changed: the next sync rewrites every frontend's choice.
+    local_changed: bool,
+    /// An interface-based detectLocalMode was reported as unsupported here.
+    told_interfaces: bool,
 }
 
 /// Whether a frontend's address is made local by a route (NodePort addresses are the
@@ -108,6 +112,8 @@ impl UserspaceProxier {
             udp_idle,
             udp_budget: Arc::default(),
             cluster_cidrs: Vec::new(),
+            local_changed: false,
+            told_interfaces: false,
         }
     }
 
@@ -298,6 +304,9 @@ impl Proxier for UserspaceProxier {
     }
 
     fn sync(&mut self, desired: &DesiredState, changes: &[ServiceChange]) -> Result<SyncReport> {
+        if std::mem::take(&mut self.local_changed) {
+            return self.sync_full(desired);
+        }
         let mut names: BTreeSet<ServicePortName> =
             changes.iter().map(|c| c.name().clone()).collect();
         names.extend(std::mem::take(&mut self.failed));
@@ -309,8 +318,22 @@ impl Proxier for UserspaceProxier {
         self.finish(names.len(), false)
     }
 
+    /// A relay sees a client's address, not the interface its packets came in on: the
+    /// interface-based modes tell no pod apart here (logged once).
+    fn set_local_traffic(&mut self, local: &crate::model::local::LocalTraffic) {
+        if local.by_interface() && !std::mem::replace(&mut self.told_interfaces, true) {
+            warn!("userspace mode tells pods by source address only: with detectLocalMode BridgeInterface or InterfaceNamePrefix, pods reaching an externalTrafficPolicy: Local frontend get its local endpoints, as other clients");
+        }
+        let cidrs = local.cidrs();
+        if cidrs != self.cluster_cidrs {
+            self.cluster_cidrs = cidrs;
+            self.local_changed = true;
+        }
+    }
+
     fn sync_full(&mut self, desired: &DesiredState) -> Result<SyncReport> {
         self.failed.clear();
+        self.local_changed = false;
         let gone: Vec<ServicePortName> = self
             .by_port
             .keys()
