@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 9;
+pub const MAP_LAYOUT_VERSION: u32 = 10;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -67,7 +67,14 @@ pub mod map_names {
     /// Sockets the hooks counted against a backend for the least-connection schedulers:
     /// socket cookie (u64) -> [`super::SockLbValue`], until the socket is released.
     pub const SOCK_LB: &str = "SOCK_LB";
+    /// The node's pod interfaces under an interface-based `detectLocalMode`: ifindex (u32)
+    /// -> 1. Read when [`super::DatapathConfig::pods_by_interface`] is set.
+    pub const LOCAL_IFACES: &str = "LOCAL_IFACES";
 }
+
+/// Entries of `LOCAL_IFACES`: more interfaces than a node has pods (kubelet's default is
+/// 110 per node; the largest clusters allow a few hundred).
+pub const LOCAL_IFACES_MAX: u32 = 4096;
 
 /// Load-time switch (a read-only global the verifier sees as a constant) for per-backend
 /// counters: when 0 their code is removed from the program.
@@ -773,7 +780,10 @@ pub struct DatapathConfig {
     pub cluster_cidr_mask: u32,
     /// Entries of each frontend's Maglev table (a prime); 0: Maglev not in use.
     pub maglev_table_size: u32,
-    pub _pad0: u32,
+    /// 1: the node's pods are the clients whose packets came in on an interface in
+    /// `LOCAL_IFACES` (`detectLocalMode` BridgeInterface or InterfaceNamePrefix), not those
+    /// in the cluster CIDR.
+    pub pods_by_interface: u32,
 }
 
 impl DatapathConfig {
@@ -790,7 +800,7 @@ impl DatapathConfig {
         cluster_cidr_addr: 0,
         cluster_cidr_mask: 0,
         maglev_table_size: 0,
-        _pad0: 0,
+        pods_by_interface: 0,
     };
 
     /// How long `value` may stay idle before the flow is over.
@@ -1136,6 +1146,7 @@ mod tests {
         assert_eq!(offset_of!(DatapathConfig, udp_stream_timeout_ns), 32);
         assert_eq!(offset_of!(DatapathConfig, layout_version), 40);
         assert_eq!(offset_of!(DatapathConfig, masquerade_addr), 44);
+        assert_eq!(offset_of!(DatapathConfig, pods_by_interface), 60);
     }
 
     #[test]

@@ -716,12 +716,15 @@ fn new_flow(
     }
     bump(Stat::NewFlow);
     account(ctx, service_id, backend_id, true);
-    // As for IPv4: always under masqueradeAll; to a cluster IP from outside clusterCIDR;
+    // As for IPv4: always under masqueradeAll; to a cluster IP from other than the pods;
     // external traffic under externalTrafficPolicy: Cluster to another node's endpoint.
     Ok(if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
         true
     } else if !external {
-        outside_cluster_cidr(&pkt.key.saddr)
+        match crate::from_pod_interface(ctx) {
+            Some(pod) => !pod,
+            None => outside_cluster_cidr(&pkt.key.saddr),
+        }
     } else {
         header.flags & SERVICE_FLAG_MASQUERADE != 0 && remote
     })

@@ -56,7 +56,7 @@ use proxy_common::{
     SourceRangeKey, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING,
     CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY,
     CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP,
-    LBLCR_SET_SIZE, SCOPE_ALL, SCOPE_IN_CLUSTER, SERVICE_FLAG_DROP_WHEN_EMPTY,
+    LBLCR_SET_SIZE, LOCAL_IFACES_MAX, SCOPE_ALL, SCOPE_IN_CLUSTER, SERVICE_FLAG_DROP_WHEN_EMPTY,
     SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_IN_CLUSTER_SET, SERVICE_FLAG_MASQUERADE,
     SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SCOPE_IN_CLUSTER, SERVICE_FLAG_SOURCE_RANGES,
     SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
@@ -117,6 +117,9 @@ static SOCK_LB: HashMap<u64, SockLbValue> = HashMap::with_max_entries(65536, 0);
 static TAIL_CALLS: ProgramArray = ProgramArray::with_max_entries(tail_calls::COUNT, 0);
 #[map]
 static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(65536, 0);
+/// The node's pod interfaces, when `detectLocalMode` tells pods by interface.
+#[map]
+static LOCAL_IFACES: HashMap<u32, u8> = HashMap::with_max_entries(LOCAL_IFACES_MAX, 0);
 
 /// Set by the agent at load time (`--backend-metrics`); read-only, so when it is 0 the
 /// verifier drops the per-backend accounting altogether.
@@ -859,7 +862,7 @@ fn new_flow(
     {
         bump(Stat::ConntrackInsertFailed);
     }
-    if hairpin_flag == 0 && masquerades(header, pkt, &backend) {
+    if hairpin_flag == 0 && masquerades(ctx, header, pkt, &backend) {
         plan_masquerade(pkt, source_port, &backend, backend_id, service_id, now);
     }
     rewrite(
@@ -1475,15 +1478,34 @@ pub(crate) fn remembered(
     (b.service_id == service_id).then_some((id, b))
 }
 
-/// Whether a new flow is source-NATed to the node: always under `masqueradeAll`; to a
-/// cluster IP from outside `clusterCIDR`; external traffic (`externalTrafficPolicy:
-/// Cluster`) when its backend is on another node.
+/// Under an interface-based `detectLocalMode`, whether the packet came in on one of the
+/// node's pod interfaces (a locally sent packet has no input interface: not a pod); `None`
+/// when pods are told by range.
 #[inline(always)]
-fn masquerades(header: &ServiceValue, pkt: &Packet, backend: &Backend) -> bool {
+pub fn from_pod_interface(ctx: &TcContext) -> Option<bool> {
+    let c = CONFIG.get(0)?;
+    if c.pods_by_interface == 0 {
+        return None;
+    }
+    // SAFETY: the context's socket buffer is valid for the whole program run.
+    let ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    // SAFETY: a read of a map value the program does not keep.
+    Some(unsafe { LOCAL_IFACES.get(&ifindex) }.is_some())
+}
+
+/// Whether a new flow is source-NATed to the node: always under `masqueradeAll`; to a
+/// cluster IP from anything but the node's pods (outside `clusterCIDR`, or not from a pod
+/// interface); external traffic (`externalTrafficPolicy: Cluster`) when its backend is on
+/// another node.
+#[inline(always)]
+fn masquerades(ctx: &TcContext, header: &ServiceValue, pkt: &Packet, backend: &Backend) -> bool {
     if header.flags & SERVICE_FLAG_MASQUERADE_ALL != 0 {
         return true;
     }
     if header.flags & SERVICE_FLAG_EXTERNAL == 0 {
+        if let Some(pod) = from_pod_interface(ctx) {
+            return !pod;
+        }
         let c = config();
         return c.cluster_cidr_mask != 0
             && pkt.key.saddr & c.cluster_cidr_mask != c.cluster_cidr_addr;

@@ -172,7 +172,7 @@ conformance!(
         "relays each flow from the node's own address: it cannot keep the client's"
     ],
     detect_local_mode_interface_name_prefix_tells_pods_by_their_link: [
-        "the eBPF datapath tells pods by source address only: with an interface-based detectLocalMode it masquerades no cluster-IP flow (logged at start)",
+        run,
         run,
         vm,
         run,
@@ -1187,18 +1187,20 @@ fn detect_local_mode_node_cidr_reads_the_node_objects_pod_ranges(mode: Mode) {
 }
 
 /// detectLocalMode InterfaceNamePrefix: pods are told by the interface their packets
-/// arrive on (the lab's pod links are lxc*), whatever their address.
+/// arrive on (the lab's pod links are lxc*), whatever their address. The eBPF mode runs
+/// with --socket-lb host-only, so the pods' flows meet the tc path, which checks the
+/// interface (the socket hooks translate at connect time, with no NAT to decide).
 fn detect_local_mode_interface_name_prefix_tells_pods_by_their_link(mode: Mode) {
-    pods_told_apart_in(
-        mode,
-        V4,
-        &[
-            "--detect-local-mode",
-            "InterfaceNamePrefix",
-            "--pod-interface-name-prefix",
-            "lxc",
-        ],
-    )
+    let mut flags = vec![
+        "--detect-local-mode",
+        "InterfaceNamePrefix",
+        "--pod-interface-name-prefix",
+        "lxc",
+    ];
+    if mode == Mode::Ebpf {
+        flags.extend(["--socket-lb", "host-only"]);
+    }
+    pods_told_apart_in(mode, V4, &flags)
 }
 
 /// Cluster-IP traffic from the node's pods keeps its source; from anything else it is

@@ -230,6 +230,7 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
         (map_names::BACKENDS, sizes.backends),
         (map_names::CONNTRACK, sizes.conntrack),
         (map_names::CONNTRACK6, sizes.conntrack),
+        (map_names::LOCAL_IFACES, proxy_common::LOCAL_IFACES_MAX),
     ] {
         metrics
             .map_capacity

@@ -354,6 +354,8 @@ impl Datapath {
                 // when the last user-space reference goes, which would stop IPv6 service
                 // traffic (and refusals) while the agent restarts.
                 map_names::TAIL_CALLS,
+                // Pods stay told apart while the agent restarts.
+                map_names::LOCAL_IFACES,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -494,6 +496,33 @@ impl Datapath {
             .context("writing the IPv6 datapath configuration")?;
         self.config6 = *config;
         Ok(())
+    }
+
+    /// Makes `LOCAL_IFACES` hold exactly `wanted` (the node's pod interfaces); returns the
+    /// interfaces that did not fit.
+    pub fn set_pod_interfaces(
+        &mut self,
+        wanted: &std::collections::BTreeSet<u32>,
+    ) -> Result<usize> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::LOCAL_IFACES)
+            .context("eBPF object has no LOCAL_IFACES map")?;
+        let mut ifaces: BpfHashMap<&mut MapData, u32, u8> = BpfHashMap::try_from(map)?;
+        let present: std::collections::BTreeSet<u32> =
+            ifaces.keys().filter_map(|k| k.ok()).collect();
+        for gone in present.difference(wanted) {
+            ifaces
+                .remove(gone)
+                .with_context(|| format!("removing ifindex {gone} from LOCAL_IFACES"))?;
+        }
+        let mut left_out = 0;
+        for new in wanted.difference(&present) {
+            if ifaces.insert(new, 1, 0).is_err() {
+                left_out += 1;
+            }
+        }
+        Ok(left_out)
     }
 
     /// Takes one of the object's maps out of it (for a writer that owns it from then on,

@@ -141,7 +141,7 @@ struct Expected {
     configurable: bool,
 }
 
-fn expected() -> [Expected; 29] {
+fn expected() -> [Expected; 30] {
     use std::mem::size_of;
     [
         Expected {
@@ -359,6 +359,13 @@ fn expected() -> [Expected; 29] {
             map_type: MapType::ProgramArray,
             key_size: 4,
             value_size: 4,
+            configurable: false,
+        },
+        Expected {
+            name: map_names::LOCAL_IFACES,
+            map_type: MapType::Hash,
+            key_size: 4,
+            value_size: 1,
             configurable: false,
         },
         Expected {

@@ -2,7 +2,10 @@
 //! attacher, the flow log, and its periodic work (conntrack garbage collection, counters,
 //! the masquerade addresses).
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use proxy_common::map_names;
 use tracing::{debug, info, warn};
@@ -36,8 +39,12 @@ pub struct EbpfRuntime {
     /// Evictions are derived from pinned counters, so they survive restarts; new ones are
     /// warned about.
     evicted_reported: Option<u64>,
-    /// An interface-based detectLocalMode was reported.
-    told_interfaces: bool,
+    /// The links of this namespace (ifindex -> name), from the link watch.
+    links: BTreeMap<u32, String>,
+    /// How pods are told apart, as last followed.
+    local: LocalTraffic,
+    /// What `LOCAL_IFACES` holds.
+    pod_interfaces: BTreeSet<u32>,
 }
 
 impl EbpfRuntime {
@@ -57,13 +64,59 @@ impl EbpfRuntime {
             service_counters: TrafficCounters::default(),
             backend_counters: TrafficCounters::default(),
             evicted_reported: None,
-            told_interfaces: false,
+            links: BTreeMap::new(),
+            local: LocalTraffic::default(),
+            pod_interfaces: BTreeSet::new(),
         }
     }
 
     pub fn link_event(&mut self, event: attach::LinkEvent) {
+        match &event {
+            attach::LinkEvent::Present { name, ifindex } => {
+                self.links.insert(*ifindex, name.clone());
+            }
+            attach::LinkEvent::Gone { ifindex, .. } => {
+                self.links.remove(ifindex);
+            }
+        }
+        self.write_pod_interfaces();
         if let Some(attacher) = self.attacher.as_mut() {
             attacher.handle(&mut self.datapath, event);
+        }
+    }
+
+    /// Writes `LOCAL_IFACES` from the links present and the detector, when either changed.
+    fn write_pod_interfaces(&mut self) {
+        let wanted: BTreeSet<u32> = self
+            .links
+            .iter()
+            .filter(|(_, name)| {
+                self.local.0.iter().flatten().any(|m| match m {
+                    LocalMatch::Interface(n) => *name == n,
+                    LocalMatch::InterfacePrefix(p) => name.starts_with(p.as_str()),
+                    LocalMatch::Cidr(_) => false,
+                })
+            })
+            .map(|(ifindex, _)| *ifindex)
+            .collect();
+        if wanted == self.pod_interfaces {
+            return;
+        }
+        match self.datapath.set_pod_interfaces(&wanted) {
+            Ok(0) => {
+                let names: Vec<&str> = wanted.iter().map(|i| self.links[i].as_str()).collect();
+                info!(interfaces = ?names, "pod interfaces (detectLocalMode)");
+                self.pod_interfaces = wanted;
+            }
+            Ok(left_out) => {
+                warn!(
+                    left_out,
+                    capacity = proxy_common::LOCAL_IFACES_MAX,
+                    "LOCAL_IFACES is full: flows from {left_out} pod interfaces count as from outside the node's pods (masqueraded to cluster IPs)"
+                );
+                self.pod_interfaces = wanted;
+            }
+            Err(e) => warn!("writing the pod interfaces: {e:#}"),
         }
     }
 
@@ -187,14 +240,23 @@ impl EbpfRuntime {
         }
     }
 
-    /// Writes the pods' source ranges (`detectLocalMode` ClusterCIDR or NodeCIDR, as
-    /// resolved) to the datapath: cluster-IP flows from outside them are masqueraded. The
-    /// interface-based modes have no range: the datapath then masquerades no cluster-IP
-    /// flow but under masqueradeAll (logged once).
+    /// Tells the datapath which clients are the node's pods (`detectLocalMode`, resolved):
+    /// the ranges (ClusterCIDR, NodeCIDR) in `CONFIG`/`CONFIG6`, or the pod interfaces
+    /// (BridgeInterface, InterfaceNamePrefix) in `LOCAL_IFACES`, kept as links come and go.
+    /// Cluster-IP flows from anything else are masqueraded.
     pub fn follow_local_traffic(&mut self, local: &LocalTraffic) {
-        if local.by_interface() && !std::mem::replace(&mut self.told_interfaces, true) {
-            warn!("the eBPF datapath tells pods by source address only: with detectLocalMode BridgeInterface or InterfaceNamePrefix it masquerades no cluster-IP flow (but under masqueradeAll)");
+        self.local = local.clone();
+        let by_interface = u32::from(local.by_interface());
+        if self.datapath.config.pods_by_interface != by_interface {
+            let config = proxy_common::DatapathConfig {
+                pods_by_interface: by_interface,
+                ..self.datapath.config
+            };
+            if let Err(e) = self.datapath.configure(&config) {
+                warn!("setting how pods are told apart: {e:#}");
+            }
         }
+        self.write_pod_interfaces();
         let cidr = |family| match local.of(family) {
             Some(LocalMatch::Cidr(c)) => Some(*c),
             _ => None,
