@@ -15,6 +15,12 @@ use std::collections::HashMap;
 use object::{Object, ObjectSection, ObjectSymbol, RelocationTarget, SectionIndex, SymbolKind};
 
 const STACK_LIMIT: u32 = 512;
+/// Added to every total before 6.6. Debian 6.1 twice refused `proxy_ingress` with
+/// "combined stack size of 2 calls is 544" where this reading said 512 (its deepest access
+/// 456 bytes down, a callee with no stack); what it counts beyond the accesses was not
+/// found (not bpf_loop inlining, which comes after that check). With the margin the host
+/// run refuses what the VM did; the shipped object reads 480 without it, and 6.1 loads it.
+const BEFORE_6_6_MARGIN: u32 = 32;
 const R10: u8 = 10;
 
 /// One function of the object: its own frame and whom it calls.
@@ -206,12 +212,13 @@ fn every_program_fits_bpfs_stack_on_old_and_new_kernels() {
     for (name, at) in &programs {
         let (new, new_chain) = chain(&functions, *at, since_6_6, 0);
         let (old, old_chain) = chain(&functions, *at, before_6_6, 0);
+        let old = old + BEFORE_6_6_MARGIN;
         deepest_chain = deepest_chain.max(new_chain.len());
         // The IPv6 tc programs do not load before 6.6 (too complex for that verifier); the
         // IPv6 socket hooks do.
         let old_kernels = !matches!(name.as_str(), "proxy_ingress6" | "proxy_egress6");
         eprintln!(
-            "{name}: {new} bytes (6.6+), {old} bytes (before 6.6{}): {}",
+            "{name}: {new} bytes (6.6+), {old} bytes (before 6.6, margin included{}): {}",
             if old_kernels {
                 ""
             } else {
