@@ -171,6 +171,13 @@ conformance!(
         run,
         "relays each flow from the node's own address: it cannot keep the client's"
     ],
+    ipv6_detect_local_mode_node_cidr_reads_the_node_objects_pod_ranges: [
+        run,
+        run,
+        vm,
+        run,
+        "relays each flow from the node's own address: it cannot keep the client's"
+    ],
     detect_local_mode_interface_name_prefix_tells_pods_by_their_link: [
         run,
         run,
@@ -1184,6 +1191,11 @@ fn cluster_cidr_in(mode: Mode, family: Family) {
 /// --cluster-cidr given).
 fn detect_local_mode_node_cidr_reads_the_node_objects_pod_ranges(mode: Mode) {
     pods_told_apart_in(mode, V4, &["--detect-local-mode", "NodeCIDR"])
+}
+
+/// The same for IPv6: the Node's second `podCIDRs` entry is the IPv6 pods' range.
+fn ipv6_detect_local_mode_node_cidr_reads_the_node_objects_pod_ranges(mode: Mode) {
+    pods_told_apart_in(mode, V6, &["--detect-local-mode", "NodeCIDR"])
 }
 
 /// detectLocalMode InterfaceNamePrefix: pods are told by the interface their packets
