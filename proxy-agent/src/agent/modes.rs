@@ -90,8 +90,8 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
         ProxyMode::Userspace => {
             let routes = KernelLocalRoutes::open()
                 .context("the userspace proxier makes service addresses local with routes")?;
-            let proxier = UserspaceProxier::new(Box::new(routes), s.udp_idle_timeout)
-                .with_cluster_cidrs(&s.detect_local.resolve(None).cidrs());
+            // Its pod ranges come with the first sync (`Proxier::set_local_traffic`).
+            let proxier = UserspaceProxier::new(Box::new(routes), s.udp_idle_timeout);
             (ActiveProxier::Userspace(Box::new(proxier)), None)
         }
     })

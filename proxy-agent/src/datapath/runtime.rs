@@ -245,23 +245,15 @@ impl EbpfRuntime {
     /// (BridgeInterface, InterfaceNamePrefix) in `LOCAL_IFACES`, kept as links come and go.
     /// Cluster-IP flows from anything else are masqueraded.
     pub fn follow_local_traffic(&mut self, local: &LocalTraffic) {
-        self.local = local.clone();
-        let by_interface = u32::from(local.by_interface());
-        if self.datapath.config.pods_by_interface != by_interface {
-            let config = proxy_common::DatapathConfig {
-                pods_by_interface: by_interface,
-                ..self.datapath.config
-            };
-            if let Err(e) = self.datapath.configure(&config) {
-                warn!("setting how pods are told apart: {e:#}");
-            }
+        // Called after every event of the agent's loop: only a change is written.
+        if *local == self.local {
+            return;
         }
-        self.write_pod_interfaces();
+        self.local = local.clone();
         let cidr = |family| match local.of(family) {
             Some(LocalMatch::Cidr(c)) => Some(*c),
             _ => None,
         };
-        let datapath = &mut self.datapath;
         let (addr, mask) = match cidr(IpFamily::V4) {
             Some(Cidr {
                 addr: IpAddr::V4(a),
@@ -272,18 +264,16 @@ impl EbpfRuntime {
             }
             _ => (0, 0),
         };
-        if (
-            datapath.config.cluster_cidr_addr,
-            datapath.config.cluster_cidr_mask,
-        ) != (addr, mask)
-        {
-            let config = proxy_common::DatapathConfig {
-                cluster_cidr_addr: addr,
-                cluster_cidr_mask: mask,
-                ..datapath.config
-            };
+        let datapath = &mut self.datapath;
+        let config = proxy_common::DatapathConfig {
+            pods_by_interface: u32::from(local.by_interface()),
+            cluster_cidr_addr: addr,
+            cluster_cidr_mask: mask,
+            ..datapath.config
+        };
+        if config != datapath.config {
             if let Err(e) = datapath.configure(&config) {
-                warn!("setting the IPv4 pod range: {e:#}");
+                warn!("setting how IPv4 pods are told apart: {e:#}");
             }
         }
         let (addr6, mask6) = match cidr(IpFamily::V6) {
@@ -296,20 +286,17 @@ impl EbpfRuntime {
             }
             _ => ([0; 16], [0; 16]),
         };
-        if (
-            datapath.config6.cluster_cidr_addr,
-            datapath.config6.cluster_cidr_mask,
-        ) != (addr6, mask6)
-        {
-            let config = proxy_common::DatapathConfig6 {
-                cluster_cidr_addr: addr6,
-                cluster_cidr_mask: mask6,
-                ..datapath.config6
-            };
-            if let Err(e) = datapath.configure6(&config) {
+        let config6 = proxy_common::DatapathConfig6 {
+            cluster_cidr_addr: addr6,
+            cluster_cidr_mask: mask6,
+            ..datapath.config6
+        };
+        if config6 != datapath.config6 {
+            if let Err(e) = datapath.configure6(&config6) {
                 warn!("setting the IPv6 pod range: {e:#}");
             }
         }
+        self.write_pod_interfaces();
     }
 
     /// Watches this namespace's links so interfaces created later are attached too; the

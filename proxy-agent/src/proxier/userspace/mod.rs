@@ -117,12 +117,6 @@ impl UserspaceProxier {
         }
     }
 
-    /// The cluster CIDRs (at most one per family), which tell pods from other clients.
-    pub fn with_cluster_cidrs(mut self, cidrs: &[crate::model::Cidr]) -> Self {
-        self.cluster_cidrs = cidrs.to_vec();
-        self
-    }
-
     /// The UDP sessions' caps and counts (metrics).
     pub fn udp_sessions(&self) -> &udp::UdpBudget {
         &self.udp_budget
