@@ -555,8 +555,9 @@ pub const CT_FLAG_REPLY: u8 = 1 << 0;
 pub const CT_FLAG_SEEN_REPLY: u8 = 1 << 1;
 /// A FIN or RST was seen: the flow is closing and gets the short timeout.
 pub const CT_FLAG_CLOSING: u8 = 1 << 2;
-/// Reply entry of an external frontend's flow: translated at egress only (see
-/// [`SERVICE_FLAG_EXTERNAL`]).
+/// Reply entry translated at egress only, after netfilter, whose conntrack saw the flow
+/// translated at ingress (every reply entry but a hairpin flow's, which is translated at
+/// ingress and sent back out of its interface).
 pub const CT_FLAG_EGRESS_ONLY: u8 = 1 << 3;
 /// Source-NAT entry, keyed by the translated tuple (client -> backend): at egress, the
 /// source becomes `nat_addr:nat_port` (the node's address and a port chosen for the flow).
@@ -663,7 +664,7 @@ pub struct FragmentKey {
 pub struct FragmentValue {
     pub saddr: u32,
     pub daddr: u32,
-    /// 0: ingress, 1: egress.
+    /// 0: ingress, 1: egress, 2: ingress and sent back out of the interface (hairpin).
     pub hook: u8,
     pub _pad0: [u8; 3],
 }

@@ -97,6 +97,7 @@ struct Packet6 {
 #[inline(always)]
 pub fn run(ctx: &TcContext, hook: Hook) -> i32 {
     match try_run(ctx, hook) {
+        Ok(crate::SEND_BACK) => crate::send_back(ctx),
         Ok(verdict) => verdict,
         Err(stat) => {
             bump(stat);
@@ -113,11 +114,23 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     if pkt.later_fragment {
         return translate_fragment(ctx, &pkt, hook);
     }
-    let verdict = translate(ctx, hook, &pkt)?;
-    if pkt.more_fragments && verdict == TC_ACT_UNSPEC {
-        remember_fragment(ctx, &pkt, hook);
+    let mut verdict = translate(ctx, hook, &pkt)?;
+    if hook == Hook::Ingress && verdict == TC_ACT_UNSPEC && goes_back(ctx, &pkt) {
+        verdict = crate::SEND_BACK;
+    }
+    if pkt.more_fragments && (verdict == TC_ACT_UNSPEC || verdict == crate::SEND_BACK) {
+        remember_fragment(ctx, &pkt, hook.fragment_hook(verdict));
     }
     Ok(verdict)
+}
+
+/// As `crate::goes_back`: a hairpin flow's packet, translated at ingress.
+#[inline(always)]
+fn goes_back(ctx: &TcContext, pkt: &Packet6) -> bool {
+    match read::<[u8; 16]>(ctx, IP6_DADDR_OFF) {
+        Some(daddr) => daddr == pkt.key.saddr && daddr != pkt.key.daddr,
+        None => false,
+    }
 }
 
 #[inline(always)]
@@ -267,7 +280,7 @@ fn parse(ctx: &TcContext) -> Option<Packet6> {
 /// with, so the datagram's later fragments get the same at this hook.
 // A subprogram of its own: its stack frame is not added to its callers'.
 #[inline(never)]
-fn remember_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) {
+fn remember_fragment(ctx: &TcContext, pkt: &Packet6, hook: u8) {
     // bpf_skb_load_bytes rather than direct packet access: in a subprogram LLVM may
     // narrow the packet pointer to 32 bits, which the verifier rejects.
     let (Ok(saddr), Ok(daddr)) = (
@@ -289,7 +302,7 @@ fn remember_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) {
     let value = FragmentValue6 {
         saddr,
         daddr,
-        hook: hook.number(),
+        hook,
         _pad0: [0; 3],
     };
     let _ = FRAGMENTS6.insert(&key, &value, BPF_ANY as u64);
@@ -311,9 +324,9 @@ fn translate_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) -> Result<i32,
     let Some(to) = (unsafe { FRAGMENTS6.get(&key) }) else {
         return Ok(TC_ACT_UNSPEC);
     };
-    if to.hook != hook.number() {
+    let Some(verdict) = crate::fragment_verdict(to.hook, hook) else {
         return Ok(TC_ACT_UNSPEC);
-    }
+    };
     let (saddr, daddr) = (to.saddr, to.daddr);
     // Nothing else changes with the addresses here, so a receive checksum the NIC computed
     // over the packet (CHECKSUM_COMPLETE) must follow them.
@@ -323,7 +336,7 @@ fn translate_fragment(ctx: &TcContext, pkt: &Packet6, hook: Hook) -> Result<i32,
     ctx.store(IP6_DADDR_OFF, &daddr, recompute)
         .map_err(|_| Stat::RewriteFailed)?;
     bump(Stat::FragmentTranslated);
-    Ok(TC_ACT_UNSPEC)
+    Ok(verdict)
 }
 
 // A subprogram of its own: its stack frame is not added to its callers'.
@@ -674,11 +687,7 @@ fn new_flow(
         last_seen_ns: now,
         nat_addr: pkt.key.daddr,
         nat_port: pkt.key.dport,
-        flags: if external {
-            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY | hairpin
-        } else {
-            CT_FLAG_REPLY | hairpin
-        },
+        flags: crate::reply_flags(hairpin),
         _pad0: 0,
         backend_id,
         service_id,

@@ -4,7 +4,8 @@
 //!
 //! Per packet: parse Ethernet/IP/L4 with a bounds check before every read (IPv4 here; IPv6
 //! in [`ipv6`], tail-called), then
-//! 1. a conntrack hit in the reply direction rewrites the source back to the frontend;
+//! 1. a conntrack hit in the reply direction rewrites the source back to the frontend, at
+//!    egress, after netfilter (a hairpin flow's at ingress, sent back out: [`send_back`]);
 //! 2. a conntrack hit in the original direction rewrites the destination to the flow's
 //!    backend, provided the backend is still in the service and the flow has not timed out;
 //! 3. otherwise a frontend lookup (`SERVICES`) checks source ranges, ClientIP affinity and
@@ -40,7 +41,7 @@ use aya_ebpf::{
         BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, TC_ACT_SHOT,
         TC_ACT_UNSPEC,
     },
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop, bpf_redirect},
     macros::{cgroup_sock, cgroup_sock_addr, classifier, map},
     maps::{
         lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray,
@@ -273,6 +274,7 @@ pub fn proxy_sock_release(ctx: SockContext) -> i32 {
 #[inline(always)]
 fn run(ctx: &TcContext, hook: Hook) -> i32 {
     match try_run(ctx, hook) {
+        Ok(SEND_BACK) => send_back(ctx),
         Ok(verdict) => verdict,
         Err(stat) => {
             bump(stat);
@@ -295,9 +297,12 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     }
     match parse(ctx) {
         Some(Parsed::Flow(pkt)) => {
-            let verdict = try_translate(ctx, hook, &pkt)?;
-            if pkt.more_fragments && verdict == TC_ACT_UNSPEC {
-                remember_fragment(ctx, &pkt, hook);
+            let mut verdict = try_translate(ctx, hook, &pkt)?;
+            if hook == Hook::Ingress && verdict == TC_ACT_UNSPEC && goes_back(ctx, &pkt) {
+                verdict = SEND_BACK;
+            }
+            if pkt.more_fragments && (verdict == TC_ACT_UNSPEC || verdict == SEND_BACK) {
+                remember_fragment(ctx, &pkt, hook.fragment_hook(verdict));
             }
             Ok(verdict)
         }
@@ -325,6 +330,8 @@ enum Parsed {
 
 const HOOK_INGRESS: u8 = 0;
 const HOOK_EGRESS: u8 = 1;
+/// Ingress, and then back out of the interface (`FragmentValue::hook`, see [`SEND_BACK`]).
+const HOOK_INGRESS_BACK: u8 = 2;
 
 impl Hook {
     fn number(self) -> u8 {
@@ -333,12 +340,90 @@ impl Hook {
             Hook::Egress => HOOK_EGRESS,
         }
     }
+
+    /// What a datagram's later fragments are told of the hook its first one took.
+    pub(crate) fn fragment_hook(self, verdict: i32) -> u8 {
+        if verdict == SEND_BACK {
+            HOOK_INGRESS_BACK
+        } else {
+            self.number()
+        }
+    }
+}
+
+/// A translation's verdict that is no tc action: the packet goes back out of the interface
+/// it came in on ([`send_back`]).
+pub(crate) const SEND_BACK: i32 = 0x100;
+
+/// The verdict for a later fragment whose first fragment left with `fragment_hook`, at `hook`;
+/// `None` when it is another hook's.
+#[inline(always)]
+pub(crate) fn fragment_verdict(fragment_hook: u8, hook: Hook) -> Option<i32> {
+    match (fragment_hook, hook) {
+        (HOOK_INGRESS_BACK, Hook::Ingress) => Some(SEND_BACK),
+        (h, hook) if h == hook.number() => Some(TC_ACT_UNSPEC),
+        _ => None,
+    }
+}
+
+/// Whether a packet translated at ingress is now addressed to where it came from: a
+/// hairpin flow (a pod reaching itself through its Service: the backend is the client),
+/// either way. Told from the packet, not the flow: returned from the translation, the
+/// flag would keep values alive across it, past 6.1's stack limit.
+#[inline(always)]
+fn goes_back(ctx: &TcContext, pkt: &Packet) -> bool {
+    match read::<u32>(ctx, IP_DADDR_OFF) {
+        Some(daddr) => daddr == pkt.key.saddr && daddr != pkt.key.daddr,
+        None => false,
+    }
+}
+
+/// Sends a hairpin flow's packet (a pod reaching itself through its Service, and the
+/// replies) back out of the interface it came in on, Ethernet addresses swapped, past
+/// netfilter: conntrack there would see the reply's translated tuple without ever having
+/// seen the flow's, find it INVALID, and a firewall's (or kube-proxy's) INVALID drop would
+/// drop it. Other flows keep conntrack's view whole by restoring replies at egress.
+#[inline(always)]
+pub(crate) fn send_back(ctx: &TcContext) -> i32 {
+    let start = ctx.data();
+    if start + ETH_HLEN > ctx.data_end() {
+        bump(Stat::RewriteFailed);
+        return TC_ACT_SHOT;
+    }
+    // Written in place, a half-word at a time: a copy through the stack would cost the
+    // ingress program's frame.
+    let macs = start as *mut u16;
+    for i in 0..3 {
+        // SAFETY: bounds checked above (12 bytes of addresses); unaligned accesses.
+        unsafe {
+            let (to, from) = (macs.add(i), macs.add(i + 3));
+            let dst = to.read_unaligned();
+            to.write_unaligned(from.read_unaligned());
+            from.write_unaligned(dst);
+        }
+    }
+    // SAFETY: the context's socket buffer is valid for this program run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: a helper call without pointers.
+    unsafe { bpf_redirect(ifindex, 0) as i32 }
+}
+
+/// A reply entry's flags: a hairpin flow's reply is restored at ingress (and sent back),
+/// every other at egress, after netfilter, whose conntrack then sees the reply of the
+/// tuple it saw leave ingress translated.
+#[inline(always)]
+fn reply_flags(hairpin: u8) -> u8 {
+    if hairpin != 0 {
+        CT_FLAG_REPLY | hairpin
+    } else {
+        CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY
+    }
 }
 
 /// After the first fragment of a datagram was translated, records the addresses it left
 /// with, so the datagram's other fragments get the same at this hook.
 #[inline(always)]
-fn remember_fragment(ctx: &TcContext, pkt: &Packet, hook: Hook) {
+fn remember_fragment(ctx: &TcContext, pkt: &Packet, hook: u8) {
     // One read, one bounds check: with two, the compiler may leave a register unset on a
     // path where only the second succeeds, which cannot happen but which the verifier
     // walks (it refused the program once, seeing a map pointer spilled as the address).
@@ -358,7 +443,7 @@ fn remember_fragment(ctx: &TcContext, pkt: &Packet, hook: Hook) {
     let value = FragmentValue {
         saddr,
         daddr,
-        hook: hook.number(),
+        hook,
         _pad0: [0; 3],
     };
     let _ = FRAGMENTS.insert(&key, &value, BPF_ANY as u64);
@@ -372,9 +457,9 @@ fn translate_fragment(ctx: &TcContext, key: &FragmentKey, hook: Hook) -> Result<
     let Some(to) = (unsafe { FRAGMENTS.get(key) }) else {
         return Ok(TC_ACT_UNSPEC);
     };
-    if to.hook != hook.number() {
+    let Some(verdict) = fragment_verdict(to.hook, hook) else {
         return Ok(TC_ACT_UNSPEC);
-    }
+    };
     let (saddr, daddr) = (to.saddr, to.daddr);
     for (off, old, new) in [
         (IP_SADDR_OFF, key.saddr, saddr),
@@ -387,7 +472,7 @@ fn translate_fragment(ctx: &TcContext, key: &FragmentKey, hook: Hook) -> Result<
         }
     }
     bump(Stat::FragmentTranslated);
-    Ok(TC_ACT_UNSPEC)
+    Ok(verdict)
 }
 
 #[inline(always)]
@@ -841,16 +926,11 @@ fn new_flow(
         client_port: if translated { source_port } else { 0 },
         _pad1: 0,
     };
-    let external = header.flags & SERVICE_FLAG_EXTERNAL != 0;
     let reply = ConntrackValue {
         last_seen_ns: now,
         nat_addr: pkt.key.daddr,
         nat_port: pkt.key.dport,
-        flags: if external {
-            CT_FLAG_REPLY | CT_FLAG_EGRESS_ONLY | hairpin_flag
-        } else {
-            CT_FLAG_REPLY | hairpin_flag
-        },
+        flags: reply_flags(hairpin_flag),
         _pad0: 0,
         backend_id,
         service_id,

@@ -438,6 +438,136 @@ impl Parsed {
     }
 }
 
+/// Raw IPv4 sockets, for segments no socket of the kernel would send (call them inside a
+/// namespace).
+pub mod raw {
+    use std::{
+        net::Ipv4Addr,
+        os::fd::{AsRawFd, FromRawFd, OwnedFd},
+        time::{Duration, Instant},
+    };
+
+    fn socket(proto: libc::c_int) -> std::io::Result<OwnedFd> {
+        // SAFETY: a plain socket call; the descriptor is owned at once.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, proto) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor we just opened.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Sends `frame`'s IPv4 packet (after its Ethernet header) as it is, header included.
+    pub fn send_ipv4(frame: &[u8]) -> std::io::Result<()> {
+        let packet = &frame[super::ETH_HLEN..];
+        let to = super::parse(frame).dst;
+        let fd = socket(libc::IPPROTO_RAW)?;
+        let addr = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(to).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: valid buffer and address of the sizes given.
+        let n = unsafe {
+            libc::sendto(
+                fd.as_raw_fd(),
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&addr as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// A copy of every TCP segment this namespace receives, from the moment it is opened.
+    pub struct TcpTap(OwnedFd);
+
+    impl TcpTap {
+        pub fn open() -> std::io::Result<Self> {
+            let fd = socket(libc::IPPROTO_TCP)?;
+            let tv = libc::timeval {
+                tv_sec: 0,
+                tv_usec: 100_000,
+            };
+            // SAFETY: a valid timeval for SO_RCVTIMEO.
+            unsafe {
+                libc::setsockopt(
+                    fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVTIMEO,
+                    (&tv as *const libc::timeval).cast(),
+                    std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+                )
+            };
+            Ok(TcpTap(fd))
+        }
+
+        /// The next segment received within `within`.
+        pub fn next(&self, within: Duration) -> Option<Segment> {
+            let deadline = Instant::now() + within;
+            let mut buf = [0u8; 65536];
+            while Instant::now() < deadline {
+                // SAFETY: a buffer of the size given.
+                let n = unsafe {
+                    libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0)
+                };
+                let Ok(n) = usize::try_from(n) else {
+                    continue;
+                };
+                let ihl = usize::from(buf[0] & 0xf) * 4;
+                if n < ihl + 20 {
+                    continue;
+                }
+                let total = usize::from(u16::from_be_bytes([buf[2], buf[3]])).min(n);
+                let tcp = &buf[ihl..];
+                let data_off = usize::from(tcp[12] >> 4) * 4;
+                return Some(Segment {
+                    src: Ipv4Addr::new(buf[12], buf[13], buf[14], buf[15]),
+                    sport: u16::from_be_bytes([tcp[0], tcp[1]]),
+                    seq: u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]),
+                    len: total.saturating_sub(ihl + data_off) as u32,
+                });
+            }
+            None
+        }
+
+        /// The first segment from `from`:`port` within `within` for which `pick` holds.
+        pub fn find(
+            &self,
+            from: Ipv4Addr,
+            port: u16,
+            within: Duration,
+            pick: impl Fn(&Segment) -> bool,
+        ) -> Option<Segment> {
+            let deadline = Instant::now() + within;
+            while let Some(s) = self.next(deadline.saturating_duration_since(Instant::now())) {
+                if s.src == from && s.sport == port && pick(&s) {
+                    return Some(s);
+                }
+            }
+            None
+        }
+    }
+
+    /// What [`TcpTap`] reports of a segment.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Segment {
+        pub src: Ipv4Addr,
+        pub sport: u16,
+        pub seq: u32,
+        /// Payload bytes.
+        pub len: u32,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -163,6 +163,13 @@ conformance!(
     ],
     established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone,
     udp_flow_moves_to_a_live_backend_when_its_backend_is_gone,
+    a_backends_out_of_window_segment_never_reaches_the_client_untranslated: [
+        run,
+        run,
+        vm,
+        "kube-proxy's nftables mode drops no INVALID packets either (kubernetes#122663): nodes set conntrack.tcpBeLiberal instead",
+        run
+    ],
     the_node_itself_reaches_cluster_ips,
     detect_local_mode_node_cidr_reads_the_node_objects_pod_ranges: [
         run,
@@ -1001,7 +1008,8 @@ fn health_check_node_port_reports_local_endpoints(mode: Mode) {
 }
 
 /// Services for the socket-placement rows: `self` (10.96.0.70) served by web-1a alone,
-/// `empty` (10.96.0.71) without endpoints, `sticky` (10.96.0.72) with ClientIP affinity.
+/// `empty` (10.96.0.71) without endpoints, `sticky` (10.96.0.72) with ClientIP affinity,
+/// `spread` (10.96.0.73) on both nodes.
 fn placement_services(c: &Cluster) -> String {
     service("self", "10.96.0.70", "", &[("", "TCP", 80, "8080")])
         + &slice(c, "self", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
@@ -1014,11 +1022,32 @@ fn placement_services(c: &Cluster) -> String {
             &[("", "TCP", 80, "8080")],
         )
         + &slice(c, "sticky", "1", &[("", "TCP", 8080)], &ready(&ALL))
+        + &service("spread", "10.96.0.73", "", &[("", "TCP", 80, "8080")])
+        + &slice(c, "spread", "1", &[("", "TCP", 8080)], &ready(&ALL))
 }
 
-/// What a pod gets from the tc path: reaching itself it is source-NATed to the hairpin
-/// address; a service without endpoints answers with a reset at once; affinity keeps it.
+/// A host firewall's rule on both nodes, as firewalld's, Docker's or kube-proxy's own
+/// (left by a kube-proxy being replaced): forwarded packets conntrack finds INVALID are
+/// dropped. A datapath that showed netfilter a reply it never saw the flow of would lose
+/// it here (the SYN-ACK first).
+fn drop_invalid_forwarding(c: &Cluster) {
+    for node in [1, 2] {
+        let rule = "FORWARD -m conntrack --ctstate INVALID -j DROP";
+        let (ok, out) = c
+            .on_node(node, &format!("iptables -I {rule} && ip6tables -I {rule}"))
+            .unwrap();
+        assert!(ok, "node-{node}: {out}");
+    }
+}
+
+/// What a pod gets from the tc path, behind a host firewall's INVALID drop: backends on
+/// both nodes answer (their replies restored after netfilter, whose conntrack saw the
+/// flow translated); reaching itself it is source-NATed to the hairpin address; a service
+/// without endpoints answers with a reset at once; affinity keeps it.
 fn tc_path_semantics(c: &Cluster) {
+    drop_invalid_forwarding(c);
+    let spread = tcp_from_pod(c, CLIENT, addr("10.96.0.73", 80), 30);
+    assert_eq!(pods(&spread), set(&ALL), "{:?}", counts(&spread));
     let hairpin = std::net::Ipv4Addr::from(proxy_common::HAIRPIN_SOURCE);
     for h in tcp_from_pod(c, "web-1a", addr("10.96.0.70", 80), 5) {
         assert_eq!((h.pod.as_str(), h.from.ip()), ("web-1a", hairpin.into()));
@@ -1296,6 +1325,58 @@ fn established_connection_to_a_terminating_endpoint_lasts_until_it_is_gone(mode:
         "ended by a reset, not a timeout: {:?}",
         started.elapsed()
     );
+}
+
+/// kube-proxy's drop of INVALID packets (kubernetes#74839; its e2e "should drop INVALID
+/// conntrack entries"): a backend's segment far outside the connection's TCP window gets
+/// no reverse NAT from conntrack. Forwarded as it is, it would reach the client from the
+/// pod's own address; the client would answer with a reset, which would end the
+/// connection at the backend ("connection reset by peer"). It must never reach the client
+/// untranslated, and the connection goes on.
+fn a_backends_out_of_window_segment_never_reaches_the_client_untranslated(mode: Mode) {
+    use proxy_tests::packet::{raw, PacketSpec, L4};
+    let c = cluster(mode, |c| web_with(c, "10.96.0.38", &[("web-1a", "")]));
+    let vip = addr("10.96.0.38", 80);
+    let tap = c.pod(CLIENT).ns.run(raw::TcpTap::open).unwrap().unwrap();
+    let session = proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, vip).unwrap();
+    assert_eq!(session.exchange("one").unwrap(), "one");
+    // The backend's sequence numbers, from its last data segment as the client got it.
+    let mut last = None;
+    while let Some(s) = tap.find(*vip.ip(), 80, Duration::from_millis(300), |s| s.len > 0) {
+        last = Some(s);
+    }
+    let last = last.expect("the backend's segments reached the client from the Service");
+    // "web-1a <peer> 8080": the connection as the backend sees it (the node's address in
+    // the userspace mode, which relays).
+    let peer: SocketAddrV4 = session
+        .backend
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let backend = c.pod("web-1a").ip;
+    // Far beyond the receiver's window: conntrack finds it INVALID (a segment below the
+    // window, an old retransmission, it lets pass with the connection's NAT since 5.19).
+    let seq = last.seq.wrapping_add(last.len).wrapping_add(1 << 30);
+    let mut segment = PacketSpec::tcp(backend, 8080, *peer.ip(), peer.port(), 0x10);
+    segment.l4 = L4::Tcp {
+        flags: 0x10,
+        seq,
+        ack: 0,
+    };
+    let frame = segment.build();
+    c.pod("web-1a")
+        .ns
+        .run(move || raw::send_ipv4(&frame))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        tap.find(backend, 8080, Duration::from_secs(1), |s| s.seq == seq),
+        None,
+        "the out-of-window segment reached the client from the backend's own address"
+    );
+    assert_eq!(session.exchange("two").unwrap(), "two", "{}", c.logs());
 }
 
 fn udp_flow_moves_to_a_live_backend_when_its_backend_is_gone(mode: Mode) {

@@ -124,7 +124,18 @@ fn established_flow_stays_on_its_backend_and_replies_are_reverse_translated() {
                 _ => PacketSpec::udp(*first.ip(), first.port(), CLIENT, sport, b"world"),
             };
             reply.payload.extend_from_slice(b"some reply data");
-            let (verdict, out) = dp.run(Hook::Ingress, &reply.build()).unwrap();
+            let frame = reply.build();
+            // Ingress hands it to netfilter as the backend sent it: conntrack there saw the
+            // flow leave ingress translated, and finds this its reply (a reply restored
+            // here would be a SYN-ACK of a flow it never saw: INVALID, dropped by
+            // kube-proxy's or a host firewall's rule). Egress toward the client restores it.
+            let (verdict, out) = dp.run(Hook::Ingress, &frame).unwrap();
+            assert_eq!(
+                (verdict, &out),
+                (TC_ACT_UNSPEC, &frame),
+                "{proto} reply at ingress"
+            );
+            let (verdict, out) = dp.run(Hook::Egress, &frame).unwrap();
             assert_eq!(verdict, TC_ACT_UNSPEC);
             let p = parse(&out);
             assert_eq!((p.src, p.sport), (VIP, 80), "{proto} reply source restored");
@@ -655,7 +666,7 @@ fn a_direct_flow_reusing_a_service_flows_reply_tuple_is_not_rewritten() {
             _ => PacketSpec::udp(*backend.ip(), backend.port(), CLIENT, open.sport, b"z"),
         };
         let frame = reply.build();
-        let (_, out) = dp.run(Hook::Ingress, &frame).unwrap();
+        let (_, out) = dp.run(Hook::Egress, &frame).unwrap();
         assert_eq!(out, frame, "{label}: the direct flow's reply was rewritten");
     }
     assert_eq!(stat(&dp, Stat::ClashResolved), 2);
@@ -772,6 +783,72 @@ fn garbage_collection_deletes_only_expired_conntrack_entries() {
     assert_eq!(left, vec![2, 3]);
 }
 
+/// A pod reaching itself through its Service, both ways: translated at ingress and sent
+/// straight back out of the interface it came in on (Ethernet addresses swapped), so
+/// netfilter, whose conntrack would find the translated reply INVALID, never sees it.
+fn hairpin_goes_back(family: Family, hairpin: IpAddr) {
+    let mut dp = TestDatapath::load(small()).expect("load datapath");
+    let pod = family.backends[0];
+    let vip = SocketAddr::new(family.vip, 80);
+    let f = Frontend {
+        addr: family.vip,
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    dp.sync.set(f, &[pod]).unwrap();
+    let client = SocketAddr::new(pod.ip(), 40000);
+    let swapped = |sent: &[u8], out: &[u8]| out[0..6] == sent[6..12] && out[6..12] == sent[0..6];
+    let syn = frame(client, vip, Some(TCP_SYN));
+    let (verdict, out) = dp.run(Hook::Ingress, &syn).unwrap();
+    assert_eq!(verdict, TC_ACT_REDIRECT, "the SYN goes back out");
+    assert!(swapped(&syn, &out), "Ethernet addresses of the SYN");
+    assert_eq!(
+        proxy_tests::packet::ends(&out),
+        (SocketAddr::new(hairpin, 40000), pod)
+    );
+    assert!(proxy_tests::packet::checksums_ok(&out));
+    let reply = frame(
+        pod,
+        SocketAddr::new(hairpin, 40000),
+        Some(TCP_SYN | TCP_ACK),
+    );
+    let (verdict, out) = dp.run(Hook::Ingress, &reply).unwrap();
+    assert_eq!(verdict, TC_ACT_REDIRECT, "the SYN-ACK goes back out");
+    assert!(swapped(&reply, &out), "Ethernet addresses of the SYN-ACK");
+    assert_eq!(proxy_tests::packet::ends(&out), (vip, client));
+    assert!(proxy_tests::packet::checksums_ok(&out));
+    let ack = frame(client, vip, Some(TCP_ACK));
+    let (verdict, _) = dp.run(Hook::Ingress, &ack).unwrap();
+    assert_eq!(
+        verdict, TC_ACT_REDIRECT,
+        "the established flow goes back out"
+    );
+    // Another client's flow to the same pod is no hairpin: it continues to netfilter.
+    let other = SocketAddr::new(family.client, 40001);
+    let (verdict, _) = dp
+        .run(Hook::Ingress, &frame(other, vip, Some(TCP_SYN)))
+        .unwrap();
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+}
+
+#[test]
+fn a_pods_flow_to_itself_goes_back_out_of_its_interface() {
+    require_kernel!();
+    hairpin_goes_back(
+        ipv4_family(),
+        Ipv4Addr::from(proxy_common::HAIRPIN_SOURCE).into(),
+    );
+}
+
+#[test]
+fn an_ipv6_pods_flow_to_itself_goes_back_out_of_its_interface() {
+    require_kernel!();
+    hairpin_goes_back(
+        ipv6_family(),
+        std::net::Ipv6Addr::from(proxy_common::HAIRPIN_SOURCE6).into(),
+    );
+}
+
 /// One family's view for the conntrack tests: its service address, backends and client.
 struct Family {
     vip: IpAddr,
@@ -840,7 +917,7 @@ fn open_confirmed(dp: &TestDatapath, family: &Family, sport: u16, tcp: bool) -> 
     );
     let (_, back) = dp
         .run(
-            Hook::Ingress,
+            Hook::Egress,
             &frame(backend, client, flags(TCP_SYN | TCP_ACK)),
         )
         .unwrap();
@@ -969,7 +1046,7 @@ fn traffic_is_counted_per_service_port_in_both_directions() {
         TCP_SYN | TCP_ACK,
     )
     .build();
-    dp.run(Hook::Ingress, &reply).unwrap();
+    dp.run(Hook::Egress, &reply).unwrap();
     let s = dp.datapath.service_stats(&[id]).unwrap()[0];
     assert_eq!(s.connections, 1);
     assert_eq!(s.packets, 3);
@@ -1431,7 +1508,7 @@ fn ipv6_flows_are_translated_both_ways_with_valid_checksums() {
         } else {
             PacketSpec6::tcp(*b.ip(), 8080, client, sport, TCP_SYN | TCP_ACK)
         };
-        let (verdict, out) = dp.run(Hook::Ingress, &reply.build()).unwrap();
+        let (verdict, out) = dp.run(Hook::Egress, &reply.build()).unwrap();
         assert_eq!(verdict, TC_ACT_UNSPEC);
         let p = parse6(&out);
         assert_eq!((p.src, p.sport), (vip, 80), "reply from the service");
@@ -1640,7 +1717,7 @@ mod safety {
         let (_, backend) = proxy_tests::packet::ends(&out);
         // The backend's SYN-ACK (sequence number SEQ) leaves toward the spoofed address.
         dp.run(
-            Hook::Ingress,
+            Hook::Egress,
             &frame(backend, client, Some(TCP_SYN | TCP_ACK)),
         )
         .unwrap();
@@ -1759,7 +1836,7 @@ mod safety {
         // client's ACK confirms it and goes out from the same new port.
         // (`frame`'s segments carry `SEQ`, and its ACKs acknowledge `SEQ`.)
         let (_, back) = dp
-            .run(Hook::Ingress, &frame(pod, from, Some(TCP_SYN | TCP_ACK)))
+            .run(Hook::Egress, &frame(pod, from, Some(TCP_SYN | TCP_ACK)))
             .unwrap();
         assert_eq!(proxy_tests::packet::ends(&back), (second, client));
         assert!(
@@ -1779,7 +1856,7 @@ mod safety {
             .unwrap();
         assert_eq!(proxy_tests::packet::ends(&out), (client, pod));
         let (_, back) = dp
-            .run(Hook::Ingress, &frame(pod, client, Some(TCP_ACK)))
+            .run(Hook::Egress, &frame(pod, client, Some(TCP_ACK)))
             .unwrap();
         assert_eq!(
             proxy_tests::packet::ends(&back),
@@ -1788,7 +1865,7 @@ mod safety {
         );
         // And the new one's replies still from the second Service.
         let (_, back) = dp
-            .run(Hook::Ingress, &frame(pod, from, Some(TCP_ACK)))
+            .run(Hook::Egress, &frame(pod, from, Some(TCP_ACK)))
             .unwrap();
         assert_eq!(proxy_tests::packet::ends(&back), (second, client));
 

@@ -66,12 +66,13 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
                     "the iptables proxier needs iptables-restore and iptables-save for IPv4 and IPv6",
                 )?;
             }
-            let proxier = IptablesProxier::new(
+            let mut proxier = IptablesProxier::new(
                 commands,
                 Box::new(ConntrackFlows),
                 s.masquerade_bit,
                 &s.detect_local.resolve(None),
             );
+            proxier.set_drop_invalid(!tcp_be_liberal(s));
             (ActiveProxier::Iptables(Box::new(proxier)), None)
         }
         ProxyMode::Nftables => {
@@ -305,7 +306,7 @@ fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand
             return Err(e.context("the ipvs proxier holds service addresses on a dummy interface"))
         }
     };
-    Ok(IpvsProxier::new(
+    let mut proxier = IpvsProxier::new(
         ipvs_mode::IpvsKernel {
             ipvs: Box::new(ipvs),
             addresses,
@@ -316,7 +317,16 @@ fn start_ipvs(s: &Settings) -> Result<IpvsProxier<IptablesCommands, IpsetCommand
         s.masquerade_bit,
         &s.detect_local.resolve(None),
         s.ipvs.options.clone(),
-    ))
+    );
+    proxier.set_drop_invalid(!tcp_be_liberal(s));
+    Ok(proxier)
+}
+
+/// `conntrack.tcpBeLiberal` of the configuration file (kube-proxy's default: false).
+fn tcp_be_liberal(s: &Settings) -> bool {
+    s.file
+        .as_ref()
+        .is_some_and(|f| f.conntrack.kernel.tcp_be_liberal)
 }
 
 /// Brings a counter up to a total the proxier keeps.

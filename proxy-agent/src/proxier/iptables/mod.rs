@@ -132,6 +132,14 @@ impl<T: RuleTables> IptablesProxier<T> {
         }
     }
 
+    /// Whether forwarded INVALID packets are dropped (kube-proxy's rule, left out when
+    /// `conntrack.tcpBeLiberal` makes conntrack accept out-of-window segments).
+    pub fn set_drop_invalid(&mut self, drop: bool) {
+        for ctx in &mut self.contexts {
+            ctx.drop_invalid = drop;
+        }
+    }
+
     pub fn tables(&self) -> &T {
         &self.tables
     }
@@ -340,10 +348,14 @@ pub(crate) fn masquerade_chains(out: &mut String, ctx: &RuleContext, before: &[S
     );
 }
 
-/// `KUBE-FORWARD` (filter, declared by the caller): for nodes whose FORWARD policy is
-/// DROP, service traffic still flows.
+/// `KUBE-FORWARD` (filter, declared by the caller): INVALID packets dropped (see
+/// [`RuleContext::drop_invalid`]); for nodes whose FORWARD policy is DROP, service traffic
+/// still flows.
 pub(crate) fn forward_chain(out: &mut String, ctx: &RuleContext) {
     let mark = ctx.masquerade_mark;
+    if ctx.drop_invalid {
+        out.push_str("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n");
+    }
     let _ = writeln!(
         out,
         "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x{mark:x}/0x{mark:x} -j ACCEPT"

@@ -55,6 +55,10 @@ pub struct RuleContext {
     /// The address masqueraded flows get (the node's InternalIP of this family); without
     /// one, the outgoing link's (MASQUERADE).
     pub masquerade_addr: Option<IpAddr>,
+    /// Forwarded packets conntrack finds INVALID are dropped, as kube-proxy does unless
+    /// `conntrack.tcpBeLiberal` is set: an out-of-window segment gets no NAT, and a reply
+    /// leaving with the pod's address makes the client reset its connection.
+    pub drop_invalid: bool,
 }
 
 impl RuleContext {
@@ -65,6 +69,7 @@ impl RuleContext {
             remote_masquerade_mark: 1 << (bit - 1),
             local,
             masquerade_addr: None,
+            drop_invalid: true,
         }
     }
 }

@@ -455,3 +455,30 @@ fn an_interface_detector_replaces_the_cluster_cidr_and_a_change_rewrites_the_rul
     p.sync(&want, &[]).unwrap();
     assert!(masq(&p).is_empty(), "{:?}", masq(&p));
 }
+
+#[test]
+fn forwarded_invalid_packets_are_dropped_unless_conntrack_is_liberal() {
+    for (tcp_be_liberal, dropped) in [(false, true), (true, false)] {
+        let (mut p, _) = proxier();
+        p.set_drop_invalid(!tcp_be_liberal);
+        let want = desired(&[state("web", "10.96.0.10", &[])]);
+        p.sync(&want, &diff(&DesiredState::default(), &want))
+            .unwrap();
+        let forward = p
+            .tables()
+            .chain(IpFamily::V4, "filter", "KUBE-FORWARD")
+            .expect("KUBE-FORWARD written");
+        // kube-proxy's first KUBE-FORWARD rule, before the ones that accept service traffic.
+        let first_drops = forward
+            .first()
+            .is_some_and(|r| r.contains("-m conntrack --ctstate INVALID -j DROP"));
+        assert_eq!(
+            first_drops, dropped,
+            "tcpBeLiberal {tcp_be_liberal}: {forward:?}"
+        );
+        assert_eq!(
+            forward.iter().filter(|r| r.contains("INVALID")).count(),
+            usize::from(dropped)
+        );
+    }
+}

@@ -137,6 +137,14 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
         }
     }
 
+    /// Whether forwarded INVALID packets are dropped (kube-proxy's rule, left out when
+    /// `conntrack.tcpBeLiberal` makes conntrack accept out-of-window segments).
+    pub fn set_drop_invalid(&mut self, drop: bool) {
+        for ctx in &mut self.contexts {
+            ctx.drop_invalid = drop;
+        }
+    }
+
     pub fn tables(&self) -> &T {
         &self.tables
     }
