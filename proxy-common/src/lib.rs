@@ -11,7 +11,7 @@
 
 /// Bumped whenever a map key/value layout below changes. The agent records it beside pinned
 /// maps so a newer agent never misreads maps written by an older one.
-pub const MAP_LAYOUT_VERSION: u32 = 10;
+pub const MAP_LAYOUT_VERSION: u32 = 11;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -125,6 +125,9 @@ pub mod program_names {
     /// Answers a new flow to a service without endpoints (TCP reset, ICMP port unreachable);
     /// tail-called by the tc programs of both families.
     pub const REFUSE: &str = "proxy_refuse";
+    /// The first packet of an IPv4 flow to a frontend: tail-called by the ingress program,
+    /// so the new-flow path has the BPF stack to itself.
+    pub const NEW_FLOW: &str = "proxy_new_flow";
     pub const SOCKET_HOOKS: [&str; 8] = [
         SOCK_CONNECT4,
         SOCK_SENDMSG4,
@@ -189,7 +192,9 @@ pub mod tail_calls {
     pub const EGRESS6: u32 = 1;
     /// Refusals ([`super::program_names::REFUSE`]).
     pub const REFUSE: u32 = 2;
-    pub const COUNT: u32 = 3;
+    /// New IPv4 flows at tc ingress ([`super::program_names::NEW_FLOW`]).
+    pub const NEW_FLOW: u32 = 3;
+    pub const COUNT: u32 = 4;
 }
 
 /// Key of the `SERVICES6` hash map: [`ServiceKey`] with an IPv6 frontend address. The values
@@ -914,10 +919,13 @@ pub enum Stat {
     SocketLeftToTc = 27,
     /// `SOCK_LB` was full: a socket was not counted for its least-connection scheduler.
     SocketTableFull = 28,
+    /// The new-flow program could not be tail-called (its slot empty): the packet was
+    /// dropped. The agent fills the slot before it attaches anything.
+    NewFlowFailed = 29,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 29;
+    pub const COUNT: u32 = 30;
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::NewFlow,
         Stat::EstablishedFlow,
@@ -948,6 +956,7 @@ impl Stat {
         Stat::TupleClashRefused,
         Stat::SocketLeftToTc,
         Stat::SocketTableFull,
+        Stat::NewFlowFailed,
     ];
 
     /// Label used for the metric.
@@ -982,6 +991,7 @@ impl Stat {
             Stat::TupleClashRefused => "tuple_clash_refused",
             Stat::SocketLeftToTc => "socket_left_to_tc",
             Stat::SocketTableFull => "socket_table_full",
+            Stat::NewFlowFailed => "new_flow_failed",
         }
     }
 }

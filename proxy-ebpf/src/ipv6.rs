@@ -176,12 +176,16 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
     if hook == Hook::Egress {
         return Ok(TC_ACT_UNSPEC);
     }
-    // Every client from the frontend's own set (see the IPv4 path).
-    let Some(header) = pkt.frontend(SCOPE_ALL).slot(0) else {
+    let mut header = ServiceValue {
+        backend_id: 0,
+        service_id: 0,
+        count: 0,
+        flags: 0,
+    };
+    if !frontend_header(ctx, &pkt, &mut header) {
         forget_clashing_flow(&pkt);
         return Ok(TC_ACT_UNSPEC);
-    };
-    let header = *header;
+    }
     if header.count == 0 {
         if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
             bump(Stat::NoLocalEndpoint);
@@ -527,7 +531,7 @@ fn schedule_slot(pkt: &Packet6, header: &ServiceValue) -> u16 {
     if header.count == 0 {
         return 1;
     }
-    let frontend = pkt.frontend(SCOPE_ALL);
+    let frontend = pkt.frontend(crate::scope_of(header));
     let (client, destination) = (fold_address(&pkt.key.saddr), fold_address(&pkt.key.daddr));
     crate::schedule(frontend, client, destination, header)
 }
@@ -536,10 +540,11 @@ fn schedule_slot(pkt: &Packet6, header: &ServiceValue) -> u16 {
 /// remembered for the client under affinity; 0: none.
 #[inline(never)]
 fn slot_backend_remembered(pkt: &Packet6, header: &ServiceValue, slot: u16) -> u32 {
-    let mut id = slot_backend(pkt, slot);
+    let scope = crate::scope_of(header);
+    let mut id = slot_backend(pkt, scope, slot);
     if id == 0 {
         // The agent lowers the count before it deletes slots; slot 1 exists while count > 0.
-        id = slot_backend(pkt, 1);
+        id = slot_backend(pkt, scope, 1);
     }
     if header.backend_id != 0 && id != 0 {
         let key = AffinityKey6 {
@@ -614,8 +619,8 @@ fn remember_affinity(key: &AffinityKey6, backend_id: u32, now: u64) {
 }
 
 #[inline(always)]
-fn slot_backend(pkt: &Packet6, slot: u16) -> u32 {
-    match pkt.frontend(SCOPE_ALL).slot(slot) {
+fn slot_backend(pkt: &Packet6, scope: u8, slot: u16) -> u32 {
+    match pkt.frontend(scope).slot(slot) {
         Some(entry) if backend(entry.backend_id).is_some() => entry.backend_id,
         _ => 0,
     }
@@ -773,6 +778,40 @@ fn resolve_clash(ctx: &TcContext, pkt: &Packet6, backend_id: u32) -> bool {
 #[inline(always)]
 fn config6() -> Option<&'static DatapathConfig6> {
     CONFIG6.get(0)
+}
+
+/// The header a new flow to the packet's destination uses (see `scoped_header`: a pod of
+/// the node takes an `externalTrafficPolicy: Local` frontend's second set), into `out`;
+/// false if the destination is no frontend. A call of its own: the keys it builds would not
+/// fit in the entry program's stack, and its branches end here for the verifier.
+#[inline(never)]
+fn frontend_header(ctx: &TcContext, pkt: &Packet6, out: &mut ServiceValue) -> bool {
+    let frontend = pkt.frontend(SCOPE_ALL);
+    let Some(header) = frontend.slot(0) else {
+        return false;
+    };
+    *out = crate::scoped_header(frontend, header, || match crate::from_pod_interface(ctx) {
+        Some(pod) => pod,
+        None => inside_cluster_cidr(&pkt.key.saddr),
+    });
+    true
+}
+
+/// Whether an IPv6 source is inside the cluster CIDR (a pod's; false without one). Bits
+/// are gathered without a branch per byte, which would multiply the verifier's paths.
+#[inline(always)]
+fn inside_cluster_cidr(addr: &[u8; 16]) -> bool {
+    let Some(c) = config6() else {
+        return false;
+    };
+    let mut set = 0u8;
+    let mut outside = 0u8;
+    for i in 0..16 {
+        let m = c.cluster_cidr_mask[i];
+        set |= m;
+        outside |= (addr[i] ^ c.cluster_cidr_addr[i]) & m;
+    }
+    set != 0 && outside == 0
 }
 
 #[inline(always)]

@@ -273,7 +273,13 @@ pub fn proxy_sock_release(ctx: SockContext) -> i32 {
 
 #[inline(always)]
 fn run(ctx: &TcContext, hook: Hook) -> i32 {
-    match try_run(ctx, hook) {
+    settle(ctx, try_run(ctx, hook))
+}
+
+/// The tc action for a translation's outcome.
+#[inline(always)]
+pub(crate) fn settle(ctx: &TcContext, outcome: Result<i32, Stat>) -> i32 {
+    match outcome {
         Ok(SEND_BACK) => send_back(ctx),
         Ok(verdict) => verdict,
         Err(stat) => {
@@ -297,18 +303,46 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     }
     match parse(ctx) {
         Some(Parsed::Flow(pkt)) => {
-            let mut verdict = try_translate(ctx, hook, &pkt)?;
-            if hook == Hook::Ingress && verdict == TC_ACT_UNSPEC && goes_back(ctx, &pkt) {
-                verdict = SEND_BACK;
-            }
-            if pkt.more_fragments && (verdict == TC_ACT_UNSPEC || verdict == SEND_BACK) {
-                remember_fragment(ctx, &pkt, hook.fragment_hook(verdict));
-            }
-            Ok(verdict)
+            let verdict = try_translate(ctx, hook, &pkt)?;
+            Ok(finish(ctx, hook, &pkt, verdict))
         }
         Some(Parsed::LaterFragment(key)) => translate_fragment(ctx, &key, hook),
         None => Ok(TC_ACT_UNSPEC),
     }
+}
+
+/// After a packet's translation: a hairpin flow's goes back out ([`goes_back`]); a first
+/// fragment tells the datagram's others what it got.
+#[inline(always)]
+fn finish(ctx: &TcContext, hook: Hook, pkt: &Packet, mut verdict: i32) -> i32 {
+    if hook == Hook::Ingress && verdict == TC_ACT_UNSPEC && goes_back(ctx, pkt) {
+        verdict = SEND_BACK;
+    }
+    if pkt.more_fragments && (verdict == TC_ACT_UNSPEC || verdict == SEND_BACK) {
+        remember_fragment(ctx, pkt, hook.fragment_hook(verdict));
+    }
+    verdict
+}
+
+/// The first packet of a flow to an IPv4 frontend, tail-called by [`proxy_ingress`]
+/// (`tail_calls::NEW_FLOW`): a program of its own, so the new-flow path's stack is not
+/// added to the tracked-flow path's (together they passed Debian 6.1's 512 bytes once the
+/// short-circuit's set was chosen here). It parses the packet again (cheaper than passing
+/// it) and learns from `cb[1]` whether the flow had an entry (see [`try_translate`]).
+#[classifier]
+pub fn proxy_new_flow(ctx: TcContext) -> i32 {
+    let outcome = match parse(&ctx) {
+        Some(Parsed::Flow(pkt)) => {
+            // SAFETY: `cb` is the tc program's scratch space, kept across the tail call.
+            let known = unsafe { (*ctx.skb.skb).cb[1] } != 0;
+            match open_flow(&ctx, &pkt, known) {
+                Ok(verdict) => Ok(finish(&ctx, Hook::Ingress, &pkt, verdict)),
+                Err(stat) => Err(stat),
+            }
+        }
+        _ => Ok(TC_ACT_UNSPEC),
+    };
+    settle(&ctx, outcome)
 }
 
 /// The fields of a packet the translation needs, read once up front.
@@ -523,14 +557,27 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
         return Ok(TC_ACT_UNSPEC);
     }
 
-    // The tc path serves every client from the frontend's own set: the second set of an
-    // externalTrafficPolicy: Local frontend (clients on the node) is the socket hooks' for
-    // now (choosing it here took Debian 6.1's verifier over its limit).
-    let Some(header) = pkt.frontend().slot(0) else {
+    if pkt.frontend().slot(0).is_none() {
         forget_clashing_flow::<V4>(&pkt.key, pkt.tcp_flags);
         return Ok(TC_ACT_UNSPEC);
+    }
+    // SAFETY: `cb` is the tc program's scratch space, kept across the tail call.
+    unsafe { (*ctx.skb.skb).cb[1] = known as u32 };
+    // SAFETY: the slot holds a tc classifier of this object or nothing.
+    unsafe { TAIL_CALLS.tail_call(ctx, tail_calls::NEW_FLOW) };
+    Err(Stat::NewFlowFailed)
+}
+
+/// A new flow (or a tracked one that needs a new backend: `known`) to a frontend, in
+/// [`proxy_new_flow`]. A client on this node (a pod, told as `detectLocalMode` says) of an
+/// `externalTrafficPolicy: Local` frontend takes its second set, every endpoint
+/// (kube-proxy's short-circuit); the node's own processes are the socket hooks'.
+#[inline(always)]
+fn open_flow(ctx: &TcContext, pkt: &Packet, known: bool) -> Result<i32, Stat> {
+    let Some(header) = pkt.frontend().slot(0) else {
+        return Ok(TC_ACT_UNSPEC);
     };
-    let header = *header;
+    let header = scoped_header(pkt.frontend(), header, || pod_client(ctx, pkt.key.saddr));
     if header.count == 0 {
         if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
             bump(Stat::NoLocalEndpoint);
@@ -551,7 +598,13 @@ fn try_translate(ctx: &TcContext, hook: Hook, pkt: &Packet) -> Result<i32, Stat>
         return Ok(TC_ACT_UNSPEC);
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    new_flow(ctx, pkt, pkt.frontend(), &header, now)
+    new_flow(
+        ctx,
+        pkt,
+        pkt.frontend().scoped(scope_of(&header)),
+        &header,
+        now,
+    )
 }
 
 /// The header of the entry set a new flow to `frontend` uses: a frontend with a second set
@@ -1571,6 +1624,18 @@ pub fn from_pod_interface(ctx: &TcContext) -> Option<bool> {
     let ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
     // SAFETY: a read of a map value the program does not keep.
     Some(unsafe { LOCAL_IFACES.get(&ifindex) }.is_some())
+}
+
+/// Whether a packet's source is one of this node's pods, as `detectLocalMode` tells them:
+/// by input interface, else by the cluster CIDR; never when neither is known (kube-proxy's
+/// no-op detector).
+#[inline(always)]
+fn pod_client(ctx: &TcContext, saddr: u32) -> bool {
+    if let Some(pod) = from_pod_interface(ctx) {
+        return pod;
+    }
+    let c = config();
+    c.cluster_cidr_mask != 0 && saddr & c.cluster_cidr_mask == c.cluster_cidr_addr
 }
 
 /// Whether a new flow is source-NATed to the node: always under `masqueradeAll`; to a

@@ -230,6 +230,13 @@ conformance!(
     ],
     dual_stack_service_serves_each_family_from_its_own_slices,
     the_node_itself_reaches_ipv6_cluster_ips,
+    pods_outside_the_hooks_short_circuit_on_the_tc_path: [
+        run,
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare",
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare",
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare",
+        "socket hooks are the eBPF mode's: this mode has no second placement to compare"
+    ],
     pods_outside_the_hooked_cgroup_get_the_tc_path: [
         run,
         "socket hooks are the eBPF mode's: this mode has no second placement to compare",
@@ -1821,12 +1828,24 @@ fn external_policy_local_in(mode: Mode, family: Family) {
 /// every socket below them is on the node (its tc path does not short-circuit yet: pods
 /// outside the hooks, with --socket-lb host-only, get the external policy).
 fn external_traffic_policy_local_short_circuits_clients_on_the_node(mode: Mode) {
+    short_circuit_in(mode, &[]);
+}
+
+/// The short-circuit on the tc path: with `--socket-lb host-only` the node's pods are
+/// translated by the tc programs (the node's own processes still by the hooks), which
+/// give a pod the Service's second entry set, every endpoint.
+fn pods_outside_the_hooks_short_circuit_on_the_tc_path(mode: Mode) {
+    short_circuit_in(mode, &["--socket-lb", "host-only"]);
+}
+
+fn short_circuit_in(mode: Mode, extra: &[&str]) {
     let (vip, lb_ip, external_ip) = (V4.vip(32), V4.external(13), V4.external(14));
     let yaml = |c: &Cluster, endpoints: &[&'static str]| {
         let svc = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: lab}}\nspec:\n  type: LoadBalancer\n  clusterIP: \"{vip}\"\n  externalTrafficPolicy: Local\n  externalIPs: [\"{external_ip}\"]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30084}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: \"{lb_ip}\"}}]\n---\n");
         svc + &V4.slice(c, "lb", "1", &[("http", "TCP", 8080)], &ready(endpoints))
     };
-    let flags = ["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/48"];
+    let mut flags = vec!["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/48"];
+    flags.extend_from_slice(extra);
     let mut c = cluster_with_flags(mode, &flags, |c| yaml(c, &["web-2a", "web-2b"]));
     let remote = set(&["web-2a", "web-2b"]);
     let (lb, external) = (to(&lb_ip, 80), to(&external_ip, 80));

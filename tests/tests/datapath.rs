@@ -849,6 +849,88 @@ fn an_ipv6_pods_flow_to_itself_goes_back_out_of_its_interface() {
     );
 }
 
+/// kube-proxy's short-circuit on the tc path: an `externalTrafficPolicy: Local` frontend
+/// with no endpoint on this node drops the outside's new flows, while a pod of the node
+/// (inside the cluster CIDR) takes the frontend's second set, every endpoint.
+fn pods_short_circuit(family: Family, outside: IpAddr) {
+    use proxy_agent::proxier::ebpf::sync::{FrontendSpec, Target};
+    use proxy_common::{
+        SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_IN_CLUSTER_SET,
+        SERVICE_FLAG_SCOPE_IN_CLUSTER,
+    };
+    let mut dp = TestDatapath::load(small()).expect("load datapath");
+    match family.client {
+        IpAddr::V4(_) => dp
+            .datapath
+            .configure(&proxy_common::DatapathConfig {
+                cluster_cidr_addr: u32::from_ne_bytes([10, 244, 0, 0]),
+                cluster_cidr_mask: u32::from_ne_bytes([255, 255, 0, 0]),
+                ..proxy_common::DatapathConfig::DEFAULT
+            })
+            .unwrap(),
+        IpAddr::V6(_) => {
+            let mut mask = [0u8; 16];
+            mask[..6].fill(0xff);
+            let addr = "fd00:10:244::".parse::<std::net::Ipv6Addr>().unwrap();
+            dp.datapath
+                .configure6(&proxy_common::DatapathConfig6 {
+                    cluster_cidr_addr: addr.octets(),
+                    cluster_cidr_mask: mask,
+                    ..Default::default()
+                })
+                .unwrap()
+        }
+    }
+    let lb = Frontend {
+        addr: family.vip,
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    let header = |flags| HeaderSettings {
+        flags: SERVICE_FLAG_EXTERNAL | flags,
+        affinity_timeout: 0,
+    };
+    let every = FrontendSpec {
+        header: header(SERVICE_FLAG_SCOPE_IN_CLUSTER),
+        ..FrontendSpec::new(&family.backends)
+    };
+    dp.sync.set_with(Target::in_cluster(lb), &every).unwrap();
+    let none = FrontendSpec {
+        header: header(SERVICE_FLAG_IN_CLUSTER_SET | SERVICE_FLAG_DROP_WHEN_EMPTY),
+        ..FrontendSpec::new(&[])
+    };
+    dp.sync.set_with(Target::all(lb), &none).unwrap();
+    let vip = SocketAddr::new(family.vip, 80);
+    let mut reached = std::collections::BTreeSet::new();
+    for sport in 40000..40030 {
+        let syn = frame(SocketAddr::new(family.client, sport), vip, Some(TCP_SYN));
+        let (verdict, out) = dp.run(Hook::Ingress, &syn).unwrap();
+        assert_eq!(verdict, TC_ACT_UNSPEC, "a pod's flow is translated");
+        reached.insert(proxy_tests::packet::ends(&out).1);
+    }
+    assert_eq!(reached.len(), family.backends.len(), "{reached:?}");
+    let syn = frame(SocketAddr::new(outside, 40000), vip, Some(TCP_SYN));
+    let (verdict, _) = dp.run(Hook::Ingress, &syn).unwrap();
+    assert_eq!(
+        verdict,
+        proxy_tests::kernel::TC_ACT_SHOT,
+        "the outside's is dropped"
+    );
+    assert_eq!(stat(&dp, Stat::NoLocalEndpoint), 1);
+}
+
+#[test]
+fn a_pod_takes_every_endpoint_of_a_local_frontend_on_the_tc_path() {
+    require_kernel!();
+    pods_short_circuit(ipv4_family(), Ipv4Addr::new(192, 0, 2, 1).into());
+}
+
+#[test]
+fn an_ipv6_pod_takes_every_endpoint_of_a_local_frontend_on_the_tc_path() {
+    require_kernel!();
+    pods_short_circuit(ipv6_family(), "2001:db8::1".parse().unwrap());
+}
+
 /// One family's view for the conntrack tests: its service address, backends and client.
 struct Family {
     vip: IpAddr,

@@ -388,6 +388,7 @@ impl Datapath {
             program_names::TC_INGRESS,
             program_names::TC_EGRESS,
             program_names::REFUSE,
+            program_names::NEW_FLOW,
         ] {
             load_classifier(&mut ebpf, name)?;
         }
@@ -407,9 +408,12 @@ impl Datapath {
                 }
             }
         }
-        // The tc programs tail-call these (IPv6 packets, refusals).
+        // The tc programs tail-call these (IPv6 packets, refusals, new IPv4 flows).
         let mut slots = Vec::new();
-        let mut tail_called = vec![(tail_calls::REFUSE, program_names::REFUSE)];
+        let mut tail_called = vec![
+            (tail_calls::REFUSE, program_names::REFUSE),
+            (tail_calls::NEW_FLOW, program_names::NEW_FLOW),
+        ];
         if ipv6 {
             tail_called.push((tail_calls::INGRESS6, program_names::TC_INGRESS6));
             tail_called.push((tail_calls::EGRESS6, program_names::TC_EGRESS6));
