@@ -3,6 +3,7 @@
 //! Every semantic decision (which endpoints serve, how a target port resolves) is made here,
 //! once; proxiers only receive [`DesiredState`] and the [`ServiceChange`]s that lead to it.
 
+pub mod incremental;
 pub mod local;
 pub mod objects;
 pub mod ownership;
@@ -67,6 +68,17 @@ impl fmt::Display for Problem {
 pub struct ObjectStore {
     pub services: BTreeMap<ObjectName, (ServiceInfo, Origin)>,
     pub slices: BTreeMap<ObjectName, (SliceInfo, Origin)>,
+}
+
+impl ObjectStore {
+    /// The EndpointSlices of each Service, in slice-name order.
+    pub fn slices_by_service(&self) -> BTreeMap<&ObjectName, Vec<&(SliceInfo, Origin)>> {
+        let mut by_service: BTreeMap<&ObjectName, Vec<&(SliceInfo, Origin)>> = BTreeMap::new();
+        for entry in self.slices.values() {
+            by_service.entry(&entry.0.service).or_default().push(entry);
+        }
+        by_service
+    }
 }
 
 /// An IP family. A dual-stack Service is served as two independent service ports, one per
@@ -413,183 +425,185 @@ impl DesiredState {
     /// claiming the same frontend) are returned and the affected pieces skipped.
     pub fn build(store: &ObjectStore, node: &NodeContext) -> (DesiredState, Vec<Problem>) {
         let mut problems = Vec::new();
-        let mut slices_by_service: BTreeMap<&ObjectName, Vec<&(SliceInfo, Origin)>> =
-            BTreeMap::new();
-        for entry in store.slices.values() {
-            slices_by_service
-                .entry(&entry.0.service)
-                .or_default()
-                .push(entry);
-        }
-
+        let slices_by_service = store.slices_by_service();
         let mut ports = BTreeMap::new();
         let claims = ownership::claims(store, node);
         let owners = ownership::Owners::decide(&claims);
         for claim in claims {
-            let ownership::PortClaims {
-                svc,
-                origin,
-                spec,
-                name,
-                requests,
-                refused,
-            } = claim;
-            let family = name.family;
             let slices = slices_by_service
-                .get(&svc.name)
+                .get(&claim.svc.name)
                 .map(Vec::as_slice)
                 .unwrap_or_default();
-            let problem = |kind, message: String| Problem {
-                origin: origin.clone(),
-                object: format!("Service {}", svc.name),
-                message: format!("port {}: {message}", spec.port),
-                kind,
-            };
-            for (addr, field) in refused {
-                problems.push(problem(
-                    ProblemKind::ExternalIpRefused,
-                    format!("{field}: {addr} not served: outside --external-ip-cidrs"),
-                ));
+            let name = claim.name.clone();
+            if let Some(state) = build_port(claim, &owners, slices, node, &mut problems) {
+                ports.insert(name, state);
             }
-            let mut served: Vec<(Frontend, FrontendKind)> = Vec::new();
-            let mut lost_cluster_ip = false;
-            for request in requests {
-                let kind = request.field.kind();
-                if let Err(conflict) = owners.check(&name, request.frontend, kind) {
-                    problems.push(problem(
-                        ProblemKind::FrontendConflict,
-                        format!("{}: {conflict}", request.field),
-                    ));
-                    lost_cluster_ip |= kind == FrontendKind::ClusterIp;
-                    continue;
-                }
-                if let Some((_, earlier)) = served.iter().find(|(f, _)| *f == request.frontend) {
-                    problems.push(problem(
-                        ProblemKind::Invalid,
-                        format!(
-                            "{}: {} is already this port's {earlier:?} frontend; listed once",
-                            request.field, request.frontend
-                        ),
-                    ));
-                    continue;
-                }
-                served.push((request.frontend, kind));
-            }
-            if lost_cluster_ip || served.is_empty() {
-                continue;
-            }
-            let frontend = served[0].0;
-            let external_claimed: Vec<(Frontend, FrontendKind)> =
-                served.into_iter().skip(1).collect();
-
-            let endpoints = resolve_endpoints(spec, family, slices, &mut problems, &svc.name);
-            let picked = categorize(&endpoints, node);
-            let policy = |local: bool| {
-                if local {
-                    let when_empty = if picked.any_serving {
-                        WhenEmpty::Drop
-                    } else {
-                        WhenEmpty::Refuse
-                    };
-                    (picked.local.clone(), when_empty)
-                } else {
-                    (picked.cluster.clone(), WhenEmpty::Refuse)
-                }
-            };
-            let (backends, when_empty) = policy(svc.internal_local);
-            let (external_backends, external_when_empty) = policy(svc.external_local);
-            // Weight 0 (IPVS's "quiesced"): no new flows, established ones continue.
-            let quiesced = |a: &SocketAddr| svc.weights.get(&a.ip()) == Some(&0);
-            let (backends, external_backends): (Vec<_>, Vec<_>) = (
-                backends.into_iter().filter(|a| !quiesced(a)).collect(),
-                external_backends
-                    .into_iter()
-                    .filter(|a| !quiesced(a))
-                    .collect(),
-            );
-            let draining_for = |local_only: bool, chosen: &[SocketAddr]| {
-                let set: BTreeSet<SocketAddr> = endpoints
-                    .iter()
-                    .filter(|(a, ep)| {
-                        (!ep.ready || quiesced(a)) && (!local_only || is_local(ep, node))
-                    })
-                    .map(|(a, _)| *a)
-                    .filter(|a| !chosen.contains(a))
-                    .collect();
-                set.into_iter().collect::<Vec<_>>()
-            };
-            let draining = draining_for(svc.internal_local, &backends);
-            let external_draining = draining_for(svc.external_local, &external_backends);
-            // kube-proxy's short-circuit sends such clients to its cluster-policy chain,
-            // whatever internalTrafficPolicy says.
-            let in_cluster = svc.external_local.then(|| {
-                let backends: Vec<SocketAddr> = picked
-                    .cluster
-                    .iter()
-                    .copied()
-                    .filter(|a| !quiesced(a))
-                    .collect();
-                InCluster {
-                    draining: draining_for(false, &backends),
-                    backends,
-                }
-            });
-            let external = external_claimed
-                .into_iter()
-                .map(|(frontend, kind)| FrontendState {
-                    frontend,
-                    kind,
-                    backends: external_backends.clone(),
-                    draining: external_draining.clone(),
-                    when_empty: external_when_empty,
-                    source_ranges: if kind == FrontendKind::LoadBalancer {
-                        svc.source_ranges
-                            .iter()
-                            .filter(|c| IpFamily::of(c.addr) == family)
-                            .cloned()
-                            .collect()
-                    } else {
-                        Vec::new()
-                    },
-                    masquerade: !svc.external_local,
-                    masquerade_all: node.masquerade_all,
-                    in_cluster: in_cluster.clone(),
-                })
-                .collect();
-            let remote = endpoints
-                .iter()
-                .filter(|(_, ep)| !is_local(ep, node))
-                .map(|(addr, _)| *addr)
-                .collect();
-            let health_check = svc
-                .health_check_node_port
-                .filter(|_| svc.external_local)
-                .map(|p| (p, picked.local.len()));
-            ports.insert(
-                name.clone(),
-                Arc::new(ServicePortState {
-                    name,
-                    frontend,
-                    backends,
-                    draining,
-                    when_empty,
-                    masquerade_all: node.masquerade_all,
-                    external,
-                    remote,
-                    affinity_timeout: svc.affinity_timeout,
-                    health_check,
-                    scheduler: svc.scheduler.unwrap_or(node.default_scheduler),
-                    weights: svc
-                        .weights
-                        .iter()
-                        .filter(|(a, _)| IpFamily::of(**a) == family)
-                        .map(|(a, w)| (*a, *w))
-                        .collect(),
-                }),
-            );
         }
         (DesiredState { ports }, problems)
     }
+}
+
+/// One service port's state from its claims, given who owns the frontends it claims and its
+/// Service's EndpointSlices; `None` when it is not served (it lost its cluster IP, or
+/// every frontend). Problems found on the way go to `problems`.
+fn build_port(
+    claim: ownership::PortClaims,
+    owners: &ownership::Owners,
+    slices: &[&(SliceInfo, Origin)],
+    node: &NodeContext,
+    problems: &mut Vec<Problem>,
+) -> Option<Arc<ServicePortState>> {
+    let ownership::PortClaims {
+        svc,
+        origin,
+        spec,
+        name,
+        requests,
+        refused,
+    } = claim;
+    let family = name.family;
+    let problem = |kind, message: String| Problem {
+        origin: origin.clone(),
+        object: format!("Service {}", svc.name),
+        message: format!("port {}: {message}", spec.port),
+        kind,
+    };
+    for (addr, field) in refused {
+        problems.push(problem(
+            ProblemKind::ExternalIpRefused,
+            format!("{field}: {addr} not served: outside --external-ip-cidrs"),
+        ));
+    }
+    let mut served: Vec<(Frontend, FrontendKind)> = Vec::new();
+    let mut lost_cluster_ip = false;
+    for request in requests {
+        let kind = request.field.kind();
+        if let Err(conflict) = owners.check(&name, request.frontend, kind) {
+            problems.push(problem(
+                ProblemKind::FrontendConflict,
+                format!("{}: {conflict}", request.field),
+            ));
+            lost_cluster_ip |= kind == FrontendKind::ClusterIp;
+            continue;
+        }
+        if let Some((_, earlier)) = served.iter().find(|(f, _)| *f == request.frontend) {
+            problems.push(problem(
+                ProblemKind::Invalid,
+                format!(
+                    "{}: {} is already this port's {earlier:?} frontend; listed once",
+                    request.field, request.frontend
+                ),
+            ));
+            continue;
+        }
+        served.push((request.frontend, kind));
+    }
+    if lost_cluster_ip || served.is_empty() {
+        return None;
+    }
+    let frontend = served[0].0;
+    let external_claimed: Vec<(Frontend, FrontendKind)> = served.into_iter().skip(1).collect();
+
+    let endpoints = resolve_endpoints(spec, family, slices, problems, &svc.name);
+    let picked = categorize(&endpoints, node);
+    let policy = |local: bool| {
+        if local {
+            let when_empty = if picked.any_serving {
+                WhenEmpty::Drop
+            } else {
+                WhenEmpty::Refuse
+            };
+            (picked.local.clone(), when_empty)
+        } else {
+            (picked.cluster.clone(), WhenEmpty::Refuse)
+        }
+    };
+    let (backends, when_empty) = policy(svc.internal_local);
+    let (external_backends, external_when_empty) = policy(svc.external_local);
+    // Weight 0 (IPVS's "quiesced"): no new flows, established ones continue.
+    let quiesced = |a: &SocketAddr| svc.weights.get(&a.ip()) == Some(&0);
+    let (backends, external_backends): (Vec<_>, Vec<_>) = (
+        backends.into_iter().filter(|a| !quiesced(a)).collect(),
+        external_backends
+            .into_iter()
+            .filter(|a| !quiesced(a))
+            .collect(),
+    );
+    let draining_for = |local_only: bool, chosen: &[SocketAddr]| {
+        let set: BTreeSet<SocketAddr> = endpoints
+            .iter()
+            .filter(|(a, ep)| (!ep.ready || quiesced(a)) && (!local_only || is_local(ep, node)))
+            .map(|(a, _)| *a)
+            .filter(|a| !chosen.contains(a))
+            .collect();
+        set.into_iter().collect::<Vec<_>>()
+    };
+    let draining = draining_for(svc.internal_local, &backends);
+    let external_draining = draining_for(svc.external_local, &external_backends);
+    // kube-proxy's short-circuit sends such clients to its cluster-policy chain,
+    // whatever internalTrafficPolicy says.
+    let in_cluster = svc.external_local.then(|| {
+        let backends: Vec<SocketAddr> = picked
+            .cluster
+            .iter()
+            .copied()
+            .filter(|a| !quiesced(a))
+            .collect();
+        InCluster {
+            draining: draining_for(false, &backends),
+            backends,
+        }
+    });
+    let external = external_claimed
+        .into_iter()
+        .map(|(frontend, kind)| FrontendState {
+            frontend,
+            kind,
+            backends: external_backends.clone(),
+            draining: external_draining.clone(),
+            when_empty: external_when_empty,
+            source_ranges: if kind == FrontendKind::LoadBalancer {
+                svc.source_ranges
+                    .iter()
+                    .filter(|c| IpFamily::of(c.addr) == family)
+                    .cloned()
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            masquerade: !svc.external_local,
+            masquerade_all: node.masquerade_all,
+            in_cluster: in_cluster.clone(),
+        })
+        .collect();
+    let remote = endpoints
+        .iter()
+        .filter(|(_, ep)| !is_local(ep, node))
+        .map(|(addr, _)| *addr)
+        .collect();
+    let health_check = svc
+        .health_check_node_port
+        .filter(|_| svc.external_local)
+        .map(|p| (p, picked.local.len()));
+    Some(Arc::new(ServicePortState {
+        name,
+        frontend,
+        backends,
+        draining,
+        when_empty,
+        masquerade_all: node.masquerade_all,
+        external,
+        remote,
+        affinity_timeout: svc.affinity_timeout,
+        health_check,
+        scheduler: svc.scheduler.unwrap_or(node.default_scheduler),
+        weights: svc
+            .weights
+            .iter()
+            .filter(|(a, _)| IpFamily::of(**a) == family)
+            .map(|(a, w)| (*a, *w))
+            .collect(),
+    }))
 }
 
 fn is_local(ep: &EndpointInfo, node: &NodeContext) -> bool {

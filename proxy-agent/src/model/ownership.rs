@@ -84,32 +84,42 @@ pub(super) struct PortClaims<'a> {
 pub(super) fn claims<'a>(store: &'a ObjectStore, node: &NodeContext) -> Vec<PortClaims<'a>> {
     let mut all = Vec::new();
     for (svc, origin) in store.services.values() {
-        // `clusterIPs` holds at most one address per family (the API server enforces it).
-        let mut seen = BTreeSet::new();
-        for cluster_ip in svc
-            .cluster_ips
-            .iter()
-            .filter(|ip| seen.insert(IpFamily::of(**ip)))
-        {
-            for (index, spec) in svc.ports.iter().enumerate() {
-                let (requests, refused) = requests(svc, *cluster_ip, index, spec, node);
-                all.push(PortClaims {
-                    svc,
-                    origin,
-                    spec,
-                    name: ServicePortName {
-                        service: svc.name.clone(),
-                        port: spec.name.clone(),
-                        protocol: spec.protocol,
-                        family: IpFamily::of(*cluster_ip),
-                    },
-                    requests,
-                    refused,
-                });
-            }
-        }
+        claims_of(svc, origin, node, &mut all);
     }
     all
+}
+
+/// One Service's service ports with what they ask for, appended to `out`.
+pub(super) fn claims_of<'a>(
+    svc: &'a ServiceInfo,
+    origin: &'a Origin,
+    node: &NodeContext,
+    out: &mut Vec<PortClaims<'a>>,
+) {
+    // `clusterIPs` holds at most one address per family (the API server enforces it).
+    let mut seen = BTreeSet::new();
+    for cluster_ip in svc
+        .cluster_ips
+        .iter()
+        .filter(|ip| seen.insert(IpFamily::of(**ip)))
+    {
+        for (index, spec) in svc.ports.iter().enumerate() {
+            let (requests, refused) = requests(svc, *cluster_ip, index, spec, node);
+            out.push(PortClaims {
+                svc,
+                origin,
+                spec,
+                name: ServicePortName {
+                    service: svc.name.clone(),
+                    port: spec.name.clone(),
+                    protocol: spec.protocol,
+                    family: IpFamily::of(*cluster_ip),
+                },
+                requests,
+                refused,
+            });
+        }
+    }
 }
 
 /// Every frontend a service port asks for, the cluster IP first, and the external IPs the

@@ -1,0 +1,272 @@
+//! The desired state kept up to date one Service at a time, as kube-proxy's change
+//! trackers do: an event recomputes the service ports of the objects it touched, not the
+//! cluster's.
+//!
+//! What an object touches: a Service, its own service ports; an EndpointSlice, its
+//! Service's (before and after, should it move). Ownership of frontends ([`ownership`]) ties
+//! Services together: a Service that claims a frontend another also claims may win or lose
+//! it when either changes, so the recomputed set is closed over shared frontends (usually
+//! it is the one Service: conflicts are rare). Within that set owners are decided exactly
+//! as a full build decides them, because every claimant of each of its frontends is in it.
+//! A change of the node's own context (its addresses, `masqueradeAll`, ...) touches every
+//! service port: [`IncrementalModel::rebuild`]. The property test in `tests.rs` holds the
+//! result equal to [`DesiredState::build`] after random event sequences.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::{
+    build_port, diff, ownership, DesiredState, Frontend, NodeContext, ObjectName, ObjectStore,
+    Problem, ServiceChange, ServicePortName,
+};
+
+/// The objects an event added, changed or removed, by name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Touched {
+    pub services: BTreeSet<ObjectName>,
+    pub slices: BTreeSet<ObjectName>,
+}
+
+impl Touched {
+    /// The objects that differ between two stores, for sources that re-read everything:
+    /// one walk of both, comparing objects, far cheaper than building their service ports.
+    pub fn between(old: &ObjectStore, new: &ObjectStore) -> Touched {
+        Touched {
+            services: differing(&old.services, &new.services),
+            slices: differing(&old.slices, &new.slices),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty() && self.slices.is_empty()
+    }
+}
+
+/// Keys present in one map only, or with different values.
+fn differing<V: PartialEq>(
+    old: &BTreeMap<ObjectName, V>,
+    new: &BTreeMap<ObjectName, V>,
+) -> BTreeSet<ObjectName> {
+    let mut out = BTreeSet::new();
+    for (name, value) in new {
+        if old.get(name) != Some(value) {
+            out.insert(name.clone());
+        }
+    }
+    out.extend(old.keys().filter(|name| !new.contains_key(*name)).cloned());
+    out
+}
+
+/// What one Service contributed at its last recomputation.
+#[derive(Debug, Default)]
+struct Built {
+    ports: Vec<ServicePortName>,
+    /// Every frontend its service ports claimed (won or not).
+    frontends: BTreeSet<Frontend>,
+}
+
+/// The desired state with the indexes that let an event recompute only what it touches.
+#[derive(Debug, Default)]
+pub struct IncrementalModel {
+    desired: DesiredState,
+    services: BTreeMap<ObjectName, Built>,
+    /// Frontend → the Services whose service ports claim it.
+    claimants: HashMap<Frontend, BTreeSet<ObjectName>>,
+    /// Service → its EndpointSlices, in name order (the order a full build reads them in).
+    slices: HashMap<ObjectName, BTreeSet<ObjectName>>,
+    /// EndpointSlice → the Service it was last seen with.
+    slice_service: HashMap<ObjectName, ObjectName>,
+    /// Problems found in each Service's service ports (only Services that have some).
+    problems: BTreeMap<ObjectName, Vec<Problem>>,
+}
+
+impl IncrementalModel {
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    /// The problems of the current state, in the order a full build reports them.
+    pub fn problems(&self) -> Vec<Problem> {
+        self.problems.values().flatten().cloned().collect()
+    }
+
+    /// Recomputes everything (the first view, or a change of the node's context); returns
+    /// the changes from the previous state.
+    pub fn rebuild(&mut self, store: &ObjectStore, node: &NodeContext) -> Vec<ServiceChange> {
+        let old = std::mem::take(&mut self.desired);
+        *self = IncrementalModel::default();
+        for (name, (slice, _)) in &store.slices {
+            self.index_slice(name, &slice.service);
+        }
+        let all: BTreeSet<ObjectName> = store.services.keys().cloned().collect();
+        self.recompute(store, node, &all);
+        diff(&old, &self.desired)
+    }
+
+    /// Recomputes what `touched` affects in `store` (the store after the event); returns the
+    /// changes. `node` must be the context of the last [`IncrementalModel::rebuild`].
+    pub fn apply(
+        &mut self,
+        store: &ObjectStore,
+        node: &NodeContext,
+        touched: &Touched,
+    ) -> Vec<ServiceChange> {
+        let mut seeds = touched.services.clone();
+        for name in &touched.slices {
+            if let Some(old) = self.slice_service.remove(name) {
+                if let Some(set) = self.slices.get_mut(&old) {
+                    set.remove(name);
+                    if set.is_empty() {
+                        self.slices.remove(&old);
+                    }
+                }
+                seeds.insert(old);
+            }
+            if let Some((slice, _)) = store.slices.get(name) {
+                self.index_slice(name, &slice.service);
+                seeds.insert(slice.service.clone());
+            }
+        }
+        let affected = self.closure(store, node, seeds);
+        self.recompute(store, node, &affected)
+    }
+
+    fn index_slice(&mut self, slice: &ObjectName, service: &ObjectName) {
+        self.slice_service.insert(slice.clone(), service.clone());
+        self.slices
+            .entry(service.clone())
+            .or_default()
+            .insert(slice.clone());
+    }
+
+    /// `seeds` and every Service that shares a claimed frontend with one in the set, before
+    /// or after the event.
+    fn closure(
+        &self,
+        store: &ObjectStore,
+        node: &NodeContext,
+        seeds: BTreeSet<ObjectName>,
+    ) -> BTreeSet<ObjectName> {
+        let mut affected = BTreeSet::new();
+        let mut queue: Vec<ObjectName> = seeds.into_iter().collect();
+        while let Some(name) = queue.pop() {
+            if affected.contains(&name) {
+                continue;
+            }
+            let mut frontends = self
+                .services
+                .get(&name)
+                .map(|b| b.frontends.clone())
+                .unwrap_or_default();
+            if let Some((svc, origin)) = store.services.get(&name) {
+                let mut claims = Vec::new();
+                ownership::claims_of(svc, origin, node, &mut claims);
+                frontends.extend(
+                    claims
+                        .iter()
+                        .flat_map(|c| c.requests.iter().map(|r| r.frontend)),
+                );
+            }
+            for frontend in &frontends {
+                if let Some(others) = self.claimants.get(frontend) {
+                    queue.extend(others.iter().filter(|o| !affected.contains(*o)).cloned());
+                }
+            }
+            affected.insert(name);
+        }
+        affected
+    }
+
+    /// Rebuilds the service ports of `affected` (closed over shared frontends).
+    fn recompute(
+        &mut self,
+        store: &ObjectStore,
+        node: &NodeContext,
+        affected: &BTreeSet<ObjectName>,
+    ) -> Vec<ServiceChange> {
+        let mut old_ports = BTreeMap::new();
+        for name in affected {
+            self.problems.remove(name);
+            let Some(built) = self.services.remove(name) else {
+                continue;
+            };
+            for frontend in &built.frontends {
+                if let Some(set) = self.claimants.get_mut(frontend) {
+                    set.remove(name);
+                    if set.is_empty() {
+                        self.claimants.remove(frontend);
+                    }
+                }
+            }
+            for port in built.ports {
+                if let Some(state) = self.desired.ports.remove(&port) {
+                    old_ports.insert(port, state);
+                }
+            }
+        }
+
+        let mut claims = Vec::new();
+        for name in affected {
+            if let Some((svc, origin)) = store.services.get(name) {
+                ownership::claims_of(svc, origin, node, &mut claims);
+            }
+        }
+        let owners = ownership::Owners::decide(&claims);
+        let mut new_ports = BTreeMap::new();
+        for claim in claims {
+            let service = claim.svc.name.clone();
+            let slices: Vec<_> = self
+                .slices
+                .get(&service)
+                .into_iter()
+                .flatten()
+                .filter_map(|s| store.slices.get(s))
+                .collect();
+            let built = self.services.entry(service.clone()).or_default();
+            built
+                .frontends
+                .extend(claim.requests.iter().map(|r| r.frontend));
+            let port = claim.name.clone();
+            let mut problems = Vec::new();
+            if let Some(state) = build_port(claim, &owners, &slices, node, &mut problems) {
+                built.ports.push(port.clone());
+                new_ports.insert(port, state);
+            }
+            if !problems.is_empty() {
+                self.problems.entry(service).or_default().extend(problems);
+            }
+        }
+        for name in affected {
+            if let Some(built) = self.services.get(name) {
+                for frontend in &built.frontends {
+                    self.claimants
+                        .entry(*frontend)
+                        .or_default()
+                        .insert(name.clone());
+                }
+            }
+        }
+
+        // As `diff` orders them: changed and added ports by name, then removed ones.
+        let mut changes = Vec::new();
+        for (name, new) in &new_ports {
+            match old_ports.get(name) {
+                None => changes.push(ServiceChange::Added(new.clone())),
+                Some(old) if old != new => changes.push(ServiceChange::Updated {
+                    old: old.clone(),
+                    new: new.clone(),
+                }),
+                Some(_) => {}
+            }
+        }
+        for (name, old) in &old_ports {
+            if !new_ports.contains_key(name) {
+                changes.push(ServiceChange::Removed(old.clone()));
+            }
+        }
+        self.desired.ports.extend(new_ports);
+        changes
+    }
+}
+
+#[cfg(test)]
+mod tests;
