@@ -124,11 +124,15 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     Ok(verdict)
 }
 
-/// As `crate::goes_back`: a hairpin flow's packet, translated at ingress.
+/// As `crate::goes_back`: a hairpin flow's packet, translated at ingress (from the hairpin
+/// address now, or sent to it and translated).
 #[inline(always)]
 fn goes_back(ctx: &TcContext, pkt: &Packet6) -> bool {
-    match read::<[u8; 16]>(ctx, IP6_DADDR_OFF) {
-        Some(daddr) => daddr == pkt.key.saddr && daddr != pkt.key.daddr,
+    match read::<[[u8; 16]; 2]>(ctx, IP6_SADDR_OFF) {
+        Some([saddr, daddr]) => {
+            (saddr == HAIRPIN_SOURCE6 && pkt.key.saddr != HAIRPIN_SOURCE6)
+                || (pkt.key.daddr == HAIRPIN_SOURCE6 && daddr != HAIRPIN_SOURCE6)
+        }
         None => false,
     }
 }
@@ -662,7 +666,8 @@ fn new_flow(
     let now = unsafe { bpf_ktime_get_ns() };
     // A pod reaching itself through its service: it must not see its own address as the
     // source (see `HAIRPIN_SOURCE6`).
-    let hairpin = if backend_addr == pkt.key.saddr {
+    // As for IPv4: a pod of this node given itself.
+    let hairpin = if backend_addr == pkt.key.saddr && !remote {
         CT_FLAG_HAIRPIN
     } else {
         0

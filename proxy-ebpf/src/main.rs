@@ -400,14 +400,18 @@ pub(crate) fn fragment_verdict(fragment_hook: u8, hook: Hook) -> Option<i32> {
     }
 }
 
-/// Whether a packet translated at ingress is now addressed to where it came from: a
-/// hairpin flow (a pod reaching itself through its Service: the backend is the client),
-/// either way. Told from the packet, not the flow: returned from the translation, the
-/// flag would keep values alive across it, past 6.1's stack limit.
+/// Whether a packet translated at ingress belongs to a hairpin flow (a pod of this node
+/// reaching itself through its Service), either way: it now comes from the hairpin
+/// address, or it was sent to it and was translated. Told from the packet, not the flow:
+/// returned from the translation, the flag would keep values alive across it, past 6.1's
+/// stack limit.
 #[inline(always)]
 fn goes_back(ctx: &TcContext, pkt: &Packet) -> bool {
-    match read::<u32>(ctx, IP_DADDR_OFF) {
-        Some(daddr) => daddr == pkt.key.saddr && daddr != pkt.key.daddr,
+    match read::<[u32; 2]>(ctx, IP_SADDR_OFF) {
+        Some([saddr, daddr]) => {
+            (saddr == HAIRPIN && pkt.key.saddr != HAIRPIN)
+                || (pkt.key.daddr == HAIRPIN && daddr != HAIRPIN)
+        }
         None => false,
     }
 }
@@ -929,7 +933,10 @@ fn new_flow(
             }
         }
     };
-    let hairpin_flag = if backend.addr == pkt.key.saddr {
+    // A pod of this node given itself. (A remote client given itself, through a NodePort
+    // say, is an ordinary flow: masqueraded to it, the reply comes back here.)
+    let hairpin_flag = if backend.addr == pkt.key.saddr && backend.flags & BACKEND_FLAG_REMOTE == 0
+    {
         CT_FLAG_HAIRPIN
     } else {
         0

@@ -1014,12 +1014,17 @@ fn health_check_node_port_reports_local_endpoints(mode: Mode) {
     );
 }
 
-/// Services for the socket-placement rows: `self` (10.96.0.70) served by web-1a alone,
+/// Services for the socket-placement rows: `self` (10.96.0.70, external IP 10.252.0.16)
+/// served by web-1a alone,
 /// `empty` (10.96.0.71) without endpoints, `sticky` (10.96.0.72) with ClientIP affinity,
 /// `spread` (10.96.0.73) on both nodes.
 fn placement_services(c: &Cluster) -> String {
-    service("self", "10.96.0.70", "", &[("", "TCP", 80, "8080")])
-        + &slice(c, "self", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
+    service(
+        "self",
+        "10.96.0.70",
+        "  externalIPs: [10.252.0.16]\n",
+        &[("", "TCP", 80, "8080")],
+    ) + &slice(c, "self", "1", &[("", "TCP", 8080)], &ready(&["web-1a"]))
         + &service("empty", "10.96.0.71", "", &[("", "TCP", 80, "8080")])
         + &slice(c, "empty", "1", &[("", "TCP", 8080)], &[])
         + &service(
@@ -1049,15 +1054,23 @@ fn drop_invalid_forwarding(c: &Cluster) {
 
 /// What a pod gets from the tc path, behind a host firewall's INVALID drop: backends on
 /// both nodes answer (their replies restored after netfilter, whose conntrack saw the
-/// flow translated); reaching itself it is source-NATed to the hairpin address; a service
+/// flow translated); reaching itself (through its cluster IP or an external IP) it is
+/// source-NATed to the hairpin address; a service
 /// without endpoints answers with a reset at once; affinity keeps it.
 fn tc_path_semantics(c: &Cluster) {
     drop_invalid_forwarding(c);
     let spread = tcp_from_pod(c, CLIENT, addr("10.96.0.73", 80), 30);
     assert_eq!(pods(&spread), set(&ALL), "{:?}", counts(&spread));
     let hairpin = std::net::Ipv4Addr::from(proxy_common::HAIRPIN_SOURCE);
-    for h in tcp_from_pod(c, "web-1a", addr("10.96.0.70", 80), 5) {
-        assert_eq!((h.pod.as_str(), h.from.ip()), ("web-1a", hairpin.into()));
+    // Through its cluster IP and through an external frontend of its Service alike.
+    for to in [addr("10.96.0.70", 80), addr("10.252.0.16", 80)] {
+        for h in tcp_from_pod(c, "web-1a", to, 5) {
+            assert_eq!(
+                (h.pod.as_str(), h.from.ip()),
+                ("web-1a", hairpin.into()),
+                "{to}"
+            );
+        }
     }
     let refused = pod_exchanges(c, CLIENT, Transport::Tcp, to("10.96.0.71", 80), 1, None, 10)
         .remove(0)
@@ -1825,8 +1838,7 @@ fn external_policy_local_in(mode: Mode, family: Family) {
 /// clients; clients from outside still reach only the node's own endpoints, with their
 /// address kept, and nothing through a node that has none. Pods are told apart by the
 /// cluster CIDR (kube-proxy's default detectLocalMode); the eBPF mode's socket hooks know
-/// every socket below them is on the node (its tc path does not short-circuit yet: pods
-/// outside the hooks, with --socket-lb host-only, get the external policy).
+/// every socket below them is on the node (the tc path's own choice: the next row).
 fn external_traffic_policy_local_short_circuits_clients_on_the_node(mode: Mode) {
     short_circuit_in(mode, &[]);
 }

@@ -1661,7 +1661,12 @@ fn verifier_instruction_counts_are_reported() {
             None => println!("verifier: {name:<24}       n/a (not loaded or not reported)"),
         }
     }
-    for ipv4 in ["proxy_ingress", "proxy_egress", "proxy_refuse"] {
+    for ipv4 in [
+        "proxy_ingress",
+        "proxy_egress",
+        "proxy_refuse",
+        "proxy_new_flow",
+    ] {
         assert!(
             counts.iter().any(|(name, c)| name == ipv4 && c.is_some()),
             "{ipv4} not loaded (or the kernel, 5.16+, did not count it): {counts:?}"

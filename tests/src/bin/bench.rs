@@ -213,7 +213,8 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
                 from.port(),
                 TCP_SYN | TCP_ACK,
             );
-            dp.run(Hook::Ingress, &reply)?;
+            // Replies are restored at egress, toward the client (netfilter between).
+            dp.run(Hook::Egress, &reply)?;
             dp.run(Hook::Ingress, &ack)?;
         }
         // Established: the same flows again.
@@ -221,10 +222,24 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
             est_ns.push(dp.time(Hook::Ingress, &frame, 1)?);
         }
     }
-    // A sanity check that the measured path is the translating one.
-    let (verdict, _) = dp.run(Hook::Ingress, &frames(0, TCP_ACK)[0])?;
-    if verdict != TC_ACT_UNSPEC {
-        bail!("unexpected verdict {verdict}");
+    // Sanity checks that the measured path is the translating one: every flow was
+    // confirmed (established packets hit CONNTRACK first), and a packet leaves translated.
+    let confirmed = dp
+        .datapath
+        .stats()?
+        .into_iter()
+        .find(|(s, _)| *s == proxy_common::Stat::FlowConfirmed)
+        .map_or(0, |(_, n)| n);
+    let flows = u64::from(args.flows) * u64::from(args.rounds);
+    if confirmed < flows {
+        bail!("{confirmed} of {flows} flows confirmed: the established path measured is not the one a real connection takes");
+    }
+    let first = &frames(0, TCP_ACK)[0];
+    let (verdict, out) = dp.run(Hook::Ingress, first)?;
+    if verdict != TC_ACT_UNSPEC
+        || proxy_tests::packet::ends(&out) == proxy_tests::packet::ends(first)
+    {
+        bail!("an established packet was not translated (verdict {verdict})");
     }
     Ok(Measurement {
         other: summarise(other_ns),
