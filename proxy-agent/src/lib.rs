@@ -18,7 +18,7 @@
 //! # Where is X
 //! | what | where |
 //! |---|---|
-//! | a Service change, to a map write | [`source`] → [`agent::sync_loop::SyncLoop::ingest`] → [`model::DesiredState::build`] and [`model::ChangeTracker::update`] → [`agent::sync_loop::SyncLoop::sync`] → [`proxier::Proxier::sync`] → [`proxier::ebpf::sync::MapSync`] → [`proxier::ebpf::maps::ServiceMaps`] ([`proxier::ebpf::maps::KernelMaps`] in production) |
+//! | a Service change, to a map write | [`source`] (an [`source::Update`]) → [`agent::sync_loop::SyncLoop::ingest`] ([`source::View::apply`] names the objects changed) → [`model::incremental::IncrementalModel::apply`] → [`agent::sync_loop::SyncLoop::sync`] → [`proxier::Proxier::sync`] → [`proxier::ebpf::sync::MapSync`] → [`proxier::ebpf::maps::ServiceMaps`] ([`proxier::ebpf::maps::KernelMaps`] in production) |
 //! | which endpoints serve, affinity, traffic policy | [`model`] (`ServicePortState`: decided once for every mode) |
 //! | which clients are the node's pods (`detectLocalMode`: cluster-IP masquerade, the short-circuit) | [`model::local`] decides; [`agent::sync_loop::SyncLoop`] resolves it with the Node and hands it to [`proxier::Proxier::set_local_traffic`] and [`datapath::runtime::EbpfRuntime::follow_local_traffic`] |
 //! | who owns a frontend two Services claim; `--external-ip-cidrs` | [`model::ownership`]; the Events telling the losing Service: [`source::events`] |

@@ -214,7 +214,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
         Some(path) => syncs.ingest(manifests::load(path)?),
         // Nothing is programmed before the API server has been listed once.
         None => match snapshot_rx.recv().await {
-            Some(set) => syncs.ingest(set),
+            Some(update) => syncs.ingest(update),
             None => bail!("the API-server source stopped"),
         },
     }
@@ -257,8 +257,8 @@ pub async fn run(mut s: Settings) -> Result<()> {
                     }
                 }
             }
-            Some(set) = snapshot_rx.recv() => {
-                syncs.ingest(set);
+            Some(update) = snapshot_rx.recv() => {
+                syncs.ingest(update);
                 deferred = syncs.sync_or_defer(&mut proxier);
             }
             _ = tokio::time::sleep(wait.unwrap_or(Duration::from_secs(3600))), if wait.is_some() => {

@@ -1,5 +1,6 @@
-//! The sync loop's state: a source's snapshots become the desired state and a list of
-//! changes ([`ChangeTracker`]); the changes are handed to the proxier no more often than
+//! The sync loop's state: a source's updates add up to a [`View`]; the objects each update
+//! changed are recomputed into the desired state and a list of changes
+//! ([`IncrementalModel`]); the changes are handed to the proxier no more often than
 //! minSyncPeriod, with kube-proxy's metrics and health bookkeeping.
 //!
 //! Which sync runs when:
@@ -11,6 +12,7 @@
 //!   changes are not replayed; a full sync covers them).
 
 use std::{
+    collections::HashSet,
     sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
@@ -23,14 +25,15 @@ use crate::{
     kernel::host::local_addresses,
     metrics::{unix_seconds, Metrics},
     model::{
+        incremental::IncrementalModel,
         local::{DetectLocal, LocalTraffic},
         objects::NodeInfo,
-        ChangeTracker, DesiredState, NodeContext, NodePortAddress, ObjectStore, Problem,
-        ProblemKind, Scheduler, ServiceChange, ServicePortName, WhenEmpty,
+        DesiredState, NodeContext, NodePortAddress, ObjectStore, Problem, ProblemKind, Scheduler,
+        ServiceChange, ServicePortName, WhenEmpty,
     },
     proxier::Proxier,
     source::events::{Notice, ServiceEvents},
-    source::Snapshot,
+    source::{Update, View},
 };
 
 /// The longest time between full syncs, kube-proxy's `FullSyncPeriod`: a full sync rewrites
@@ -113,7 +116,12 @@ impl From<&Settings> for LoopOptions {
 
 pub struct SyncLoop {
     options: LoopOptions,
-    tracker: ChangeTracker,
+    /// What the source has said so far.
+    view: View,
+    model: IncrementalModel,
+    /// The node context the model was last built with: when it changes, every service port
+    /// is recomputed.
+    context: Option<NodeContext>,
     /// The source for masqueraded flows: this node's first IPv4 InternalIP.
     pub masquerade_addr: Option<std::net::Ipv4Addr>,
     /// The same for IPv6: this node's first IPv6 InternalIP.
@@ -125,8 +133,8 @@ pub struct SyncLoop {
     node: Option<NodeInfo>,
     pending: Vec<ServiceChange>,
     pending_since: Option<SystemTime>,
-    /// Problems already logged (each is logged when it appears, not on every snapshot).
-    reported: Vec<String>,
+    /// Problems already logged (each is logged when it appears, not on every update).
+    reported: HashSet<String>,
     last_sync: Option<Instant>,
     /// When a full sync last succeeded.
     last_full_sync: Option<Instant>,
@@ -147,7 +155,9 @@ impl SyncLoop {
     pub fn new(options: LoopOptions, health: ProxyHealth, metrics: Arc<Metrics>) -> Self {
         Self {
             options,
-            tracker: ChangeTracker::default(),
+            view: View::default(),
+            model: IncrementalModel::default(),
+            context: None,
             masquerade_addr: None,
             masquerade_addr6: None,
             local: LocalTraffic::default(),
@@ -155,7 +165,7 @@ impl SyncLoop {
             node: None,
             pending: Vec::new(),
             pending_since: None,
-            reported: Vec::new(),
+            reported: HashSet::new(),
             last_sync: None,
             last_full_sync: None,
             needs_full: false,
@@ -170,7 +180,7 @@ impl SyncLoop {
 
     /// The state the proxier was last asked to serve, with what is pending.
     pub fn desired(&self) -> &DesiredState {
-        self.tracker.current()
+        self.model.desired()
     }
 
     /// Changes read but not yet handed to the proxier.
@@ -194,9 +204,12 @@ impl SyncLoop {
         self.events = Some(events);
     }
 
-    /// Takes a new view of the cluster and queues the changes it makes.
-    pub fn ingest(&mut self, set: Snapshot) {
-        let node = set.nodes.iter().find(|n| n.name == self.options.node_name);
+    /// Takes in a source's update and queues the changes it makes: the service ports of
+    /// the objects it changed are recomputed, or all of them when this node's context
+    /// changed (its Node object, its addresses).
+    pub fn ingest(&mut self, update: impl Into<Update>) {
+        let touched = self.view.apply(update.into());
+        let node = self.view.node(&self.options.node_name);
         let context = NodeContext {
             masquerade_all: self.options.masquerade_all,
             external_ip_cidrs: self.options.external_ip_cidrs.clone(),
@@ -208,37 +221,20 @@ impl SyncLoop {
                 &local_addresses(),
             )
         };
-        let (desired, model_problems) = DesiredState::build(&set.store, &context);
+        let changes = if self.context.as_ref() != Some(&context) {
+            let changes = self.model.rebuild(&self.view.store, &context);
+            self.context = Some(context);
+            changes
+        } else if touched.is_empty() {
+            Vec::new()
+        } else {
+            self.model.apply(&self.view.store, &context, &touched)
+        };
+        let context = self.context.as_ref().expect("set above");
         self.masquerade_addr = context.masquerade_addr;
         self.masquerade_addr6 = context.masquerade_addr6;
-        let count = |kind| model_problems.iter().filter(|p| p.kind == kind).count() as i64;
-        self.metrics
-            .frontend_conflicts
-            .set(count(ProblemKind::FrontendConflict));
-        self.metrics
-            .external_ips_refused
-            .set(count(ProblemKind::ExternalIpRefused));
-        let problems: Vec<String> = set
-            .problems
-            .iter()
-            .chain(&model_problems)
-            .map(ToString::to_string)
-            .collect();
-        for p in problems.iter().filter(|p| !self.reported.contains(p)) {
-            warn!("{p}");
-        }
-        self.reported = problems;
-        if let Some(events) = &self.events {
-            let notices = notices(&model_problems);
-            // Walked only when there is something to post: it reads every endpoint.
-            if !notices.is_empty() {
-                events.notice(notices, endpoint_nodes(&set.store));
-            }
-        }
-        let node = set
-            .nodes
-            .into_iter()
-            .find(|n| n.name == self.options.node_name);
+        self.report_problems();
+        let node = self.view.node(&self.options.node_name).cloned();
         if node != self.node {
             match &node {
                 Some(n) if n.ineligible.is_some() => warn!("{n}: /healthz answers 503"),
@@ -252,7 +248,6 @@ impl SyncLoop {
             self.node = node;
         }
         self.follow_local_traffic();
-        let changes = self.tracker.update(desired);
         if changes.is_empty() {
             return;
         }
@@ -277,6 +272,44 @@ impl SyncLoop {
                 .map(ServiceChange::endpoint_changes)
                 .sum::<usize>() as i64,
         );
+    }
+
+    /// Logs the problems that appeared, counts them, and posts Events for new ones in
+    /// Services (API source).
+    fn report_problems(&mut self) {
+        let model_problems = self.model.problems();
+        let count = |kind| model_problems.iter().filter(|p| p.kind == kind).count() as i64;
+        self.metrics
+            .frontend_conflicts
+            .set(count(ProblemKind::FrontendConflict));
+        self.metrics
+            .external_ips_refused
+            .set(count(ProblemKind::ExternalIpRefused));
+        let mut reported = HashSet::with_capacity(self.reported.len());
+        let mut new = Vec::new();
+        for p in self.view.problems.iter().chain(&model_problems) {
+            let text = p.to_string();
+            if !self.reported.contains(&text) {
+                warn!("{text}");
+                new.push(p.clone());
+            }
+            reported.insert(text);
+        }
+        self.reported = reported;
+        self.post_notices(&new);
+    }
+
+    /// Posts Events for `problems` that are a tenant's to fix (API source). The poster is
+    /// chosen among the endpoints' nodes, so they are walked, but only when there is
+    /// something to post: for new problems at once, for all of them every syncPeriod (an
+    /// Event dropped by the rate limit, or whose poster went away, is posted then).
+    fn post_notices(&self, problems: &[Problem]) {
+        if let Some(events) = &self.events {
+            let notices = notices(problems);
+            if !notices.is_empty() {
+                events.notice(notices, endpoint_nodes(&self.view.store));
+            }
+        }
     }
 
     /// The start-up sync. It writes everything (the eBPF proxier's first sync is complete
@@ -309,6 +342,7 @@ impl SyncLoop {
             .last_full_sync
             .is_none_or(|t| t.elapsed() >= self.options.full_sync_period);
         self.sync(proxier, full);
+        self.post_notices(&self.model.problems());
     }
 
     /// Resolves `detectLocalMode` with the Node object as last seen, logging each change.
@@ -339,11 +373,11 @@ impl SyncLoop {
         proxier.set_masquerade_addresses(self.masquerade_addr, self.masquerade_addr6);
         proxier.set_local_traffic(&self.local);
         let result = if full {
-            proxier.sync_full(self.tracker.current())
+            proxier.sync_full(self.model.desired())
         } else {
             // Repeated changes to one service port collapse to old -> newest; the proxier
             // only needs to know which ports changed.
-            proxier.sync(self.tracker.current(), &changes)
+            proxier.sync(self.model.desired(), &changes)
         };
         let elapsed = started.elapsed().as_secs_f64();
         self.last_sync = Some(Instant::now());
@@ -359,7 +393,7 @@ impl SyncLoop {
             self.metrics.sync_partial_duration.observe(elapsed);
         }
         self.service_health
-            .sync(service_health::wanted(self.tracker.current()));
+            .sync(service_health::wanted(self.model.desired()));
         self.count_no_local_endpoints();
         let (ports, backends) = proxier.programmed();
         let mode = proxier.mode().as_str();
@@ -424,7 +458,7 @@ impl SyncLoop {
                         changes = changes.len(),
                         written = report.services_written,
                         failed = report.services_failed,
-                        service_ports = self.tracker.current().ports.len(),
+                        service_ports = self.model.desired().ports.len(),
                         elapsed_ms = elapsed * 1000.0,
                         "synced"
                     );
@@ -441,7 +475,7 @@ impl SyncLoop {
     /// Service ports whose Local policy finds endpoints elsewhere but none here.
     fn count_no_local_endpoints(&self) {
         let (mut internal, mut external) = (0, 0);
-        for state in self.tracker.current().ports.values() {
+        for state in self.model.desired().ports.values() {
             internal += (state.when_empty == WhenEmpty::Drop) as i64;
             external += state
                 .external

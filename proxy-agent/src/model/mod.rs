@@ -874,24 +874,5 @@ pub fn diff(old: &DesiredState, new: &DesiredState) -> Vec<ServiceChange> {
     changes
 }
 
-/// Holds the state proxiers were last synced to and turns each new desired state into the
-/// changes that lead to it, as kube-proxy's change trackers do.
-#[derive(Debug, Default)]
-pub struct ChangeTracker {
-    current: DesiredState,
-}
-
-impl ChangeTracker {
-    pub fn current(&self) -> &DesiredState {
-        &self.current
-    }
-
-    pub fn update(&mut self, new: DesiredState) -> Vec<ServiceChange> {
-        let changes = diff(&self.current, &new);
-        self.current = new;
-        changes
-    }
-}
-
 #[cfg(test)]
 mod tests;

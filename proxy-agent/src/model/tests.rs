@@ -352,15 +352,14 @@ fn diff_reports_exactly_what_changed() {
             )],
         )
     };
-    let mut tracker = ChangeTracker::default();
-    let first = tracker.update(DesiredState::build(&base(), &NodeContext::default()).0);
+    let build = |st: &ObjectStore| DesiredState::build(st, &NodeContext::default()).0;
+    let current = build(&base());
+    let first = diff(&DesiredState::default(), &current);
     assert_eq!(first.len(), 2);
     assert!(first.iter().all(|c| matches!(c, ServiceChange::Added(_))));
 
     assert!(
-        tracker
-            .update(DesiredState::build(&base(), &NodeContext::default()).0)
-            .is_empty(),
+        diff(&current, &build(&base())).is_empty(),
         "no change, no diff"
     );
 
@@ -378,7 +377,7 @@ fn diff_reports_exactly_what_changed() {
         .unwrap()
         .0
         .endpoints = vec![endpoint("10.0.0.1", true), endpoint("10.0.0.5", true)];
-    let changes = tracker.update(DesiredState::build(&next, &NodeContext::default()).0);
+    let changes = diff(&current, &build(&next));
     let summary: Vec<(String, &str, usize)> = changes
         .iter()
         .map(|c| {

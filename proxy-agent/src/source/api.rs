@@ -6,7 +6,7 @@
 //! (`service.kubernetes.io/service-proxy-name`) and headless ones are skipped, as kube-proxy
 //! does, both by label selector and again on arrival.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures::{stream, StreamExt};
 use k8s_openapi::api::{
@@ -23,27 +23,33 @@ use kube::{
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use super::Snapshot;
+use super::{Delta, Puts, Update};
 use crate::model::{
     objects::{display_name, NodeInfo, Validated},
-    ObjectName, ObjectStore, Origin, Problem, ProblemKind, ServiceInfo, SliceInfo,
+    ObjectName, Origin, Problem, ProblemKind, ServiceInfo, SliceInfo,
 };
 
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
 
-/// Objects of one kind as the watcher reported them; `relist` buffers an `Init` until its
-/// `InitDone`.
+/// Objects of one kind as the watcher reported them: the names of those kept (the objects
+/// themselves live once, in the sync loop's view), the changes not yet sent, and the
+/// objects of a relist (`Init` … `InitDone`) until it completes.
 struct Kind<T> {
-    live: BTreeMap<ObjectName, T>,
+    live: BTreeSet<ObjectName>,
+    pending: Puts<T>,
     relist: Option<BTreeMap<ObjectName, T>>,
+    /// A first list has completed.
+    listed: bool,
 }
 
 impl<T> Default for Kind<T> {
     fn default() -> Self {
         Self {
-            live: BTreeMap::new(),
+            live: BTreeSet::new(),
+            pending: Vec::new(),
             relist: None,
+            listed: false,
         }
     }
 }
@@ -64,56 +70,115 @@ impl<T> Conversion<T> {
             _ => None,
         }
     }
+
+    fn name(&self) -> &ObjectName {
+        match self {
+            Conversion::Keep(n, _) | Conversion::Skip(n) | Conversion::Invalid(n, _) => n,
+        }
+    }
+}
+
+/// The problems of invalid objects, by kind and name (a Service and an EndpointSlice may
+/// share a name); `changed` until they are next sent.
+#[derive(Default)]
+struct Problems {
+    by_object: BTreeMap<(&'static str, ObjectName), Problem>,
+    changed: bool,
+}
+
+impl Problems {
+    fn set(&mut self, kind: &'static str, name: &ObjectName, problem: Option<Problem>) {
+        let key = (kind, name.clone());
+        let changed = match problem {
+            Some(p) => self.by_object.insert(key, p.clone()).as_ref() != Some(&p),
+            None => self.by_object.remove(&key).is_some(),
+        };
+        self.changed |= changed;
+    }
+
+    fn clear(&mut self, kind: &'static str) {
+        let before = self.by_object.len();
+        self.by_object.retain(|(k, _), _| *k != kind);
+        self.changed |= self.by_object.len() != before;
+    }
+
+    /// Every problem, if they changed since the last call.
+    fn take_changed(&mut self) -> Option<Vec<Problem>> {
+        std::mem::take(&mut self.changed).then(|| self.by_object.values().cloned().collect())
+    }
 }
 
 impl<T> Kind<T> {
+    /// Listed once and not being listed again.
+    fn settled(&self) -> bool {
+        self.listed && self.relist.is_none()
+    }
+
     /// Applies a watcher event; returns true when the state is consistent afterwards (not
     /// in the middle of a relist).
     fn apply<K>(
         &mut self,
+        kind: &'static str,
         event: Event<K>,
         convert: impl Fn(&K) -> Conversion<T>,
-        problems: &mut BTreeMap<ObjectName, Problem>,
+        problems: &mut Problems,
     ) -> bool {
-        let mut put = |map: &mut BTreeMap<ObjectName, T>, obj: &K| match convert(obj) {
-            Conversion::Keep(name, t) => {
-                problems.remove(&name);
-                map.insert(name, t);
-            }
-            Conversion::Skip(name) => {
-                problems.remove(&name);
-                map.remove(&name);
-            }
-            Conversion::Invalid(name, p) => {
-                map.remove(&name);
-                problems.insert(name, p);
-            }
-        };
         match event {
             Event::Apply(obj) => {
-                put(&mut self.live, &obj);
+                let (name, object, problem) = match convert(&obj) {
+                    Conversion::Keep(name, t) => (name, Some(t), None),
+                    Conversion::Skip(name) => (name, None, None),
+                    Conversion::Invalid(name, p) => (name, None, Some(p)),
+                };
+                problems.set(kind, &name, problem);
+                match object {
+                    Some(_) => self.live.insert(name.clone()),
+                    None => self.live.remove(&name),
+                };
+                self.pending.push((name, object));
                 true
             }
             Event::Delete(obj) => {
-                let name = match convert(&obj) {
-                    Conversion::Keep(n, _) | Conversion::Skip(n) | Conversion::Invalid(n, _) => n,
-                };
-                problems.remove(&name);
+                let name = convert(&obj).name().clone();
+                problems.set(kind, &name, None);
                 self.live.remove(&name);
+                self.pending.push((name, None));
                 true
             }
             Event::Init => {
+                // The relist reports every invalid object again.
+                problems.clear(kind);
                 self.relist = Some(BTreeMap::new());
                 false
             }
             Event::InitApply(obj) => {
                 let map = self.relist.get_or_insert_with(BTreeMap::new);
-                put(map, &obj);
+                match convert(&obj) {
+                    Conversion::Keep(name, t) => {
+                        problems.set(kind, &name, None);
+                        map.insert(name, t);
+                    }
+                    Conversion::Skip(name) => {
+                        problems.set(kind, &name, None);
+                        map.remove(&name);
+                    }
+                    Conversion::Invalid(name, p) => {
+                        problems.set(kind, &name, Some(p));
+                        map.remove(&name);
+                    }
+                }
                 false
             }
             Event::InitDone => {
+                self.listed = true;
                 if let Some(fresh) = self.relist.take() {
-                    self.live = fresh;
+                    // Objects deleted while the watch was down go, with their problems.
+                    for gone in self.live.iter().filter(|n| !fresh.contains_key(*n)) {
+                        self.pending.push((gone.clone(), None));
+                    }
+                    self.live = fresh.keys().cloned().collect();
+                    self.pending
+                        .extend(fresh.into_iter().map(|(name, t)| (name, Some(t))));
                 }
                 true
             }
@@ -165,67 +230,74 @@ pub(crate) fn convert_slice(slice: &EndpointSlice) -> Conversion<(SliceInfo, Ori
     convert(slice, &[HEADLESS_LABEL])
 }
 
-enum Update {
+enum Change {
     Service(Box<Event<Service>>),
     Slice(Box<Event<EndpointSlice>>),
     Node(Box<Event<Node>>),
 }
 
-/// Watches the API server through `client` and sends a snapshot after every consistent
-/// change, until `tx` is closed. Watch errors are logged and retried with backoff.
-pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Snapshot>) {
+/// Watches the API server through `client` and sends what changed after every consistent
+/// change (a delta naming the objects of the event; after a relist, every object listed),
+/// until `tx` is closed. Watch errors are logged and retried with backoff.
+pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
     let services = watcher::watcher(
         Api::<Service>::all(client.clone()),
         watcher::Config::default()
             .labels(&format!("!{SERVICE_PROXY_NAME_LABEL},!{HEADLESS_LABEL}")),
     )
     .default_backoff()
-    .map(|r| r.map(|e| Update::Service(Box::new(e))));
+    .map(|r| r.map(|e| Change::Service(Box::new(e))));
     let slices = watcher::watcher(
         Api::<EndpointSlice>::all(client.clone()),
         watcher::Config::default().labels(&format!("!{HEADLESS_LABEL}")),
     )
     .default_backoff()
-    .map(|r| r.map(|e| Update::Slice(Box::new(e))));
+    .map(|r| r.map(|e| Change::Slice(Box::new(e))));
     let nodes = watcher::watcher(
         Api::<Node>::all(client),
         watcher::Config::default().fields(&format!("metadata.name={node_name}")),
     )
     .default_backoff()
-    .map(|r| r.map(|e| Update::Node(Box::new(e))));
+    .map(|r| r.map(|e| Change::Node(Box::new(e))));
     let mut updates = stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
 
     let mut svc: Kind<(ServiceInfo, Origin)> = Kind::default();
     let mut sl: Kind<(SliceInfo, Origin)> = Kind::default();
     let mut node: Kind<NodeInfo> = Kind::default();
-    let mut problems = BTreeMap::new();
-    let mut node_problems = BTreeMap::new();
+    let mut problems = Problems::default();
+    let mut first = true;
     while let Some(update) = updates.next().await {
         let consistent = match update {
-            Ok(Update::Service(e)) => svc.apply(*e, convert_service, &mut problems),
-            Ok(Update::Slice(e)) => sl.apply(*e, convert_slice, &mut problems),
-            Ok(Update::Node(e)) => node.apply(
+            Ok(Change::Service(e)) => svc.apply("Service", *e, convert_service, &mut problems),
+            Ok(Change::Slice(e)) => sl.apply("EndpointSlice", *e, convert_slice, &mut problems),
+            Ok(Change::Node(e)) => node.apply(
+                "Node",
                 *e,
                 |n: &Node| Conversion::Keep(name_of(&n.metadata), NodeInfo::from_api(n)),
-                &mut node_problems,
+                &mut problems,
             ),
             Err(e) => {
                 warn!("API watch: {e}; retrying with backoff");
                 false
             }
         };
-        if !consistent || svc.relist.is_some() || sl.relist.is_some() {
+        // Nothing goes out before all three kinds have been listed once (kube-proxy waits
+        // for its informers to sync likewise), nor while one is being listed again.
+        if !(consistent && svc.settled() && sl.settled() && node.settled()) {
             continue;
         }
-        let snapshot = Snapshot {
-            store: ObjectStore {
-                services: svc.live.clone(),
-                slices: sl.live.clone(),
-            },
-            problems: problems.values().cloned().collect(),
-            nodes: node.live.values().cloned().collect(),
+        let delta = Delta {
+            services: std::mem::take(&mut svc.pending),
+            slices: std::mem::take(&mut sl.pending),
+            nodes: std::mem::take(&mut node.pending)
+                .into_iter()
+                .map(|(name, n)| (name.name, n))
+                .collect(),
+            // The first update carries them even when there are none: it is the whole view.
+            problems: problems.take_changed().or_else(|| first.then(Vec::new)),
         };
-        if tx.send(snapshot).await.is_err() {
+        first = false;
+        if tx.send(Update::Delta(delta)).await.is_err() {
             return;
         }
     }

@@ -12,7 +12,7 @@ use super::*;
 use crate::{
     model::{DesiredState, ServiceChange},
     proxier::{ProxyMode, SyncReport},
-    source::manifests::parse_into,
+    source::{manifests::parse_into, Snapshot},
 };
 
 /// One call the fake proxier received.
@@ -311,7 +311,7 @@ async fn an_unprogrammed_service_port_gets_an_event_on_its_service() {
     // The endpoints are on other nodes (the slices name none here, so every node may post
     // a cluster-wide problem); this one is node-a's own.
     syncs.ingest(snapshot(1, &["10.244.1.1"]));
-    let name = syncs.tracker.current().ports.keys().next().unwrap().clone();
+    let name = syncs.desired().ports.keys().next().unwrap().clone();
     let mut proxier = FakeProxier {
         unprogrammed: 1,
         unprogrammed_names: vec![(
@@ -336,4 +336,46 @@ async fn an_unprogrammed_service_port_gets_an_event_on_its_service() {
         ),
         "{event}"
     );
+}
+
+/// A watch event for one EndpointSlice queues the change of its one service port, however
+/// many there are; an update that puts objects unchanged (a relist) queues nothing.
+#[test]
+fn a_delta_queues_only_the_service_ports_it_changed() {
+    use crate::source::{Delta, Update};
+    let (mut syncs, _, _) = sync_loop(Duration::ZERO);
+    let mut proxier = FakeProxier::default();
+    syncs.ingest(snapshot(20, &["10.0.0.1"]));
+    syncs.first_sync(&mut proxier);
+    assert_eq!(proxier.calls, [Call::Partial(20)]);
+
+    let moved = snapshot(20, &["10.0.0.2"]);
+    let (name, slice) = moved
+        .store
+        .slices
+        .into_iter()
+        .find(|(n, _)| n.name == "web-7-abc")
+        .unwrap();
+    syncs.ingest(Update::Delta(Delta {
+        slices: vec![(name.clone(), Some(slice))],
+        ..Delta::default()
+    }));
+    assert_eq!(syncs.pending(), 1);
+    syncs.sync(&mut proxier, false);
+    assert_eq!(proxier.calls[1], Call::Partial(1));
+    let port = syncs
+        .desired()
+        .ports
+        .values()
+        .find(|p| p.backends == ["10.0.0.2:8080".parse().unwrap()])
+        .expect("the moved endpoint is served");
+    assert_eq!(port.name.service.name, "web-7");
+
+    let relist = snapshot(20, &["10.0.0.1"]);
+    let unchanged = relist.store.services.into_iter().map(|(n, s)| (n, Some(s)));
+    syncs.ingest(Update::Delta(Delta {
+        services: unchanged.collect(),
+        ..Delta::default()
+    }));
+    assert_eq!(syncs.pending(), 0, "the Services were put again unchanged");
 }

@@ -12,7 +12,10 @@ use serde_json::{json, Value};
 use tower_test::mock;
 
 use super::*;
-use crate::model::{DesiredState, NodeContext, Protocol, ServicePortName};
+use crate::{
+    model::{DesiredState, NodeContext, Protocol, ServicePortName},
+    source::View,
+};
 
 const SERVICES: &str = "/api/v1/services";
 const SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
@@ -249,9 +252,11 @@ async fn relists_skips_foreign_services_and_recovers_from_watch_errors() {
 
     let mut saw_gone = false;
     let mut saw_foreign = false;
+    let mut view = View::default();
     let done = tokio::time::timeout(Duration::from_secs(15), async {
-        while let Some(snapshot) = rx.recv().await {
-            let (state, _) = DesiredState::build(&snapshot.store, &NodeContext::default());
+        while let Some(update) = rx.recv().await {
+            view.apply(update);
+            let (state, _) = DesiredState::build(&view.store, &NodeContext::default());
             saw_gone |= state.ports.contains_key(&port("gone"));
             saw_foreign |= state.ports.contains_key(&port("foreign"));
             let web = backends(&state, "web");
@@ -261,8 +266,8 @@ async fn relists_skips_foreign_services_and_recovers_from_watch_errors() {
                 && !state.ports.contains_key(&port("gone"))
                 && !state.ports.contains_key(&port("retyped"))
             {
-                assert_eq!(snapshot.nodes.len(), 1);
-                let node = &snapshot.nodes[0];
+                assert_eq!(view.nodes.len(), 1);
+                let node = view.node("node-a").unwrap();
                 assert_eq!(node.name, "node-a");
                 assert_eq!(node.zone.as_deref(), Some("z1"));
                 assert_eq!(
@@ -322,22 +327,89 @@ async fn invalid_objects_are_reported_and_the_rest_served() {
         .on(NODES, false, list("NodeList", "1", vec![]));
     let (tx, mut rx) = mpsc::channel(16);
     tokio::spawn(run(serve(script), "node-a".into(), tx));
-    let snapshot = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            let s = rx.recv().await.unwrap();
-            if !s.store.slices.is_empty() && !s.problems.is_empty() {
-                return s;
-            }
-        }
-    })
-    .await
-    .unwrap();
-    let (state, _) = DesiredState::build(&snapshot.store, &NodeContext::default());
+    // The first update is the whole first list, problems included.
+    let first = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut view = View::default();
+    view.apply(first);
+    let (state, _) = DesiredState::build(&view.store, &NodeContext::default());
     assert_eq!(backends(&state, "web").unwrap().len(), 1);
-    assert_eq!(snapshot.problems.len(), 1);
-    let p = snapshot.problems[0].to_string();
+    assert_eq!(view.problems.len(), 1);
+    let p = view.problems[0].to_string();
     assert!(
         p.contains("api-server: Service shop/bad: spec.clusterIP"),
         "{p}"
     );
+}
+
+/// A watch event sends only its own object: the sync loop recomputes only what that touches,
+/// however many objects the first list held; a problem fixed goes with the next update.
+#[tokio::test]
+async fn a_watch_event_sends_only_its_object() {
+    let mut services: Vec<Value> = (0..50)
+        .map(|i| {
+            service(
+                &format!("s{i}"),
+                Some(&format!("10.96.1.{i}")),
+                "ClusterIP",
+                json!({}),
+            )
+        })
+        .collect();
+    services.push(service("bad", Some("10.96.0.300"), "ClusterIP", json!({})));
+    let slices = (0..50)
+        .map(|i| slice(&format!("s{i}-a"), &format!("s{i}"), &["10.244.1.1"]))
+        .collect();
+    let script = Script::default()
+        .on(SERVICES, false, list("ServiceList", "1", services))
+        .on(
+            SERVICES,
+            true,
+            Reply::Events(vec![event(
+                "MODIFIED",
+                service("bad", Some("10.96.0.99"), "ClusterIP", json!({})),
+            )]),
+        )
+        .on(SLICES, false, list("EndpointSliceList", "1", slices))
+        .on(
+            SLICES,
+            true,
+            Reply::Events(vec![event(
+                "MODIFIED",
+                slice("s7-a", "s7", &["10.244.1.1", "10.244.1.2"]),
+            )]),
+        )
+        .on(NODES, false, list("NodeList", "1", vec![]));
+    let (tx, mut rx) = mpsc::channel(16);
+    tokio::spawn(run(serve(script), "node-a".into(), tx));
+    let first = next(&mut rx).await;
+    assert_eq!((first.services.len(), first.slices.len()), (50, 50));
+    assert_eq!(first.problems.map(|p| p.len()), Some(1));
+    let mut fixed = false;
+    let mut scaled = false;
+    while !(fixed && scaled) {
+        let delta = next(&mut rx).await;
+        let services: Vec<_> = delta.services.iter().map(|(n, _)| &n.name).collect();
+        let slices: Vec<_> = delta.slices.iter().map(|(n, _)| &n.name).collect();
+        match (services.as_slice(), slices.as_slice()) {
+            ([s], []) if *s == "bad" => {
+                assert_eq!(delta.problems, Some(vec![]), "the fixed Service's problem");
+                fixed = true;
+            }
+            ([], [s]) if *s == "s7-a" => {
+                assert_eq!(delta.problems, None, "no problem changed");
+                scaled = true;
+            }
+            other => panic!("a delta of more than the event's object: {other:?}"),
+        }
+    }
+}
+
+async fn next(rx: &mut mpsc::Receiver<Update>) -> Delta {
+    match tokio::time::timeout(Duration::from_secs(10), rx.recv()).await {
+        Ok(Some(Update::Delta(d))) => d,
+        other => panic!("expected a delta, got {other:?}"),
+    }
 }
