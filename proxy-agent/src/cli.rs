@@ -42,6 +42,11 @@ pub struct Cli {
     #[arg(long)]
     pub manifests: Option<PathBuf>,
 
+    /// With --manifests: how long a burst of writes (an editor's save, a ConfigMap's
+    /// symlink swap) may last before the files are read again, once (a Go duration).
+    #[arg(long = "manifests-settle", value_parser = parse_duration, default_value = "100ms")]
+    pub manifests_settle: Duration,
+
     /// Attach the datapath to the interfaces whose names match these comma-separated globs
     /// (e.g. `lxc*,eth0`), including interfaces created later.
     #[arg(long)]

@@ -169,7 +169,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
     let (snapshot_tx, mut snapshot_rx) = mpsc::channel(8);
     let mut api_client = None;
     let _watcher = match &s.cli.manifests {
-        Some(path) => Some(manifests::watch(path, reload_tx)?),
+        Some(path) => Some(manifests::watch(path, s.cli.manifests_settle, reload_tx)?),
         None => {
             let client = api::client(s.kubeconfig.as_deref()).await?;
             info!(node = %s.node_name, "watching the API server");
@@ -178,7 +178,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
             None
         }
     };
-    let manifests_path = s.cli.manifests.clone();
+    let mut reader = s.cli.manifests.as_deref().map(manifests::Reader::new);
     info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
 
     let metrics = Arc::new(Metrics::new());
@@ -210,8 +210,8 @@ pub async fn run(mut s: Settings) -> Result<()> {
             s.node_name.clone(),
         ));
     }
-    match &manifests_path {
-        Some(path) => syncs.ingest(manifests::load(path)?),
+    match reader.as_mut() {
+        Some(reader) => syncs.ingest(reader.load()?),
         // Nothing is programmed before the API server has been listed once.
         None => match snapshot_rx.recv().await {
             Some(update) => syncs.ingest(update),
@@ -247,8 +247,8 @@ pub async fn run(mut s: Settings) -> Result<()> {
         let has_links = link_rx.is_some();
         tokio::select! {
             Some(()) = reload_rx.recv() => {
-                if let Some(path) = &manifests_path {
-                    match manifests::load(path) {
+                if let Some(reader) = reader.as_mut() {
+                    match reader.load() {
                         Ok(set) => {
                             syncs.ingest(set);
                             deferred = syncs.sync_or_defer(&mut proxier);
@@ -268,9 +268,13 @@ pub async fn run(mut s: Settings) -> Result<()> {
             _ = config_sync_tick.tick() => {
                 // A periodic re-read of the manifests, as kube-proxy's configSyncPeriod
                 // resyncs its informers (the API watchers relist by themselves).
-                if let Some(Ok(set)) = manifests_path.as_deref().map(manifests::load) {
-                    syncs.ingest(set);
-                    deferred = syncs.sync_or_defer(&mut proxier);
+                if let Some(reader) = reader.as_mut() {
+                    // Every file, in case a change slipped past its metadata.
+                    reader.forget_files();
+                    if let Ok(set) = reader.load() {
+                        syncs.ingest(set);
+                        deferred = syncs.sync_or_defer(&mut proxier);
+                    }
                 }
             }
             Ok(mut ready) = async { flow_log.unwrap().readable_mut().await }, if has_flow_log => {

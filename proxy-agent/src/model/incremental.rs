@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::{
     build_port, diff, ownership, DesiredState, Frontend, NodeContext, ObjectName, ObjectStore,
-    Problem, ServiceChange, ServicePortName,
+    Problem, ServiceChange, ServicePortName, Stored,
 };
 
 /// The objects an event added, changed or removed, by name.
@@ -24,36 +24,83 @@ use super::{
 pub struct Touched {
     pub services: BTreeSet<ObjectName>,
     pub slices: BTreeSet<ObjectName>,
+    /// Objects whose only change is their origin (a manifest document that moved down its
+    /// file): what they serve is the same, only the problems found in them cite it, so
+    /// their Services are recomputed only when they have problems.
+    pub moved: BTreeSet<ObjectName>,
+    pub moved_slices: BTreeSet<ObjectName>,
 }
 
 impl Touched {
     /// The objects that differ between two stores, for sources that re-read everything:
     /// one walk of both, comparing objects, far cheaper than building their service ports.
     pub fn between(old: &ObjectStore, new: &ObjectStore) -> Touched {
-        Touched {
-            services: differing(&old.services, &new.services),
-            slices: differing(&old.slices, &new.slices),
-        }
+        let mut touched = Touched::default();
+        differing(
+            &old.services,
+            &new.services,
+            &mut touched.services,
+            &mut touched.moved,
+        );
+        differing(
+            &old.slices,
+            &new.slices,
+            &mut touched.slices,
+            &mut touched.moved_slices,
+        );
+        touched
     }
 
     pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && self.slices.is_empty()
+        self.services.is_empty()
+            && self.slices.is_empty()
+            && self.moved.is_empty()
+            && self.moved_slices.is_empty()
     }
 }
 
-/// Keys present in one map only, or with different values.
-fn differing<V: PartialEq>(
-    old: &BTreeMap<ObjectName, V>,
-    new: &BTreeMap<ObjectName, V>,
-) -> BTreeSet<ObjectName> {
-    let mut out = BTreeSet::new();
-    for (name, value) in new {
-        if old.get(name) != Some(value) {
-            out.insert(name.clone());
+/// How an object put over another differs from it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Difference {
+    None,
+    /// Only its origin.
+    Moved,
+    Changed,
+}
+
+impl Difference {
+    /// Objects shared by the two stores compare by pointer first (`Arc`'s `Eq`).
+    pub fn of<T: Eq>(old: &Stored<T>, new: &Stored<T>) -> Difference {
+        if old.0 != new.0 {
+            Difference::Changed
+        } else if old.1 != new.1 {
+            Difference::Moved
+        } else {
+            Difference::None
         }
     }
-    out.extend(old.keys().filter(|name| !new.contains_key(*name)).cloned());
-    out
+}
+
+/// Sorts the keys present in one map only, or with different objects, into `changed`, and
+/// those whose objects differ only in origin into `moved`.
+fn differing<T: Eq>(
+    old: &BTreeMap<ObjectName, Stored<T>>,
+    new: &BTreeMap<ObjectName, Stored<T>>,
+    changed: &mut BTreeSet<ObjectName>,
+    moved: &mut BTreeSet<ObjectName>,
+) {
+    for (name, value) in new {
+        match old.get(name).map(|o| Difference::of(o, value)) {
+            Some(Difference::None) => {}
+            Some(Difference::Moved) => {
+                moved.insert(name.clone());
+            }
+            Some(Difference::Changed) | None => {
+                changed.insert(name.clone());
+            }
+        }
+    }
+    changed.extend(old.keys().filter(|name| !new.contains_key(*name)).cloned());
 }
 
 /// What one Service contributed at its last recomputation.
@@ -111,6 +158,22 @@ impl IncrementalModel {
         touched: &Touched,
     ) -> Vec<ServiceChange> {
         let mut seeds = touched.services.clone();
+        // Moved objects matter only to the problems that cite them.
+        seeds.extend(
+            touched
+                .moved
+                .iter()
+                .filter(|s| self.problems.contains_key(*s))
+                .cloned(),
+        );
+        seeds.extend(
+            touched
+                .moved_slices
+                .iter()
+                .filter_map(|s| self.slice_service.get(s))
+                .filter(|s| self.problems.contains_key(*s))
+                .cloned(),
+        );
         for name in &touched.slices {
             if let Some(old) = self.slice_service.remove(name) {
                 if let Some(set) = self.slices.get_mut(&old) {

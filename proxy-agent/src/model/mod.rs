@@ -63,17 +63,22 @@ impl fmt::Display for Problem {
     }
 }
 
+/// One stored object with its origin. Shared: the manifest source's cache, its snapshots
+/// and the sync loop's view hold the same object, and comparing an object with itself is a
+/// pointer comparison.
+pub type Stored<T> = (Arc<T>, Origin);
+
 /// All the objects the proxy currently knows, validated, each with its origin.
 #[derive(Clone, Debug, Default)]
 pub struct ObjectStore {
-    pub services: BTreeMap<ObjectName, (ServiceInfo, Origin)>,
-    pub slices: BTreeMap<ObjectName, (SliceInfo, Origin)>,
+    pub services: BTreeMap<ObjectName, Stored<ServiceInfo>>,
+    pub slices: BTreeMap<ObjectName, Stored<SliceInfo>>,
 }
 
 impl ObjectStore {
     /// The EndpointSlices of each Service, in slice-name order.
-    pub fn slices_by_service(&self) -> BTreeMap<&ObjectName, Vec<&(SliceInfo, Origin)>> {
-        let mut by_service: BTreeMap<&ObjectName, Vec<&(SliceInfo, Origin)>> = BTreeMap::new();
+    pub fn slices_by_service(&self) -> BTreeMap<&ObjectName, Vec<&Stored<SliceInfo>>> {
+        let mut by_service: BTreeMap<&ObjectName, Vec<&Stored<SliceInfo>>> = BTreeMap::new();
         for entry in self.slices.values() {
             by_service.entry(&entry.0.service).or_default().push(entry);
         }
@@ -449,7 +454,7 @@ impl DesiredState {
 fn build_port(
     claim: ownership::PortClaims,
     owners: &ownership::Owners,
-    slices: &[&(SliceInfo, Origin)],
+    slices: &[&Stored<SliceInfo>],
     node: &NodeContext,
     problems: &mut Vec<Problem>,
 ) -> Option<Arc<ServicePortState>> {
@@ -707,7 +712,7 @@ fn topology_mode(endpoints: &[(SocketAddr, &EndpointInfo)], node: &NodeContext) 
 fn resolve_endpoints<'a>(
     spec: &ServicePortSpec,
     family: IpFamily,
-    slices: &[&'a (SliceInfo, Origin)],
+    slices: &[&'a Stored<SliceInfo>],
     problems: &mut Vec<Problem>,
     service: &ObjectName,
 ) -> Vec<(SocketAddr, &'a EndpointInfo)> {

@@ -74,11 +74,11 @@ fn store(services: Vec<ServiceInfo>, slices: Vec<SliceInfo>) -> ObjectStore {
     ObjectStore {
         services: services
             .into_iter()
-            .map(|s| (s.name.clone(), (s, origin.clone())))
+            .map(|s| (s.name.clone(), (Arc::new(s), origin.clone())))
             .collect(),
         slices: slices
             .into_iter()
-            .map(|s| (s.name.clone(), (s, origin.clone())))
+            .map(|s| (s.name.clone(), (Arc::new(s), origin.clone())))
             .collect(),
     }
 }
@@ -368,15 +368,16 @@ fn diff_reports_exactly_what_changed() {
     next.services.insert(
         name("default", "c"),
         (
-            service("c", "10.96.0.3", vec![port("", 80, TargetPort::Number(80))]),
+            Arc::new(service(
+                "c",
+                "10.96.0.3",
+                vec![port("", 80, TargetPort::Number(80))],
+            )),
             "t".into(),
         ),
     );
-    next.slices
-        .get_mut(&name("default", "a-1"))
-        .unwrap()
-        .0
-        .endpoints = vec![endpoint("10.0.0.1", true), endpoint("10.0.0.5", true)];
+    Arc::make_mut(&mut next.slices.get_mut(&name("default", "a-1")).unwrap().0).endpoints =
+        vec![endpoint("10.0.0.1", true), endpoint("10.0.0.5", true)];
     let changes = diff(&current, &build(&next));
     let summary: Vec<(String, &str, usize)> = changes
         .iter()

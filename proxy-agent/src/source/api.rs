@@ -6,7 +6,10 @@
 //! (`service.kubernetes.io/service-proxy-name`) and headless ones are skipped, as kube-proxy
 //! does, both by label selector and again on arrival.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use futures::{stream, StreamExt};
 use k8s_openapi::api::{
@@ -26,7 +29,7 @@ use tracing::warn;
 use super::{Delta, Puts, Update};
 use crate::model::{
     objects::{display_name, NodeInfo, Validated},
-    ObjectName, Origin, Problem, ProblemKind, ServiceInfo, SliceInfo,
+    ObjectName, Origin, Problem, ProblemKind, ServiceInfo, SliceInfo, Stored,
 };
 
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -198,7 +201,7 @@ fn origin() -> Origin {
 }
 
 /// Validates an object, unless one of `skip_labels` says it is not for this proxy.
-fn convert<T: Validated>(obj: &T::Api, skip_labels: &[&str]) -> Conversion<(T, Origin)> {
+fn convert<T: Validated>(obj: &T::Api, skip_labels: &[&str]) -> Conversion<Stored<T>> {
     let meta = T::meta(obj);
     let name = name_of(meta);
     if meta
@@ -209,7 +212,7 @@ fn convert<T: Validated>(obj: &T::Api, skip_labels: &[&str]) -> Conversion<(T, O
         return Conversion::Skip(name);
     }
     match T::validate(obj) {
-        Ok(info) => Conversion::Keep(name, (info, origin())),
+        Ok(info) => Conversion::Keep(name, (Arc::new(info), origin())),
         Err(e) => Conversion::Invalid(
             name,
             Problem {
@@ -222,11 +225,11 @@ fn convert<T: Validated>(obj: &T::Api, skip_labels: &[&str]) -> Conversion<(T, O
     }
 }
 
-pub(crate) fn convert_service(svc: &Service) -> Conversion<(ServiceInfo, Origin)> {
+pub(crate) fn convert_service(svc: &Service) -> Conversion<Stored<ServiceInfo>> {
     convert(svc, &[SERVICE_PROXY_NAME_LABEL, HEADLESS_LABEL])
 }
 
-pub(crate) fn convert_slice(slice: &EndpointSlice) -> Conversion<(SliceInfo, Origin)> {
+pub(crate) fn convert_slice(slice: &EndpointSlice) -> Conversion<Stored<SliceInfo>> {
     convert(slice, &[HEADLESS_LABEL])
 }
 
@@ -261,8 +264,8 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
     .map(|r| r.map(|e| Change::Node(Box::new(e))));
     let mut updates = stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
 
-    let mut svc: Kind<(ServiceInfo, Origin)> = Kind::default();
-    let mut sl: Kind<(SliceInfo, Origin)> = Kind::default();
+    let mut svc: Kind<Stored<ServiceInfo>> = Kind::default();
+    let mut sl: Kind<Stored<SliceInfo>> = Kind::default();
     let mut node: Kind<NodeInfo> = Kind::default();
     let mut problems = Problems::default();
     let mut first = true;

@@ -11,8 +11,9 @@ pub mod manifests;
 use std::collections::BTreeMap;
 
 use crate::model::{
-    incremental::Touched, objects::NodeInfo, ObjectName, ObjectStore, Origin, Problem, ServiceInfo,
-    SliceInfo,
+    incremental::{Difference, Touched},
+    objects::NodeInfo,
+    ObjectName, ObjectStore, Problem, ServiceInfo, SliceInfo, Stored,
 };
 
 /// One view of the cluster from a source: the objects that passed validation, the problems
@@ -31,8 +32,8 @@ pub type Puts<T> = Vec<(ObjectName, Option<T>)>;
 /// What changed since a source's last update.
 #[derive(Debug, Default)]
 pub struct Delta {
-    pub services: Puts<(ServiceInfo, Origin)>,
-    pub slices: Puts<(SliceInfo, Origin)>,
+    pub services: Puts<Stored<ServiceInfo>>,
+    pub slices: Puts<Stored<SliceInfo>>,
     /// Nodes put or removed, by name.
     pub nodes: Vec<(String, Option<NodeInfo>)>,
     /// Every problem the source knows of, when they changed (they are few: one per invalid
@@ -81,13 +82,17 @@ impl View {
             Update::Delta(delta) => {
                 let mut touched = Touched::default();
                 for (name, object) in delta.services {
-                    if put(&mut self.store.services, &name, object) {
-                        touched.services.insert(name);
+                    match put(&mut self.store.services, &name, object) {
+                        Difference::None => {}
+                        Difference::Moved => drop(touched.moved.insert(name)),
+                        Difference::Changed => drop(touched.services.insert(name)),
                     }
                 }
                 for (name, object) in delta.slices {
-                    if put(&mut self.store.slices, &name, object) {
-                        touched.slices.insert(name);
+                    match put(&mut self.store.slices, &name, object) {
+                        Difference::None => {}
+                        Difference::Moved => drop(touched.moved_slices.insert(name)),
+                        Difference::Changed => drop(touched.slices.insert(name)),
                     }
                 }
                 for (name, node) in delta.nodes {
@@ -110,25 +115,28 @@ impl View {
     }
 }
 
-/// Puts or removes one object; whether the map changed.
-fn put<T: PartialEq>(
-    map: &mut BTreeMap<ObjectName, T>,
+/// Puts or removes one object; how the map changed.
+fn put<T: Eq>(
+    map: &mut BTreeMap<ObjectName, Stored<T>>,
     name: &ObjectName,
-    object: Option<T>,
-) -> bool {
+    object: Option<Stored<T>>,
+) -> Difference {
     match object {
         Some(new) => match map.get_mut(name) {
-            Some(old) if *old == new => false,
             Some(old) => {
-                *old = new;
-                true
+                let difference = Difference::of(old, &new);
+                if difference != Difference::None {
+                    *old = new;
+                }
+                difference
             }
             None => {
                 map.insert(name.clone(), new);
-                true
+                Difference::Changed
             }
         },
-        None => map.remove(name).is_some(),
+        None if map.remove(name).is_some() => Difference::Changed,
+        None => Difference::None,
     }
 }
 

@@ -42,7 +42,7 @@ fn updates_name_only_what_they_changed() {
 
     let a = view.store.services[&named("a")].clone();
     let mut moved = a.clone();
-    moved.0.cluster_ips = vec!["10.96.0.9".parse().unwrap()];
+    std::sync::Arc::make_mut(&mut moved.0).cluster_ips = vec!["10.96.0.9".parse().unwrap()];
     let touched = view.apply(Update::Delta(Delta {
         services: vec![
             (named("a"), Some(a)),

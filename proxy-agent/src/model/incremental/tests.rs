@@ -1,6 +1,6 @@
 //! The incremental model against a full build, after random event sequences.
 
-use std::net::IpAddr;
+use std::{net::IpAddr, sync::Arc};
 
 use super::*;
 use crate::model::{
@@ -104,7 +104,7 @@ fn an_event_gives_what_a_full_build_gives() {
     const SLICES: usize = 10;
     for seed in 0..300 {
         let mut rng = fastrand::Rng::with_seed(seed);
-        let origin: Origin = "test".into();
+        let origins: [Origin; 2] = ["a".into(), "b".into()];
         let mut context = node(&mut rng);
         let mut store = ObjectStore::default();
         let mut model = IncrementalModel::default();
@@ -113,11 +113,14 @@ fn an_event_gives_what_a_full_build_gives() {
         for step in 0..60 {
             let before = store.clone();
             let mut node_changed = false;
-            match rng.u8(0..10) {
+            let origin = &origins[rng.usize(0..2)];
+            match rng.u8(0..11) {
                 0..=3 => {
                     let n = rng.usize(0..SERVICES);
                     let s = random_service(&mut rng, n);
-                    store.services.insert(s.name.clone(), (s, origin.clone()));
+                    store
+                        .services
+                        .insert(s.name.clone(), (Arc::new(s), origin.clone()));
                 }
                 4 => {
                     let n = name(format!("s{}", rng.usize(0..SERVICES)));
@@ -126,15 +129,27 @@ fn an_event_gives_what_a_full_build_gives() {
                 5..=7 => {
                     let n = rng.usize(0..SLICES);
                     let s = random_slice(&mut rng, n, SERVICES);
-                    store.slices.insert(s.name.clone(), (s, origin.clone()));
+                    store
+                        .slices
+                        .insert(s.name.clone(), (Arc::new(s), origin.clone()));
                 }
                 8 => {
                     let n = name(format!("e{}", rng.usize(0..SLICES)));
                     store.slices.remove(&n);
                 }
-                _ => {
+                9 => {
                     context = node(&mut rng);
                     node_changed = true;
+                }
+                // The same object from another place (a manifest document that moved).
+                _ => {
+                    let n = rng.usize(0..SERVICES.max(SLICES));
+                    if let Some(s) = store.services.get_mut(&name(format!("s{n}"))) {
+                        s.1 = origin.clone();
+                    }
+                    if let Some(s) = store.slices.get_mut(&name(format!("e{n}"))) {
+                        s.1 = origin.clone();
+                    }
                 }
             }
             let (want, want_problems) = DesiredState::build(&store, &context);
@@ -173,7 +188,9 @@ fn an_endpoint_change_recomputes_its_service_alone() {
             target_port: TargetPort::Number(8080),
             node_port: None,
         }];
-        store.services.insert(s.name.clone(), (s, origin.clone()));
+        store
+            .services
+            .insert(s.name.clone(), (Arc::new(s), origin.clone()));
     }
     let mut model = IncrementalModel::default();
     model.rebuild(&store, &context);
@@ -191,9 +208,10 @@ fn an_endpoint_change_recomputes_its_service_alone() {
         zone_hints: vec![],
         node_hints: vec![],
     }];
-    store
-        .slices
-        .insert(slice.name.clone(), (slice.clone(), origin.clone()));
+    store.slices.insert(
+        slice.name.clone(),
+        (Arc::new(slice.clone()), origin.clone()),
+    );
     let touched = Touched {
         slices: [slice.name.clone()].into(),
         ..Touched::default()
@@ -223,7 +241,9 @@ fn services_sharing_a_frontend_are_recomputed_together() {
             vec![]
         };
         s.load_balancer_ips.clear();
-        store.services.insert(s.name.clone(), (s, origin.clone()));
+        store
+            .services
+            .insert(s.name.clone(), (Arc::new(s), origin.clone()));
     }
     let mut model = IncrementalModel::default();
     model.rebuild(&store, &context);

@@ -5,6 +5,8 @@ use tokio::sync::mpsc;
 use super::*;
 use crate::model::{DesiredState, NodeContext, ObjectName, Protocol, ServicePortName};
 
+const SETTLE: Duration = Duration::from_millis(100);
+
 const MIXED: &str = r#"
 # A Service with a named and a numeric target port, served by two slices.
 apiVersion: v1
@@ -272,7 +274,7 @@ async fn watch_sees_edits_atomic_renames_and_configmap_symlink_swaps() {
     let file = dir.path().join("cluster.yaml");
     fs::write(&file, "").unwrap();
     let (tx, mut rx) = mpsc::channel(1);
-    let _w = watch(&file, tx).unwrap();
+    let _w = watch(&file, SETTLE, tx).unwrap();
     fs::write(&file, MIXED).unwrap();
     expect_event(&mut rx, "an in-place write").await;
     let tmp = dir.path().join(".cluster.yaml.tmp");
@@ -289,7 +291,7 @@ async fn watch_sees_edits_atomic_renames_and_configmap_symlink_swaps() {
     symlink("..v1", cm.path().join("..data")).unwrap();
     symlink("..data/cluster.yaml", cm.path().join("cluster.yaml")).unwrap();
     let (tx, mut rx) = mpsc::channel(1);
-    let _w2 = watch(cm.path(), tx).unwrap();
+    let _w2 = watch(cm.path(), SETTLE, tx).unwrap();
     let v2 = cm.path().join("..v2");
     fs::create_dir(&v2).unwrap();
     fs::write(v2.join("cluster.yaml"), MIXED).unwrap();
@@ -306,7 +308,7 @@ async fn watching_a_file_ignores_its_neighbours_and_reads() {
     let file = dir.path().join("cluster.yaml");
     fs::write(&file, MIXED).unwrap();
     let (tx, mut rx) = mpsc::channel(1);
-    let _w = watch(&file, tx).unwrap();
+    let _w = watch(&file, SETTLE, tx).unwrap();
     // A log file beside it, written continuously, and reloads reading it: no reload, or the
     // agent would reload forever.
     for i in 0..20 {
@@ -390,4 +392,84 @@ spec:
         problem_with(&set, field);
     }
     assert_eq!(set.problems.len(), 5, "{:#?}", set.problems);
+}
+
+fn web(name: &str, ip: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: shop}}\n\
+         spec: {{clusterIP: {ip}, ports: [{{port: 80, protocol: TCP}}]}}\n---\n"
+    )
+}
+
+/// A reload reads only the files whose metadata changed and parses only the documents whose
+/// text changed; a document that moved keeps its parse and gets its new place as origin.
+#[test]
+fn a_reload_reads_only_changed_files_and_parses_only_changed_documents() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
+    fs::write(&a, web("a1", "10.96.0.1") + &web("a2", "10.96.0.2")).unwrap();
+    fs::write(&b, web("b1", "10.96.1.1")).unwrap();
+    let mut reader = Reader::new(dir.path());
+    let first = reader.load().unwrap();
+    assert_eq!(first.store.services.len(), 3);
+    assert_eq!((reader.files_read, reader.documents_parsed), (2, 3));
+
+    let again = reader.load().unwrap();
+    assert_eq!(
+        (reader.files_read, reader.documents_parsed),
+        (2, 3),
+        "nothing changed"
+    );
+    assert_eq!(again.store.services, first.store.services);
+
+    // A document inserted at the top of a.yaml: a1 and a2 move down, unparsed.
+    fs::write(
+        &a,
+        web("a0", "10.96.0.9") + &web("a1", "10.96.0.1") + &web("a2", "10.96.0.2"),
+    )
+    .unwrap();
+    let moved = reader.load().unwrap();
+    assert_eq!((reader.files_read, reader.documents_parsed), (3, 4));
+    assert_eq!(moved.store.services.len(), 4);
+    let a2 = &moved.store.services[&ObjectName {
+        namespace: "shop".into(),
+        name: "a2".into(),
+    }];
+    assert!(a2.1.ends_with("a.yaml document 3 (line 10)"), "{}", a2.1);
+    assert_eq!(a2.0, first.store.services.values().nth(1).unwrap().0);
+
+    // The periodic re-read reads every file, but parses nothing it has seen.
+    reader.forget_files();
+    let reread = reader.load().unwrap();
+    assert_eq!((reader.files_read, reader.documents_parsed), (5, 4));
+    assert_eq!(reread.store.services, moved.store.services);
+
+    fs::remove_file(&b).unwrap();
+    assert_eq!(
+        reader.load().unwrap().store.services.len(),
+        3,
+        "b1 went with its file"
+    );
+}
+
+/// The same name in two documents: the later wins, with a problem naming both places, on a
+/// cached reload as on the first.
+#[test]
+fn a_name_defined_twice_is_reported_on_every_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.yaml");
+    fs::write(&file, web("x", "10.96.0.1") + &web("x", "10.96.0.2")).unwrap();
+    let mut reader = Reader::new(&file);
+    for _ in 0..2 {
+        let set = reader.load().unwrap();
+        let p = problem_with(&set, "defined again");
+        assert!(p.origin.ends_with("document 2 (line 5)"), "{p}");
+        assert!(p.message.contains("document 1 (line 1)"), "{p}");
+        let (svc, _) = set.store.services.values().next().unwrap();
+        assert_eq!(
+            svc.cluster_ips,
+            ["10.96.0.2".parse::<std::net::IpAddr>().unwrap()]
+        );
+    }
+    assert_eq!(reader.documents_parsed, 2);
 }
