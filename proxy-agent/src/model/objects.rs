@@ -686,7 +686,7 @@ impl SliceInfo {
                 Some(ports)
             }
         };
-        let mut endpoints = Vec::new();
+        let mut endpoints = Vec::with_capacity(slice.endpoints.len());
         if address_type != AddressType::Fqdn {
             for (i, ep) in slice.endpoints.iter().enumerate() {
                 // Kubernetes uses only the first address of an endpoint.

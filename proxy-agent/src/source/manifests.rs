@@ -7,6 +7,7 @@
 //! object is still served.
 
 use std::{
+    borrow::Cow,
     collections::{BTreeMap, HashMap},
     fs,
     hash::{BuildHasher, RandomState},
@@ -304,38 +305,81 @@ fn manifest_files(path: &Path, problems: &mut Vec<Problem>) -> Result<Vec<PathBu
 
 /// Splits a multi-document YAML stream at `---` lines. Done by hand rather than by the YAML
 /// parser, whose stream stops at the first broken document: here a broken document costs
-/// only itself. Returns (first line number, text) per non-empty document.
-fn split_documents(text: &str) -> Vec<(usize, String)> {
+/// only itself. Returns (first line number, text) per non-empty document; the text is a
+/// slice of `text` unless the document had to be pieced together (`--- {inline}`, `...`).
+fn split_documents(text: &str) -> Vec<(usize, Cow<'_, str>)> {
     let mut docs = Vec::new();
-    let mut current = String::new();
+    let mut doc = Piece::at(0);
     let mut start = 1;
-    for (i, line) in text.lines().enumerate() {
+    let mut offset = 0;
+    for (i, raw) in text.split_inclusive('\n').enumerate() {
+        // As `str::lines` reads a line.
+        let line = raw.strip_suffix('\n').unwrap_or(raw);
+        let line = line.strip_suffix('\r').unwrap_or(line);
+        offset += raw.len();
         let is_separator =
             line.starts_with("---") && line[3..].chars().next().is_none_or(|c| c.is_whitespace());
         if is_separator {
-            docs.push((start, std::mem::take(&mut current)));
+            docs.push((
+                start,
+                std::mem::replace(&mut doc, Piece::at(offset)).text(text),
+            ));
             start = i + 1;
             // `--- {inline: doc}` keeps its content.
             let rest = line[3..].trim();
             if !rest.is_empty() && !rest.starts_with('#') {
-                current.push_str(rest);
-                current.push('\n');
+                doc.owned = Some(format!("{rest}\n"));
             }
             continue;
         }
         if line == "..." {
+            doc.own(text);
             continue;
         }
-        current.push_str(line);
-        current.push('\n');
+        match &mut doc.owned {
+            Some(owned) => {
+                owned.push_str(line);
+                owned.push('\n');
+            }
+            None => doc.end = offset,
+        }
     }
-    docs.push((start, current));
-    docs.into_iter()
-        .filter(|(_, d)| {
-            d.lines()
-                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
-        })
-        .collect()
+    docs.push((start, doc.text(text)));
+    docs.retain(|(_, d)| {
+        d.lines()
+            .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+    });
+    docs
+}
+
+/// A document being split off: a range of the text, until it has to be pieced together.
+struct Piece {
+    begin: usize,
+    end: usize,
+    owned: Option<String>,
+}
+
+impl Piece {
+    fn at(offset: usize) -> Piece {
+        Piece {
+            begin: offset,
+            end: offset,
+            owned: None,
+        }
+    }
+
+    fn own(&mut self, text: &str) {
+        if self.owned.is_none() {
+            self.owned = Some(text[self.begin..self.end].to_string());
+        }
+    }
+
+    fn text(self, text: &str) -> Cow<'_, str> {
+        match self.owned {
+            Some(owned) => Cow::Owned(owned),
+            None => Cow::Borrowed(&text[self.begin..self.end]),
+        }
+    }
 }
 
 /// Parses one file's text into `set`.

@@ -473,3 +473,25 @@ fn a_name_defined_twice_is_reported_on_every_load() {
     }
     assert_eq!(reader.documents_parsed, 2);
 }
+
+/// Documents are slices of the file unless they must be pieced together: an inline
+/// `--- {...}` document, a `...` end marker; CRLF files split alike; empty and comment-only
+/// documents are dropped.
+#[test]
+fn documents_split_at_separators_inline_documents_and_end_markers() {
+    let text =
+        "# header\n---\na: 1\r\nb: 2\r\n--- {c: 3}\nd: 4\n...\n---\n# only a comment\n---\ne: 5";
+    let docs = split_documents(text);
+    let got: Vec<(usize, &str, bool)> = docs
+        .iter()
+        .map(|(line, d)| (*line, d.as_ref(), matches!(d, Cow::Borrowed(_))))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (2, "a: 1\r\nb: 2\r\n", true),
+            (5, "{c: 3}\nd: 4\n", false),
+            (10, "e: 5", true),
+        ]
+    );
+}
