@@ -6,7 +6,7 @@
 //! |---|---|
 //! | [`agent`] | start-up order and the event loop; the sync loop ([`agent::sync_loop`]); starting a mode and `auto` ([`agent::modes`]); removing other modes' state ([`agent::cleanup`]); logging |
 //! | [`cli`], [`config`] | flags; the `--config` file (KubeProxyConfiguration and our fields); precedence into `Settings` |
-//! | [`source`] | where objects come from: `--manifests` files or the API server, handed over as a [`source::Snapshot`] |
+//! | [`source`] | where objects come from: `--manifests` files ([`source::manifests::Reader`]: only changed files and documents are read again) or the API server, handed over as [`source::Update`]s (a whole [`source::Snapshot`] or a [`source::Delta`]) |
 //! | [`model`] | one decision per semantic: validated objects, the desired state per service port, changes, stale flows |
 //! | [`proxier`] | the [`proxier::Proxier`] trait and one proxier per mode (ebpf, iptables, nftables, ipvs, userspace) |
 //! | [`datapath`] | the eBPF datapath's life cycle: loading, pins, tc attach, cgroup hooks, removal, its runtime |

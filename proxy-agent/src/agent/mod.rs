@@ -6,10 +6,10 @@
 //! 2. `auto` resolved to a mode ([`modes::choose`]); kernel conntrack tuned, open-files
 //!    limit raised;
 //! 3. the source (manifest watch or API-server watchers) — a missing API server or path
-//!    fails here;
-//! 4. the mode's proxier ([`modes::start`]; eBPF: the datapath loaded or adopted);
+//!    fails here; the first read or list starts and runs on while
+//! 4. the mode's proxier starts ([`modes::start`]; eBPF: the datapath loaded or adopted);
 //! 5. the health and metrics servers;
-//! 6. the first snapshot, the first sync, and only once this mode serves its service ports
+//! 6. the first view of the cluster, the first sync, and only once this mode serves its service ports
 //!    the other modes' leftovers removed ([`cleanup::remove_modes`], when: `Leftovers`), so
 //!    a mode switch by restart leaves no gap and a port eBPF cannot program stays served;
 //! 7. the event loop: snapshots → [`sync_loop::SyncLoop`], periodic syncs, and the eBPF
@@ -178,7 +178,12 @@ pub async fn run(mut s: Settings) -> Result<()> {
             None
         }
     };
-    let mut reader = s.cli.manifests.as_deref().map(manifests::Reader::new);
+    // The manifests are read while the mode starts (the eBPF programs load and verify in
+    // the meantime): the API watchers likewise list on the runtime's workers.
+    let first_read = s.cli.manifests.as_deref().map(|path| {
+        let mut reader = manifests::Reader::new(path);
+        tokio::task::spawn_blocking(move || reader.load().map(|set| (reader, set)))
+    });
     info!(node = %s.node_name, sync_period = ?s.sync_period, min_sync_period = ?s.min_sync_period, "settings");
 
     let metrics = Arc::new(Metrics::new());
@@ -210,8 +215,13 @@ pub async fn run(mut s: Settings) -> Result<()> {
             s.node_name.clone(),
         ));
     }
-    match reader.as_mut() {
-        Some(reader) => syncs.ingest(reader.load()?),
+    let mut reader = None;
+    match first_read {
+        Some(read) => {
+            let (r, set) = read.await.context("reading the manifests")??;
+            syncs.ingest(set);
+            reader = Some(r);
+        }
         // Nothing is programmed before the API server has been listed once.
         None => match snapshot_rx.recv().await {
             Some(update) => syncs.ingest(update),

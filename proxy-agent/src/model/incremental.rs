@@ -108,7 +108,49 @@ fn differing<T: Eq>(
 struct Built {
     ports: Vec<ServicePortName>,
     /// Every frontend its service ports claimed (won or not).
-    frontends: BTreeSet<Frontend>,
+    frontends: Few<Frontend>,
+}
+
+/// A set that is nearly always one or two long (a frontend's claimants, a Service's
+/// EndpointSlices): a sorted `Vec`, a fraction of a `BTreeSet`'s memory at 100 000 of them.
+/// Filled in order (as a rebuild does), an insert is a push.
+#[derive(Clone, Debug)]
+struct Few<T>(Vec<T>);
+
+impl<T> Default for Few<T> {
+    fn default() -> Self {
+        Few(Vec::new())
+    }
+}
+
+impl<T: Ord> Few<T> {
+    fn insert(&mut self, value: T) {
+        if let Err(at) = self.0.binary_search(&value) {
+            self.0.insert(at, value);
+        }
+    }
+
+    fn remove(&mut self, value: &T) {
+        if let Ok(at) = self.0.binary_search(value) {
+            self.0.remove(at);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, T> {
+        self.0.iter()
+    }
+}
+
+impl<'a, T> IntoIterator for &'a Few<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
 }
 
 /// The desired state with the indexes that let an event recompute only what it touches.
@@ -117,9 +159,9 @@ pub struct IncrementalModel {
     desired: DesiredState,
     services: BTreeMap<ObjectName, Built>,
     /// Frontend → the Services whose service ports claim it.
-    claimants: HashMap<Frontend, BTreeSet<ObjectName>>,
+    claimants: HashMap<Frontend, Few<ObjectName>>,
     /// Service → its EndpointSlices, in name order (the order a full build reads them in).
-    slices: HashMap<ObjectName, BTreeSet<ObjectName>>,
+    slices: HashMap<ObjectName, Few<ObjectName>>,
     /// EndpointSlice → the Service it was last seen with.
     slice_service: HashMap<ObjectName, ObjectName>,
     /// Problems found in each Service's service ports (only Services that have some).
@@ -215,10 +257,10 @@ impl IncrementalModel {
             if affected.contains(&name) {
                 continue;
             }
-            let mut frontends = self
+            let mut frontends: BTreeSet<Frontend> = self
                 .services
                 .get(&name)
-                .map(|b| b.frontends.clone())
+                .map(|b| b.frontends.iter().copied().collect())
                 .unwrap_or_default();
             if let Some((svc, origin)) = store.services.get(&name) {
                 let mut claims = Vec::new();
@@ -285,9 +327,9 @@ impl IncrementalModel {
                 .filter_map(|s| store.slices.get(s))
                 .collect();
             let built = self.services.entry(service.clone()).or_default();
-            built
-                .frontends
-                .extend(claim.requests.iter().map(|r| r.frontend));
+            for request in &claim.requests {
+                built.frontends.insert(request.frontend);
+            }
             let port = claim.name.clone();
             let mut problems = Vec::new();
             if let Some(state) = build_port(claim, &owners, &slices, node, &mut problems) {

@@ -192,6 +192,9 @@ impl Parsed {
                 kind: ProblemKind::Invalid,
             }),
         }
+        // Kept until the document changes: 10 000s of them.
+        parsed.services.shrink_to_fit();
+        parsed.slices.shrink_to_fit();
         parsed
     }
 
