@@ -183,6 +183,13 @@ pub struct Cli {
     #[arg(long = "backend-metrics")]
     pub backend_metrics: bool,
 
+    /// The most service ports (and, with --backend-metrics, backends) whose traffic counters
+    /// are exported as metric series: beyond it none of that kind are, as each series costs
+    /// the agent memory on every scrape (the datapath keeps counting; the count omitted is
+    /// proxy_agent_traffic_series_omitted).
+    #[arg(long = "traffic-metrics-limit", default_value_t = 5000)]
+    pub traffic_metrics_limit: usize,
+
     /// Log verbosity, as kube-proxy's -v: 0-1 info, 2-3 debug, 4+ trace.
     #[arg(short = 'v', long = "v", default_value_t = 0)]
     pub verbosity: u32,

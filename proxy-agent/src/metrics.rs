@@ -58,6 +58,8 @@ pub struct Metrics {
     pub map_entries: IntGaugeVec,
     pub map_capacity: IntGaugeVec,
     pub datapath_events: GaugeVec,
+    /// Traffic counter series not exported (`--traffic-metrics-limit`), by kind.
+    pub traffic_series_omitted: IntGaugeVec,
     pub service_traffic: TrafficMetrics,
     pub backend_traffic: TrafficMetrics,
 }
@@ -335,6 +337,15 @@ impl Metrics {
                 &["event"],
             )
             .unwrap(),
+            traffic_series_omitted: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_traffic_series_omitted",
+                    "Service ports (kind=service) or backends (kind=backend) whose traffic \
+                     counters are not exported: more than --traffic-metrics-limit of them",
+                ),
+                &["kind"],
+            )
+            .unwrap(),
             service_traffic: TrafficMetrics::new(
                 "proxy_agent_service",
                 "service port",
@@ -388,6 +399,7 @@ impl Metrics {
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.datapath_events.clone()));
+        reg(Box::new(m.traffic_series_omitted.clone()));
         for c in m.service_traffic.collectors() {
             reg(c);
         }

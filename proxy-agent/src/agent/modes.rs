@@ -246,7 +246,8 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
         .interfaces
         .clone()
         .map(|p| Attacher::new(p, s.tc_attach, Some(&root)));
-    let runtime = EbpfRuntime::new(datapath, attacher, flow_logger, sizes, s.backend_metrics);
+    let mut runtime = EbpfRuntime::new(datapath, attacher, flow_logger, sizes, s.backend_metrics);
+    runtime.traffic_metrics_limit = s.cli.traffic_metrics_limit;
     Ok((proxier, runtime))
 }
 

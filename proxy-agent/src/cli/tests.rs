@@ -123,6 +123,7 @@ fn defaults_without_a_file_are_kube_proxys() {
         }
     );
     assert!(!s.backend_metrics, "one series per endpoint is opt-in");
+    assert_eq!(s.cli.traffic_metrics_limit, 5000);
     let s =
         settings(&Cli::command().get_matches_from(["proxy-agent", "--backend-metrics"])).unwrap();
     assert!(s.backend_metrics);

@@ -34,6 +34,8 @@ pub struct EbpfRuntime {
     pub flow_logger: Option<FlowLogger>,
     pub sizes: DatapathSizes,
     pub backend_metrics: bool,
+    /// `--traffic-metrics-limit`.
+    pub traffic_metrics_limit: usize,
     service_counters: TrafficCounters,
     backend_counters: TrafficCounters,
     /// Evictions are derived from pinned counters, so they survive restarts; new ones are
@@ -45,6 +47,32 @@ pub struct EbpfRuntime {
     local: LocalTraffic,
     /// What `LOCAL_IFACES` holds.
     pod_interfaces: BTreeSet<u32>,
+}
+
+/// `ids`, or none of them when there are more than `limit` (their series then go, and the
+/// count omitted is exported; a change either way is logged once).
+fn within_limit(kind: &str, ids: CounterIds, limit: usize, metrics: &Metrics) -> CounterIds {
+    let omitted = metrics.traffic_series_omitted.with_label_values(&[kind]);
+    let over = ids.len() > limit;
+    let was_over = omitted.get() > 0;
+    if over && !was_over {
+        warn!(
+            "{} {kind} traffic counters exceed --traffic-metrics-limit {limit}: not exported (the datapath keeps counting)",
+            ids.len()
+        );
+    } else if !over && was_over {
+        info!(
+            "{} {kind} traffic counters within --traffic-metrics-limit {limit}: exported again",
+            ids.len()
+        );
+    }
+    if over {
+        omitted.set(ids.len() as i64);
+        Vec::new()
+    } else {
+        omitted.set(0);
+        ids
+    }
 }
 
 impl EbpfRuntime {
@@ -61,6 +89,7 @@ impl EbpfRuntime {
             flow_logger,
             sizes,
             backend_metrics,
+            traffic_metrics_limit: usize::MAX,
             service_counters: TrafficCounters::default(),
             backend_counters: TrafficCounters::default(),
             evicted_reported: None,
@@ -172,6 +201,8 @@ impl EbpfRuntime {
     /// Per-service and per-backend traffic counters (`backends` only with
     /// `--backend-metrics`) and the datapath's event counters.
     pub fn read_counters(&mut self, services: CounterIds, backends: CounterIds, metrics: &Metrics) {
+        let limit = self.traffic_metrics_limit;
+        let services = within_limit("service", services, limit, metrics);
         let numbers: Vec<u32> = services.iter().map(|(_, id)| *id).collect();
         match self.datapath.service_stats(&numbers) {
             Ok(stats) => self.service_counters.update(
@@ -185,6 +216,7 @@ impl EbpfRuntime {
             Err(e) => debug!("reading per-service counters: {e:#}"),
         }
         if self.backend_metrics {
+            let backends = within_limit("backend", backends, limit, metrics);
             let numbers: Vec<u32> = backends.iter().map(|(_, id)| *id).collect();
             match self.datapath.backend_stats(&numbers) {
                 Ok(stats) => self.backend_counters.update(
@@ -314,5 +346,35 @@ impl EbpfRuntime {
             }
         });
         Some(link_rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: u32) -> CounterIds {
+        (0..n)
+            .map(|i| (vec![format!("default/s{i}:http")], i))
+            .collect()
+    }
+
+    /// Over the limit no series of the kind are kept and the count omitted is exported;
+    /// back under it, all of them again.
+    #[test]
+    fn traffic_series_beyond_the_limit_are_omitted_and_counted() {
+        let metrics = Metrics::new();
+        let omitted = || {
+            metrics
+                .traffic_series_omitted
+                .with_label_values(&["service"])
+                .get()
+        };
+        assert_eq!(within_limit("service", ids(3), 3, &metrics).len(), 3);
+        assert_eq!(omitted(), 0);
+        assert!(within_limit("service", ids(4), 3, &metrics).is_empty());
+        assert_eq!(omitted(), 4);
+        assert_eq!(within_limit("service", ids(2), 3, &metrics).len(), 2);
+        assert_eq!(omitted(), 0);
     }
 }
