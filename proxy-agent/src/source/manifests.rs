@@ -166,18 +166,59 @@ impl Reader {
         let text = fs::read_to_string(file)?;
         self.files_read += 1;
         let mut known: HashMap<u64, Parsed> = old.into_iter().map(|d| (d.hash, d.parsed)).collect();
-        let mut documents = Vec::new();
-        for (line, doc) in split_documents(&text) {
-            let hash = self.hasher.hash_one(&doc);
-            let parsed = known.remove(&hash).unwrap_or_else(|| {
-                self.documents_parsed += 1;
-                Parsed::document(&doc)
-            });
-            documents.push(Document { line, hash, parsed });
+        let docs = split_documents(&text);
+        let mut found: Vec<(u64, Option<Parsed>)> = docs
+            .iter()
+            .map(|(_, doc)| {
+                let hash = self.hasher.hash_one(doc);
+                (hash, known.remove(&hash))
+            })
+            .collect();
+        let todo: Vec<usize> = (0..docs.len()).filter(|i| found[*i].1.is_none()).collect();
+        self.documents_parsed += todo.len();
+        let texts: Vec<&str> = todo.iter().map(|i| docs[*i].1.as_ref()).collect();
+        for (i, parsed) in todo.into_iter().zip(parse_all(&texts)) {
+            found[i].1 = Some(parsed);
         }
+        let documents = docs
+            .iter()
+            .zip(found)
+            .map(|((line, _), (hash, parsed))| Document {
+                line: *line,
+                hash,
+                parsed: parsed.unwrap_or_default(),
+            })
+            .collect();
         // A stamp taken before the read: a write during it shows at the next reload.
         Ok(FileState { stamp, documents })
     }
+}
+
+/// Parses documents, on up to four threads when there are many (a first read of 100 000
+/// Services is seconds of YAML parsing, and the node's cores are idle at start).
+fn parse_all(texts: &[&str]) -> Vec<Parsed> {
+    const PER_THREAD: usize = 256;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(4)
+        .min(texts.len() / PER_THREAD)
+        .max(1);
+    if threads == 1 {
+        return texts.iter().map(|t| Parsed::document(t)).collect();
+    }
+    let chunk = texts.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = texts
+            .chunks(chunk)
+            .map(|part| {
+                scope.spawn(move || part.iter().map(|t| Parsed::document(t)).collect::<Vec<_>>())
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|p| p.join().expect("parsing does not panic (fuzzed)"))
+            .collect()
+    })
 }
 
 impl Parsed {

@@ -495,3 +495,32 @@ fn documents_split_at_separators_inline_documents_and_end_markers() {
         ]
     );
 }
+
+/// A file of many documents is parsed on several threads, with the same result, in the same
+/// order, as one thread gives (what later definitions replace depends on it).
+#[test]
+fn many_documents_parse_alike_on_several_threads() {
+    let mut text = String::new();
+    for i in 0..1100 {
+        // Every tenth name comes again later: the later definition must win.
+        text.push_str(&web(
+            &format!("s{}", i % 1000),
+            &format!("10.96.{}.{}", i / 250, i % 250),
+        ));
+    }
+    text.push_str("kind: Nonsense\n");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("many.yaml");
+    fs::write(&file, &text).unwrap();
+    let threads = Reader::new(&file).load().unwrap();
+    let mut one = Snapshot::default();
+    parse_into(&text, &file.display().to_string(), &mut one);
+    assert_eq!(threads.store.services.len(), 1000);
+    assert_eq!(threads.store.services, one.store.services);
+    assert_eq!(threads.problems, one.problems);
+    assert_eq!(
+        threads.problems.len(),
+        101,
+        "100 names defined again, one unknown kind"
+    );
+}
