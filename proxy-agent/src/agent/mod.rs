@@ -12,7 +12,7 @@
 //! 6. the first view of the cluster, the first sync, and only once this mode serves its service ports
 //!    the other modes' leftovers removed ([`cleanup::remove_modes`], when: `Leftovers`), so
 //!    a mode switch by restart leaves no gap and a port eBPF cannot program stays served;
-//! 7. the event loop: snapshots → [`sync_loop::SyncLoop`], periodic syncs, and the eBPF
+//! 7. the event loop: the source's updates → [`sync_loop::SyncLoop`], periodic syncs, and the eBPF
 //!    mode's interface events, conntrack sweeps and counters, until SIGTERM.
 
 pub mod cleanup;

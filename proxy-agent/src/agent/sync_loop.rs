@@ -221,7 +221,8 @@ impl SyncLoop {
                 &local_addresses(),
             )
         };
-        let changes = if self.context.as_ref() != Some(&context) {
+        let rebuild = self.context.as_ref() != Some(&context);
+        let changes = if rebuild {
             let changes = self.model.rebuild(&self.view.store, &context);
             self.context = Some(context);
             changes
@@ -233,7 +234,12 @@ impl SyncLoop {
         let context = self.context.as_ref().expect("set above");
         self.masquerade_addr = context.masquerade_addr;
         self.masquerade_addr6 = context.masquerade_addr6;
-        self.report_problems();
+        // Problems are walked only when they may have changed: a tenant's many invalid
+        // objects must not make every other event cost their number.
+        let model_problems_changed = self.model.take_problems_changed();
+        if rebuild || model_problems_changed || self.view.problems_updated {
+            self.report_problems();
+        }
         let node = self.view.node(&self.options.node_name).cloned();
         if node != self.node {
             match &node {

@@ -112,8 +112,9 @@ struct Built {
 }
 
 /// A set that is nearly always one or two long (a frontend's claimants, a Service's
-/// EndpointSlices): a sorted `Vec`, a fraction of a `BTreeSet`'s memory at 100 000 of them.
-/// Filled in order (as a rebuild does), an insert is a push.
+/// frontends): a sorted `Vec`, a fraction of a `BTreeSet`'s memory at 100 000 of them.
+/// Only ever filled in order (an insert is a push) or sorted once: a tenant may make one
+/// long (N Services claiming one external IP), and an insert in the middle would cost N.
 #[derive(Clone, Debug)]
 struct Few<T>(Vec<T>);
 
@@ -127,12 +128,6 @@ impl<T: Ord> Few<T> {
     fn insert(&mut self, value: T) {
         if let Err(at) = self.0.binary_search(&value) {
             self.0.insert(at, value);
-        }
-    }
-
-    fn remove(&mut self, value: &T) {
-        if let Ok(at) = self.0.binary_search(value) {
-            self.0.remove(at);
         }
     }
 
@@ -161,11 +156,13 @@ pub struct IncrementalModel {
     /// Frontend → the Services whose service ports claim it.
     claimants: HashMap<Frontend, Few<ObjectName>>,
     /// Service → its EndpointSlices, in name order (the order a full build reads them in).
-    slices: HashMap<ObjectName, Few<ObjectName>>,
+    slices: HashMap<ObjectName, BTreeSet<ObjectName>>,
     /// EndpointSlice → the Service it was last seen with.
     slice_service: HashMap<ObjectName, ObjectName>,
     /// Problems found in each Service's service ports (only Services that have some).
     problems: BTreeMap<ObjectName, Vec<Problem>>,
+    /// The problems changed since [`IncrementalModel::take_problems_changed`] last said so.
+    problems_changed: bool,
 }
 
 impl IncrementalModel {
@@ -178,6 +175,12 @@ impl IncrementalModel {
         self.problems.values().flatten().cloned().collect()
     }
 
+    /// Whether the problems changed since the last call (the first call: whether there are
+    /// any); lets a caller skip walking them after an event that changed none.
+    pub fn take_problems_changed(&mut self) -> bool {
+        std::mem::take(&mut self.problems_changed)
+    }
+
     /// Recomputes everything (the first view, or a change of the node's context); returns
     /// the changes from the previous state.
     pub fn rebuild(&mut self, store: &ObjectStore, node: &NodeContext) -> Vec<ServiceChange> {
@@ -188,6 +191,7 @@ impl IncrementalModel {
         }
         let all: BTreeSet<ObjectName> = store.services.keys().cloned().collect();
         self.recompute(store, node, &all);
+        self.problems_changed = true;
         diff(&old, &self.desired)
     }
 
@@ -251,12 +255,11 @@ impl IncrementalModel {
         node: &NodeContext,
         seeds: BTreeSet<ObjectName>,
     ) -> BTreeSet<ObjectName> {
-        let mut affected = BTreeSet::new();
-        let mut queue: Vec<ObjectName> = seeds.into_iter().collect();
+        // A name joins `affected` when it is queued, so N Services sharing one frontend
+        // cost N, not N² (a tenant can make them).
+        let mut queue: Vec<ObjectName> = seeds.iter().cloned().collect();
+        let mut affected = seeds;
         while let Some(name) = queue.pop() {
-            if affected.contains(&name) {
-                continue;
-            }
             let mut frontends: BTreeSet<Frontend> = self
                 .services
                 .get(&name)
@@ -272,11 +275,13 @@ impl IncrementalModel {
                 );
             }
             for frontend in &frontends {
-                if let Some(others) = self.claimants.get(frontend) {
-                    queue.extend(others.iter().filter(|o| !affected.contains(*o)).cloned());
+                for other in self.claimants.get(frontend).into_iter().flatten() {
+                    if !affected.contains(other) {
+                        affected.insert(other.clone());
+                        queue.push(other.clone());
+                    }
                 }
             }
-            affected.insert(name);
         }
         affected
     }
@@ -289,22 +294,30 @@ impl IncrementalModel {
         affected: &BTreeSet<ObjectName>,
     ) -> Vec<ServiceChange> {
         let mut old_ports = BTreeMap::new();
+        let mut old_frontends = BTreeSet::new();
+        let mut old_problems = BTreeMap::new();
         for name in affected {
-            self.problems.remove(name);
+            if let Some(old) = self.problems.remove(name) {
+                old_problems.insert(name, old);
+            }
             let Some(built) = self.services.remove(name) else {
                 continue;
             };
-            for frontend in &built.frontends {
-                if let Some(set) = self.claimants.get_mut(frontend) {
-                    set.remove(name);
-                    if set.is_empty() {
-                        self.claimants.remove(frontend);
-                    }
-                }
-            }
+            old_frontends.extend(built.frontends.iter().copied());
             for port in built.ports {
                 if let Some(state) = self.desired.ports.remove(&port) {
                     old_ports.insert(port, state);
+                }
+            }
+        }
+
+        // Once per frontend, not per claimant: all of them are in `affected` (the closure),
+        // but a retain keeps any that were not.
+        for frontend in &old_frontends {
+            if let Some(set) = self.claimants.get_mut(frontend) {
+                set.0.retain(|n| !affected.contains(n));
+                if set.is_empty() {
+                    self.claimants.remove(frontend);
                 }
             }
         }
@@ -327,9 +340,11 @@ impl IncrementalModel {
                 .filter_map(|s| store.slices.get(s))
                 .collect();
             let built = self.services.entry(service.clone()).or_default();
-            for request in &claim.requests {
-                built.frontends.insert(request.frontend);
-            }
+            // Sorted once below: ports list their frontends in no particular order.
+            built
+                .frontends
+                .0
+                .extend(claim.requests.iter().map(|r| r.frontend));
             let port = claim.name.clone();
             let mut problems = Vec::new();
             if let Some(state) = build_port(claim, &owners, &slices, node, &mut problems) {
@@ -341,7 +356,9 @@ impl IncrementalModel {
             }
         }
         for name in affected {
-            if let Some(built) = self.services.get(name) {
+            if let Some(built) = self.services.get_mut(name) {
+                built.frontends.0.sort_unstable();
+                built.frontends.0.dedup();
                 for frontend in &built.frontends {
                     self.claimants
                         .entry(*frontend)
@@ -350,6 +367,10 @@ impl IncrementalModel {
                 }
             }
         }
+
+        self.problems_changed |= affected
+            .iter()
+            .any(|name| old_problems.get(name) != self.problems.get(name));
 
         // As `diff` orders them: changed and added ports by name, then removed ones.
         let mut changes = Vec::new();

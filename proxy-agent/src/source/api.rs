@@ -1,5 +1,6 @@
 //! The API-server source: watches Services, EndpointSlices and this node's Node with kube-rs
-//! watchers and sends a complete, consistent snapshot after every change.
+//! watchers and sends what each consistent change changed: a [`Delta`] of the event's object
+//! (after a relist, of every object listed).
 //!
 //! A relist (`Init` … `InitDone`) is the full truth: objects deleted while the watch was
 //! down disappear when it completes. Services that belong to another proxy
@@ -284,9 +285,11 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
                 false
             }
         };
-        // Nothing goes out before all three kinds have been listed once (kube-proxy waits
-        // for its informers to sync likewise), nor while one is being listed again.
-        if !(consistent && svc.settled() && sl.settled() && node.settled()) {
+        // Nothing goes out before Services and EndpointSlices have been listed once
+        // (kube-proxy waits for those informers to sync likewise), nor while a kind is being
+        // listed again. The Node is not waited for: a Node watch that keeps failing (RBAC)
+        // must not keep every Service unserved; its arrival recomputes everything.
+        if !(consistent && svc.settled() && sl.settled() && node.relist.is_none()) {
             continue;
         }
         let delta = Delta {

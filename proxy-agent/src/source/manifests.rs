@@ -189,7 +189,21 @@ impl Reader {
                 parsed: parsed.unwrap_or_default(),
             })
             .collect();
-        // A stamp taken before the read: a write during it shows at the next reload.
+        // A stamp taken before the read: a write during it shows at the next reload. File
+        // times advance in clock ticks, so a rewrite of the same length within a tick of
+        // this read would keep the stamp: one this recent is not trusted (read again next
+        // time), as git treats a racily clean index entry.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(i64::MAX, |d| d.as_secs() as i64);
+        let stamp = if now - stamp.mtime.0 <= 1 {
+            Stamp {
+                len: u64::MAX,
+                ..stamp
+            }
+        } else {
+            stamp
+        };
         Ok(FileState { stamp, documents })
     }
 }

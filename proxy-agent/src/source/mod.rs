@@ -62,6 +62,8 @@ pub struct View {
     pub problems: Vec<Problem>,
     /// By name; the first definition of a name wins, as the sync loop has always read them.
     pub nodes: BTreeMap<String, NodeInfo>,
+    /// The last update carried the source's problems (they may have changed).
+    pub problems_updated: bool,
 }
 
 impl View {
@@ -73,6 +75,7 @@ impl View {
                 let touched = Touched::between(&self.store, &set.store);
                 self.store = set.store;
                 self.problems = set.problems;
+                self.problems_updated = true;
                 self.nodes.clear();
                 for node in set.nodes {
                     self.nodes.entry(node.name.clone()).or_insert(node);
@@ -101,6 +104,7 @@ impl View {
                         None => self.nodes.remove(&name),
                     };
                 }
+                self.problems_updated = delta.problems.is_some();
                 if let Some(problems) = delta.problems {
                     self.problems = problems;
                 }

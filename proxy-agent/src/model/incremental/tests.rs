@@ -110,6 +110,8 @@ fn an_event_gives_what_a_full_build_gives() {
         let mut model = IncrementalModel::default();
         let mut full = DesiredState::default();
         assert!(model.rebuild(&store, &context).is_empty());
+        model.take_problems_changed();
+        let mut last_problems = Vec::new();
         for step in 0..60 {
             let before = store.clone();
             let mut node_changed = false;
@@ -160,7 +162,14 @@ fn an_event_gives_what_a_full_build_gives() {
             };
             let at = format!("seed {seed}, step {step}");
             assert_eq!(model.desired(), &want, "{at}");
+            let problems_changed = model.take_problems_changed();
+            assert_eq!(
+                problems_changed,
+                node_changed || model.problems() != last_problems,
+                "{at}: problems_changed"
+            );
             assert_eq!(model.problems(), want_problems, "{at}");
+            last_problems = want_problems.clone();
             assert_eq!(changes, diff(&full, &want), "{at}");
             full = want;
         }
