@@ -80,6 +80,15 @@ impl<T> Conversion<T> {
             Conversion::Keep(n, _) | Conversion::Skip(n) | Conversion::Invalid(n, _) => n,
         }
     }
+
+    /// (name, the object if kept, the problem if invalid).
+    fn into_parts(self) -> (ObjectName, Option<T>, Option<Problem>) {
+        match self {
+            Conversion::Keep(name, t) => (name, Some(t), None),
+            Conversion::Skip(name) => (name, None, None),
+            Conversion::Invalid(name, p) => (name, None, Some(p)),
+        }
+    }
 }
 
 /// The problems of invalid objects, by kind and name (a Service and an EndpointSlice may
@@ -129,11 +138,7 @@ impl<T> Kind<T> {
     ) -> bool {
         match event {
             Event::Apply(obj) => {
-                let (name, object, problem) = match convert(&obj) {
-                    Conversion::Keep(name, t) => (name, Some(t), None),
-                    Conversion::Skip(name) => (name, None, None),
-                    Conversion::Invalid(name, p) => (name, None, Some(p)),
-                };
+                let (name, object, problem) = convert(&obj).into_parts();
                 problems.set(kind, &name, problem);
                 match object {
                     Some(_) => self.live.insert(name.clone()),
@@ -157,20 +162,12 @@ impl<T> Kind<T> {
             }
             Event::InitApply(obj) => {
                 let map = self.relist.get_or_insert_with(BTreeMap::new);
-                match convert(&obj) {
-                    Conversion::Keep(name, t) => {
-                        problems.set(kind, &name, None);
-                        map.insert(name, t);
-                    }
-                    Conversion::Skip(name) => {
-                        problems.set(kind, &name, None);
-                        map.remove(&name);
-                    }
-                    Conversion::Invalid(name, p) => {
-                        problems.set(kind, &name, Some(p));
-                        map.remove(&name);
-                    }
-                }
+                let (name, object, problem) = convert(&obj).into_parts();
+                problems.set(kind, &name, problem);
+                match object {
+                    Some(t) => map.insert(name, t),
+                    None => map.remove(&name),
+                };
                 false
             }
             Event::InitDone => {

@@ -70,6 +70,15 @@ impl Stamp {
             ctime: (meta.ctime(), meta.ctime_nsec()),
         }
     }
+
+    /// A stamp no file has (no file is `u64::MAX` bytes long): the file is read again at
+    /// the next load.
+    fn distrusted(self) -> Stamp {
+        Stamp {
+            len: u64::MAX,
+            ..self
+        }
+    }
 }
 
 struct FileState {
@@ -138,8 +147,8 @@ impl Reader {
         for (file, state) in &self.files {
             let file = file.display().to_string();
             for (index, doc) in state.documents.iter().enumerate() {
-                let origin = format!("{file} document {} (line {})", index + 1, doc.line);
-                doc.parsed.add_to(&origin, &mut set);
+                doc.parsed
+                    .add_to(&document_origin(&file, index, doc.line), &mut set);
             }
         }
         Ok(set)
@@ -150,7 +159,7 @@ impl Reader {
     /// missed by its metadata.
     pub fn forget_files(&mut self) {
         for state in self.files.values_mut() {
-            state.stamp.len = u64::MAX;
+            state.stamp = state.stamp.distrusted();
         }
     }
 
@@ -197,10 +206,7 @@ impl Reader {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(i64::MAX, |d| d.as_secs() as i64);
         let stamp = if now - stamp.mtime.0 <= 1 {
-            Stamp {
-                len: u64::MAX,
-                ..stamp
-            }
+            stamp.distrusted()
         } else {
             stamp
         };
@@ -440,11 +446,15 @@ impl Piece {
     }
 }
 
+/// Where a file's `index`th document (from 0) starting at `line` came from, for messages.
+fn document_origin(file: &str, index: usize, line: usize) -> String {
+    format!("{file} document {} (line {line})", index + 1)
+}
+
 /// Parses one file's text into `set`.
 pub fn parse_into(text: &str, file: &str, set: &mut Snapshot) {
     for (index, (line, doc)) in split_documents(text).into_iter().enumerate() {
-        let origin = format!("{file} document {} (line {line})", index + 1);
-        Parsed::document(&doc).add_to(&origin, set);
+        Parsed::document(&doc).add_to(&document_origin(file, index, line), set);
     }
 }
 
