@@ -627,7 +627,12 @@ impl Lab {
         self.spawn_agent_from(Some(manifests), extra)
     }
 
-    fn spawn_agent_from(&mut self, manifests: Option<&Path>, extra: &[&str]) -> Result<&mut Agent> {
+    /// Starts the agent (from `manifests`, or without: the API source) without waiting.
+    pub fn spawn_agent_from(
+        &mut self,
+        manifests: Option<&Path>,
+        extra: &[&str],
+    ) -> Result<&mut Agent> {
         let root = self.bpffs.root();
         let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
         args.extend_from_slice(extra);
@@ -1047,6 +1052,8 @@ impl Drop for ConnectLoop {
 pub mod manifest {
     use std::net::Ipv4Addr;
 
+    use serde_json::{json, Value};
+
     /// One port of a Service: (name, protocol, port, targetPort). The slice gets the target
     /// port under the same name, as the EndpointSlice controller writes it.
     pub type Port<'a> = (&'a str, &'a str, u16, u16);
@@ -1082,5 +1089,60 @@ pub mod manifest {
             ));
         }
         yaml
+    }
+
+    /// The objects [`service`] writes, as the API server serves them (JSON): the Service
+    /// and, with endpoints, its EndpointSlice.
+    pub fn objects(
+        name: &str,
+        cluster_ip: Ipv4Addr,
+        ports: &[Port],
+        endpoints: &[Ipv4Addr],
+    ) -> (Value, Option<Value>) {
+        let svc_ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, proto, port, target)| {
+                json!({"name": n, "protocol": proto, "port": port, "targetPort": target})
+            })
+            .collect();
+        let service = json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "lab"},
+            "spec": {"clusterIP": cluster_ip.to_string(), "ports": svc_ports}});
+        let slice = (!endpoints.is_empty()).then(|| {
+            let slice_ports: Vec<Value> = ports
+                .iter()
+                .map(|(n, proto, _, target)| json!({"name": n, "protocol": proto, "port": target}))
+                .collect();
+            let eps: Vec<Value> = endpoints
+                .iter()
+                .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}}))
+                .collect();
+            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": format!("{name}-1"), "namespace": "lab",
+                             "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4", "ports": slice_ports, "endpoints": eps})
+        });
+        (service, slice)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn the_api_objects_are_the_manifests_objects() {
+            let ports = [("http", "TCP", 80, 8080), ("bulk", "TCP", 81, 8081)];
+            let eps = [Ipv4Addr::new(10, 244, 1, 11), Ipv4Addr::new(10, 244, 1, 12)];
+            let yaml = service("web", Ipv4Addr::new(10, 96, 0, 10), &ports, &eps);
+            let docs: Vec<Value> = yaml
+                .split("---\n")
+                .filter(|d| !d.trim().is_empty())
+                .map(|d| serde_yaml::from_str(d).unwrap())
+                .collect();
+            let (svc, slice) = objects("web", Ipv4Addr::new(10, 96, 0, 10), &ports, &eps);
+            assert_eq!(docs, [svc, slice.unwrap()]);
+            let (_, none) = objects("web", Ipv4Addr::new(10, 96, 0, 10), &ports, &[]);
+            assert!(none.is_none());
+        }
     }
 }

@@ -1,5 +1,6 @@
-//! Test support: packet crafting, the in-kernel test harness, the one-node lab and the
+//! Test support: the replayed API server, packet crafting, the in-kernel test harness, the one-node lab and the
 //! two-node cluster lab.
+pub mod apiserver;
 pub mod bench;
 pub mod client;
 pub mod cluster;

@@ -52,10 +52,24 @@ fn a_small_run_writes_the_table_the_samples_and_the_plots() {
             assert_eq!(run.values(n, mode, Workload::BulkBytesPerSecond).len(), 2);
         }
     }
+    // The control plane through the replayed API server too (paged lists, then a watch).
+    for n in [1, 3] {
+        let c = run
+            .api
+            .iter()
+            .find(|c| c.services == n && c.mode == "ebpf")
+            .unwrap_or_else(|| panic!("no API-source record at {n}: {:?}", run.api));
+        assert!(c.note.is_none(), "API source at {n}: {:?}", c.note);
+        let change = c.one_change_ms.unwrap();
+        assert!(c.cold_start_ms.unwrap() > 0.0 && change > 0.0, "{c:?}");
+        assert!(c.one_change_sync_ms.unwrap() < change, "{c:?}");
+        assert!(c.datapath_objects.as_ref().unwrap().1 > 0.0, "{c:?}");
+    }
     // The table is the samples': rebuilt from the JSON it is the same text.
     let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
     assert!(md.starts_with(&report::markdown(&run)), "{md}");
     assert!(md.contains("| none (straight to a pod) | 3 |"));
+    assert!(md.contains("Through the API-server source"), "{md}");
     for stem in ["connections", "connect-p99", "sync"] {
         let svg = std::fs::read_to_string(out.path().join(format!("{stem}.svg"))).unwrap();
         assert!(

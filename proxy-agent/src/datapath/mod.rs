@@ -374,7 +374,14 @@ impl Datapath {
                 .with_context(|| format!("eBPF object has no program {name}"))?
                 .try_into()
                 .with_context(|| format!("program {name} is not a tc classifier"))?;
-            prog.load().map_err(|e| {
+            let started = std::time::Instant::now();
+            let loaded = prog.load();
+            tracing::debug!(
+                program = name,
+                took_ms = started.elapsed().as_millis() as u64,
+                "verified"
+            );
+            loaded.map_err(|e| {
                 let hint = privilege_hint(&e);
                 let err = anyhow::Error::new(e)
                     .context(format!("the kernel refused eBPF program {name}"));

@@ -85,6 +85,9 @@ pub struct Run {
     pub seconds_per_workload: f64,
     pub samples: Vec<Sample>,
     pub control: Vec<ControlSample>,
+    /// The control plane fed by the replayed API server instead of manifests.
+    #[serde(default)]
+    pub api: Vec<ControlSample>,
     /// Modes not run, with the reason.
     pub skipped: Vec<(String, String)>,
     pub duration_s: f64,
@@ -176,6 +179,28 @@ fn cell(values: &[f64], baseline: &[f64], scale: f64, digits: usize, ratio: bool
     out
 }
 
+/// A control record's cells: cold start, one change, its sync (ms), peak RSS (MiB), programmed.
+fn control_figures(control: Option<&ControlSample>) -> [String; 5] {
+    let ms = |x: Option<f64>| {
+        x.map_or("—".to_string(), |x| {
+            figure(x, if x < 1.0 { 3 } else { 1 })
+        })
+    };
+    [
+        ms(control.and_then(|c| c.cold_start_ms)),
+        ms(control.and_then(|c| c.one_change_ms)),
+        ms(control.and_then(|c| c.one_change_sync_ms)),
+        control
+            .and_then(|c| c.peak_rss_kib)
+            .map_or("—".to_string(), |k| format!("{:.1}", k as f64 / 1024.0)),
+        control
+            .and_then(|c| c.datapath_objects.clone())
+            .map_or("—".to_string(), |(m, v)| {
+                format!("{} `{m}`", figure(v, 0))
+            }),
+    ]
+}
+
 /// The Markdown table: one row per mode × service count (baseline rows included).
 pub fn markdown(run: &Run) -> String {
     let mut out = String::new();
@@ -203,21 +228,9 @@ pub fn markdown(run: &Run) -> String {
             if v(Workload::ConnectionsPerSecond).is_empty() && control.is_none() {
                 continue;
             }
-            let ms = |x: Option<f64>| {
-                x.map_or("—".to_string(), |x| {
-                    figure(x, if x < 1.0 { 3 } else { 1 })
-                })
-            };
-            let rss = control
-                .and_then(|c| c.peak_rss_kib)
-                .map_or("—".to_string(), |k| format!("{:.1}", k as f64 / 1024.0));
-            let objects = control
-                .and_then(|c| c.datapath_objects.clone())
-                .map_or("—".to_string(), |(m, v)| {
-                    format!("{} `{m}`", figure(v, 0))
-                });
+            let [cold, change, sync, rss, objects] = control_figures(control);
             let mut row = format!(
-                "| {} | {n} | {} | {} | {} | {} | {} | {} | {} | {} | {rss} | {objects} |",
+                "| {} | {n} | {} | {} | {} | {} | {} | {cold} | {change} | {sync} | {rss} | {objects} |",
                 if target == BASELINE {
                     "none (straight to a pod)"
                 } else {
@@ -246,9 +259,6 @@ pub fn markdown(run: &Run) -> String {
                 ),
                 cell(&v(Workload::ConnectP50Us), &[], 1.0, 0, false),
                 cell(&v(Workload::ConnectP99Us), &[], 1.0, 0, false),
-                ms(control.and_then(|c| c.cold_start_ms)),
-                ms(control.and_then(|c| c.one_change_ms)),
-                ms(control.and_then(|c| c.one_change_sync_ms)),
             );
             if let Some(note) = control.and_then(|c| c.note.as_deref()) {
                 let _ = write!(row, " {note}");
@@ -259,9 +269,30 @@ pub fn markdown(run: &Run) -> String {
     }
     out.push_str(
         "\nCold start: agent started until the ClusterIP serves. One change: manifests written with one more \
-         endpoint until a connection reaches it (the manifest source re-reads every service and lets writes \
-         settle for 100 ms first); its sync: the agent's own sync of that change (its histogram; a datapath may serve before the sync returns).\n",
+         endpoint until a connection reaches it (the manifest source re-reads the file, parses the documents \
+         that changed, and lets writes settle for `--manifests-settle`, 100 ms, first); its sync: the agent's own \
+         sync of that change (its histogram; a datapath may serve before the sync returns).\n",
     );
+    if !run.api.is_empty() {
+        out.push_str(
+            "\nThrough the API-server source (a replayed API server in the node namespace: paged lists, then a watch; \
+             one change: an EndpointSlice MODIFIED event with one more endpoint, until a connection reaches it):\n\n\
+             | mode | services | cold start ms | one change ms | its sync ms | peak RSS MiB | programmed |\n\
+             |---|---|---|---|---|---|---|\n",
+        );
+        for c in &run.api {
+            let f = control_figures(Some(c));
+            let _ = write!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                c.mode, c.services, f[0], f[1], f[2], f[3], f[4]
+            );
+            if let Some(note) = &c.note {
+                let _ = write!(out, " {note}");
+            }
+            out.push('\n');
+        }
+    }
     if !run.skipped.is_empty() {
         out.push_str("\nNot run here:\n");
         for (mode, why) in &run.skipped {

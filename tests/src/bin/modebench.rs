@@ -26,13 +26,18 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Parser};
 use indicatif::{ProgressBar, ProgressStyle};
 use proxy_tests::{
+    apiserver::ApiServer,
     bench::{
         load::{bulk_throughput, connect_rate, quantile, transaction_rate},
         plots,
         report::{self, ControlSample, Run, Sample, Workload, BASELINE},
     },
     kernel::kernel_tests_unavailable,
-    lab::{client, manifest::service, Lab, LabOptions, BULK_PORT, TCP_PORT},
+    lab::{
+        client,
+        manifest::{objects, service, Port},
+        Lab, LabOptions, BULK_PORT, TCP_PORT,
+    },
 };
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -80,6 +85,19 @@ struct Args {
     /// The largest service count per mode (modes not listed: any); `none` lifts every limit.
     #[arg(long = "limit", value_name = "MODE=N,..|none", default_value_t = Limits::default())]
     limits: Limits,
+    /// The modes whose control plane is also measured through the replayed API server
+    /// (paged lists, then a watch), after the manifest source's; `none`: no API-source run.
+    #[arg(
+        long = "api-modes",
+        value_delimiter = ',',
+        action = ArgAction::Set,
+        value_name = "MODE,..|none",
+        default_value = "ebpf"
+    )]
+    api_modes: Vec<String>,
+    /// Keep each agent's log in --out (`agent-MODE-N.log`, `agent-MODE-N-api.log`).
+    #[arg(long = "keep-logs")]
+    keep_logs: bool,
     /// Only rebuild the table and plots from DIR/results.json (a run made elsewhere, e.g. a VM).
     #[arg(long)]
     render: bool,
@@ -210,9 +228,16 @@ fn unsupported(mode: &str) -> Option<String> {
     }
 }
 
-fn manifests(lab: &Lab, n: usize, endpoints: usize) -> String {
+/// Calls `f` with every service of a run at `n` services: the measured one (with the
+/// first `endpoints` backend pods) and the fillers; both sources are fed from here.
+fn each_service(
+    lab: &Lab,
+    n: usize,
+    endpoints: usize,
+    mut f: impl FnMut(&str, Ipv4Addr, &[Port], &[Ipv4Addr]),
+) {
     let ips: Vec<Ipv4Addr> = lab.backends.iter().take(endpoints).map(|p| p.ip).collect();
-    let mut yaml = service(
+    f(
         "bench",
         VIP,
         &[
@@ -221,24 +246,31 @@ fn manifests(lab: &Lab, n: usize, endpoints: usize) -> String {
         ],
         &ips,
     );
+    let mut eps = Vec::with_capacity(FILLER_ENDPOINTS);
     for i in 1..n {
         // Cluster IPs from 10.112.0.0/12, endpoints from 10.128.0.0/9 (outside the lab).
         let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 112, 0, 0)) + i as u32);
-        let eps: Vec<Ipv4Addr> = (0..FILLER_ENDPOINTS)
-            .map(|e| {
-                Ipv4Addr::from(
-                    u32::from(Ipv4Addr::new(10, 128, 0, 0))
-                        + ((i * FILLER_ENDPOINTS + e) % (1 << 23)) as u32,
-                )
-            })
-            .collect();
-        yaml.push_str(&service(
+        eps.clear();
+        eps.extend((0..FILLER_ENDPOINTS).map(|e| {
+            Ipv4Addr::from(
+                u32::from(Ipv4Addr::new(10, 128, 0, 0))
+                    + ((i * FILLER_ENDPOINTS + e) % (1 << 23)) as u32,
+            )
+        }));
+        f(
             &format!("filler-{i}"),
             vip,
             &[("http", "TCP", HTTP, TCP_PORT)],
             &eps,
-        ));
+        );
     }
+}
+
+fn manifests(lab: &Lab, n: usize, endpoints: usize) -> String {
+    let mut yaml = String::new();
+    each_service(lab, n, endpoints, |name, vip, ports, eps| {
+        yaml.push_str(&service(name, vip, ports, eps))
+    });
     yaml
 }
 
@@ -417,14 +449,15 @@ struct OneChange {
     sync: Option<Duration>,
 }
 
-fn one_change(target: &mut Target, n: usize, args: &Args) -> Result<OneChange> {
-    let newcomer = target.lab.backends[3].name.clone();
-    let yaml = manifests(&target.lab, n, 4);
-    let before = metrics_text(&target.lab).and_then(|t| sync_totals(&t));
+/// Makes `change` (one more endpoint for the measured service) and waits until a connection
+/// reaches that endpoint, and for the agent's record of its sync.
+fn one_change(lab: &Lab, change: impl FnOnce() -> Result<()>, args: &Args) -> Result<OneChange> {
+    let newcomer = lab.backends[3].name.clone();
+    let before = metrics_text(lab).and_then(|t| sync_totals(&t));
     let started = Instant::now();
-    target.lab.write_manifests(&yaml)?;
+    change()?;
     wait_served(
-        &target.lab,
+        lab,
         SocketAddrV4::new(VIP, HTTP),
         Some(newcomer),
         args.serve_timeout,
@@ -434,7 +467,7 @@ fn one_change(target: &mut Target, n: usize, args: &Args) -> Result<OneChange> {
     let mut sync = None;
     let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
     while let Some((sum0, count0)) = before {
-        if let Some((sum, count)) = metrics_text(&target.lab).and_then(|t| sync_totals(&t)) {
+        if let Some((sum, count)) = metrics_text(lab).and_then(|t| sync_totals(&t)) {
             if count > count0 {
                 sync = Some(Duration::from_secs_f64((sum - sum0) / (count - count0)));
                 break;
@@ -446,6 +479,110 @@ fn one_change(target: &mut Target, n: usize, args: &Args) -> Result<OneChange> {
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(OneChange { served, sync })
+}
+
+/// With --keep-logs: the lab's agent log, copied into --out as `name`.
+fn keep_log(lab: &mut Lab, args: &Args, name: &str) {
+    if let Some(agent) = lab.agent().filter(|_| args.keep_logs) {
+        let _ = std::fs::create_dir_all(&args.out);
+        if let Err(e) = std::fs::write(args.out.join(name), agent.log_text()) {
+            eprintln!("keeping {name}: {e}");
+        }
+    }
+}
+
+/// Where the replayed API server listens, in the measured lab's node namespace.
+const API_PORT: u16 = 18080;
+/// How long the API-source run waits after the cold start before its one change.
+const STEADY: Duration = Duration::from_secs(1);
+/// The node the agent runs as in the API-source runs.
+const NODE_NAME: &str = "bench-node";
+
+/// `mode`'s control plane at `n` services fed by the replayed API server (lists paged 500
+/// at a time by the agent's watcher, then a watch): cold start, one change through the
+/// watch, peak RSS. The server runs in the node namespace on the same cores, as the
+/// manifest source's file reads do.
+fn api_control(mode: &str, n: usize, args: &Args) -> ControlSample {
+    let mut control = ControlSample {
+        services: n,
+        mode: mode.to_string(),
+        ..Default::default()
+    };
+    if let Err(e) = api_control_into(mode, n, args, &mut control) {
+        control.note = Some(format!("{e:#}"));
+    }
+    control
+}
+
+fn api_control_into(mode: &str, n: usize, args: &Args, control: &mut ControlSample) -> Result<()> {
+    let mut lab = bench_lab()?;
+    let api = ApiServer::new();
+    let mut services = Vec::with_capacity(n);
+    let mut slices = Vec::with_capacity(n);
+    each_service(&lab, n, 3, |name, vip, ports, eps| {
+        let (svc, slice) = objects(name, vip, ports, eps);
+        services.push(svc);
+        slices.extend(slice);
+    });
+    api.load("services", services);
+    api.load("endpointslices", slices);
+    api.load(
+        "nodes",
+        [serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_NAME}})],
+    );
+    api.start(&lab.node, API_PORT)?;
+    let kubeconfig = ApiServer::kubeconfig(lab.dir.path(), API_PORT)?;
+    let mut extra = agent_args(mode, n);
+    extra.extend([
+        "--kubeconfig".to_string(),
+        kubeconfig.display().to_string(),
+        "--hostname-override".into(),
+        NODE_NAME.into(),
+    ]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    lab.spawn_agent_from(None, &extra)?;
+    let served = wait_served(&lab, SocketAddrV4::new(VIP, HTTP), None, args.serve_timeout)
+        .map_err(|e| {
+            let log = lab.agent().map(|a| a.log_text()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(3).collect();
+            anyhow::anyhow!("{e:#} (agent log ends: {})", tail.join(" | "))
+        })?;
+    control.cold_start_ms = Some(served.as_secs_f64() * 1e3);
+    // The change goes through the watch: wait until all three are open, and then for the
+    // start-up's last work (attaching the lab's interfaces) to pass, so the change is
+    // measured in a steady state, as the manifest source's is (after the rounds).
+    api.wait_for_watchers(3, args.serve_timeout)?;
+    std::thread::sleep(STEADY);
+    let (_, slice) = objects(
+        "bench",
+        VIP,
+        &[
+            ("http", "TCP", HTTP, TCP_PORT),
+            ("bulk", "TCP", BULK, BULK_PORT),
+        ],
+        &lab.backends
+            .iter()
+            .take(4)
+            .map(|p| p.ip)
+            .collect::<Vec<_>>(),
+    );
+    let slice = slice.expect("endpoints make a slice");
+    let changed = one_change(
+        &lab,
+        || {
+            api.change("endpointslices", "MODIFIED", slice);
+            Ok(())
+        },
+        args,
+    );
+    let pid = lab.agent().map(|a| a.pid());
+    keep_log(&mut lab, args, &format!("agent-{mode}-{n}-api.log"));
+    control.peak_rss_kib = pid.and_then(peak_rss_kib);
+    control.datapath_objects = metrics_text(&lab).and_then(|t| programmed(&t, mode));
+    let c = changed.context("one change")?;
+    control.one_change_ms = Some(c.served.as_secs_f64() * 1e3);
+    control.one_change_sync_ms = c.sync.map(|d| d.as_secs_f64() * 1e3);
+    Ok(())
 }
 
 fn measure(
@@ -576,6 +713,12 @@ fn main() -> Result<()> {
     }
     let modes_at =
         |n: usize| -> Vec<String> { modes.iter().filter(|m| n <= limit(m)).cloned().collect() };
+    let api_modes_at = |n: usize| -> Vec<String> {
+        modes_at(n)
+            .into_iter()
+            .filter(|m| args.api_modes.contains(m))
+            .collect()
+    };
 
     // Steps: per count, each mode's start and change, and every target's rounds.
     let steps: usize = args
@@ -583,7 +726,7 @@ fn main() -> Result<()> {
         .iter()
         .map(|&n| {
             let k = modes_at(n).len();
-            2 * k + args.rounds * (k + 1)
+            2 * k + args.rounds * (k + 1) + api_modes_at(n).len()
         })
         .sum();
     let mut bar = Progress::new(steps);
@@ -646,8 +789,15 @@ fn main() -> Result<()> {
         }
         for target in targets.iter_mut().skip(1) {
             bar.set_message(format!("{n} services: one change, {}", target.name));
-            let changed = one_change(target, n, &args);
+            let yaml = manifests(&target.lab, n, 4);
+            let lab = &target.lab;
+            let changed = one_change(lab, || lab.write_manifests(&yaml).map(drop), &args);
             let pid = target.lab.agent().map(|a| a.pid());
+            keep_log(
+                &mut target.lab,
+                &args,
+                &format!("agent-{}-{n}.log", target.name),
+            );
             let objects = metrics_text(&target.lab).and_then(|t| programmed(&t, &target.name));
             let control = run
                 .control
@@ -667,6 +817,13 @@ fn main() -> Result<()> {
         }
         bar.inc((modes.len() + 1 - targets.len()) as u64);
         drop(targets);
+        for mode in api_modes_at(n) {
+            bar.set_message(format!(
+                "{n} services: {mode} through the API-server source"
+            ));
+            run.api.push(api_control(&mode, n, &args));
+            bar.inc(1);
+        }
     }
     bar.finish();
     run.duration_s = started.elapsed().as_secs_f64();
