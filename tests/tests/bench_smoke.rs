@@ -50,6 +50,24 @@ fn a_small_run_writes_the_table_the_samples_and_the_plots() {
                 "{mode}: {c:?}"
             );
             assert_eq!(run.values(n, mode, Workload::BulkBytesPerSecond).len(), 2);
+            // The saturated workloads: parallel clients, and the CPU they cost.
+            for w in [
+                Workload::SaturatedConnectionsPerSecond,
+                Workload::SaturatedTransactionsPerSecond,
+                Workload::CpuUsPerConnection,
+            ] {
+                assert_eq!(run.values(n, mode, w).len(), 2, "{mode} at {n}: {w:?}");
+            }
+            for (busy, kernel) in run
+                .values(n, mode, Workload::CpuUsPerConnection)
+                .iter()
+                .zip(run.values(n, mode, Workload::KernelCpuUsPerConnection))
+            {
+                assert!(
+                    kernel <= *busy,
+                    "{mode} at {n}: kernel {kernel} > busy {busy}"
+                );
+            }
         }
     }
     // The control plane through the replayed API server too (paged lists, then a watch).
@@ -70,6 +88,11 @@ fn a_small_run_writes_the_table_the_samples_and_the_plots() {
     assert!(md.starts_with(&report::markdown(&run)), "{md}");
     assert!(md.contains("| none (straight to a pod) | 3 |"));
     assert!(md.contains("Through the API-server source"), "{md}");
+    assert!(run.clients >= 2, "{}", run.clients);
+    assert!(
+        md.contains(&format!("Under saturation ({} client threads", run.clients)),
+        "{md}"
+    );
     for stem in ["connections", "connect-p99", "sync"] {
         let svg = std::fs::read_to_string(out.path().join(format!("{stem}.svg"))).unwrap();
         assert!(

@@ -7,7 +7,8 @@
 //! (a new connection must reach a backend through the service, its greeting proves which),
 //! per-connection latencies as raw samples, and no extra packages; one client thread keeps
 //! pace here because every connection crosses two veths and the datapath, which costs far
-//! more than the loop around it.
+//! more than the loop around it. The saturated workloads run several such loops at once,
+//! enough to keep every core busy, and read the machine's CPU time around them.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -115,6 +116,110 @@ pub fn bulk_throughput(to: SocketAddr, duration: Duration) -> Result<f64> {
     Ok(received as f64 / seconds)
 }
 
+/// [`connect_rate`] from `clients` threads at once (each its own connect-request-close
+/// loop), merged: enough of them keep every core busy, so what the path between client
+/// and backend costs shows as fewer connections per second and more CPU per connection.
+pub fn parallel_connect_rate(
+    to: SocketAddr,
+    duration: Duration,
+    clients: usize,
+) -> Result<ConnectRate> {
+    let started = Instant::now();
+    let results: Vec<Result<ConnectRate>> = std::thread::scope(|scope| {
+        let running: Vec<_> = (0..clients.max(1))
+            .map(|_| scope.spawn(move || connect_rate(to, duration)))
+            .collect();
+        running
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a client thread panicked"))
+            })
+            .collect()
+    });
+    let mut out = ConnectRate::default();
+    for r in results {
+        let r = r?;
+        out.connections += r.connections;
+        out.connect_us.extend(r.connect_us);
+    }
+    out.seconds = started.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+/// [`transaction_rate`] on `clients` kept-open connections at once, summed.
+pub fn parallel_transaction_rate(
+    to: SocketAddr,
+    duration: Duration,
+    clients: usize,
+) -> Result<f64> {
+    std::thread::scope(|scope| {
+        let running: Vec<_> = (0..clients.max(1))
+            .map(|_| scope.spawn(move || transaction_rate(to, duration)))
+            .collect();
+        running
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a client thread panicked"))
+            })
+            .sum()
+    })
+}
+
+/// The machine's CPU time so far, from `/proc/stat` (every namespace shares the cores, so
+/// this is the client's, the backends' and the datapath's together), in microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CpuTimes {
+    /// Everything but idle and I/O wait.
+    pub busy_us: f64,
+    /// In the kernel: system, hard and soft interrupts (where a datapath runs).
+    pub kernel_us: f64,
+    pub total_us: f64,
+}
+
+impl CpuTimes {
+    pub fn now() -> Result<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+        Self::parse(&stat, unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64)
+    }
+
+    /// The aggregate `cpu` line of `/proc/stat`, in ticks of `1 / hz` seconds.
+    pub fn parse(stat: &str, hz: f64) -> Result<Self> {
+        let line = stat
+            .lines()
+            .find(|l| l.starts_with("cpu "))
+            .context("/proc/stat has no cpu line")?;
+        let t: Vec<f64> = line
+            .split_whitespace()
+            .skip(1)
+            .map(|v| v.parse::<f64>())
+            .collect::<Result<_, _>>()
+            .context("/proc/stat's cpu line")?;
+        if t.len() < 8 || hz <= 0.0 {
+            bail!("/proc/stat's cpu line is short: {line}");
+        }
+        // user nice system idle iowait irq softirq steal (guest time is inside user).
+        let us = |ticks: f64| ticks * 1e6 / hz;
+        let kernel = t[2] + t[5] + t[6];
+        let busy = t[0] + t[1] + kernel + t[7];
+        Ok(CpuTimes {
+            busy_us: us(busy),
+            kernel_us: us(kernel),
+            total_us: us(busy + t[3] + t[4]),
+        })
+    }
+
+    /// What was spent between `earlier` and `self`.
+    pub fn since(&self, earlier: &CpuTimes) -> CpuTimes {
+        CpuTimes {
+            busy_us: self.busy_us - earlier.busy_us,
+            kernel_us: self.kernel_us - earlier.kernel_us,
+            total_us: self.total_us - earlier.total_us,
+        }
+    }
+}
+
 /// The `p`-quantile (0..=1) of `samples` (nearest rank on a sorted copy).
 pub fn quantile(samples: &[f64], p: f64) -> f64 {
     if samples.is_empty() {
@@ -182,6 +287,39 @@ mod tests {
             .local_addr()
             .unwrap();
         assert!(connect_rate(closed, Duration::from_millis(50)).is_err());
+    }
+
+    #[test]
+    fn parallel_clients_add_up() {
+        let (echo, _) = servers();
+        let rate = parallel_connect_rate(echo, Duration::from_millis(200), 3).unwrap();
+        assert!(rate.connections > 30, "{rate:?}");
+        assert_eq!(rate.connect_us.len(), rate.connections);
+        assert!(parallel_transaction_rate(echo, Duration::from_millis(200), 3).unwrap() > 300.0);
+        let before = CpuTimes::now().unwrap();
+        let mut x = 0u64;
+        for i in 0..20_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(i);
+        }
+        std::hint::black_box(x);
+        let spent = CpuTimes::now().unwrap().since(&before);
+        assert!(
+            spent.busy_us > 0.0 && spent.total_us >= spent.busy_us,
+            "{spent:?}"
+        );
+    }
+
+    #[test]
+    fn cpu_times_read_the_aggregate_line() {
+        let stat = "cpu  100 5 40 1000 10 3 7 2 0 0\ncpu0 50 2 20 500 5 1 3 1 0 0\n";
+        let t = CpuTimes::parse(stat, 100.0).unwrap();
+        // Kernel: system 40 + irq 3 + softirq 7 = 50 ticks of 10 ms.
+        assert_eq!(t.kernel_us, 500_000.0);
+        // Busy: user 100 + nice 5 + kernel 50 + steal 2 = 157 ticks.
+        assert_eq!(t.busy_us, 1_570_000.0);
+        assert_eq!(t.total_us, 1_570_000.0 + 10_100_000.0);
+        assert!(CpuTimes::parse("intr 1 2\n", 100.0).is_err());
+        assert!(CpuTimes::parse("cpu  1 2 3\n", 100.0).is_err());
     }
 
     #[test]

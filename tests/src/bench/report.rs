@@ -25,15 +25,30 @@ pub enum Workload {
     TransactionsPerSecond,
     /// Bulk TCP, bytes per second received by the sink.
     BulkBytesPerSecond,
+    /// Connect-request-close from [`Run::clients`] threads at once, connections per second.
+    SaturatedConnectionsPerSecond,
+    /// The machine's busy CPU time during that workload per connection, microseconds.
+    CpuUsPerConnection,
+    /// Its kernel share (system, interrupts, softirq: where a datapath runs), microseconds.
+    KernelCpuUsPerConnection,
+    /// How busy the machine's cores were during it, percent (near 100: saturated).
+    BusyPercent,
+    /// Request/response on [`Run::clients`] connections at once, transactions per second.
+    SaturatedTransactionsPerSecond,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 5] = [
+    pub const ALL: [Workload; 10] = [
         Workload::ConnectionsPerSecond,
         Workload::ConnectP50Us,
         Workload::ConnectP99Us,
         Workload::TransactionsPerSecond,
         Workload::BulkBytesPerSecond,
+        Workload::SaturatedConnectionsPerSecond,
+        Workload::CpuUsPerConnection,
+        Workload::KernelCpuUsPerConnection,
+        Workload::BusyPercent,
+        Workload::SaturatedTransactionsPerSecond,
     ];
 }
 
@@ -83,6 +98,9 @@ pub struct Run {
     pub environment: String,
     pub rounds: usize,
     pub seconds_per_workload: f64,
+    /// Client threads of the saturated workloads.
+    #[serde(default)]
+    pub clients: usize,
     pub samples: Vec<Sample>,
     pub control: Vec<ControlSample>,
     /// The control plane fed by the replayed API server instead of manifests.
@@ -273,6 +291,7 @@ pub fn markdown(run: &Run) -> String {
          that changed, and lets writes settle for `--manifests-settle`, 100 ms, first); its sync: the agent's own \
          sync of that change (its histogram; a datapath may serve before the sync returns).\n",
     );
+    saturated_table(run, &mut out);
     if !run.api.is_empty() {
         out.push_str(
             "\nThrough the API-server source (a replayed API server in the node namespace: paged lists, then a watch; \
@@ -302,6 +321,73 @@ pub fn markdown(run: &Run) -> String {
     out
 }
 
+/// The saturated workloads' table: throughput with every core busy, and the machine's CPU
+/// time per connection (client, backends and datapath together: the baseline's figure is
+/// what the rest costs, a mode's excess over it is its datapath's).
+fn saturated_table(run: &Run, out: &mut String) {
+    if !run
+        .samples
+        .iter()
+        .any(|s| s.workload == Workload::SaturatedConnectionsPerSecond)
+    {
+        return;
+    }
+    let _ = write!(
+        out,
+        "\nUnder saturation ({} client threads on {} CPUs; CPU time is the whole machine's, per connection):\n\n\
+         | mode | services | new connections/s | transactions/s | CPU µs per connection | of it kernel µs | cores busy % |\n\
+         |---|---|---|---|---|---|---|\n",
+        run.clients, run.cpus
+    );
+    for n in run.service_counts() {
+        for target in run.targets() {
+            let v = |w| run.values(n, &target, w);
+            let b = |w| run.values(n, BASELINE, w);
+            if v(Workload::SaturatedConnectionsPerSecond).is_empty() {
+                continue;
+            }
+            let _ = writeln!(
+                out,
+                "| {} | {n} | {} | {} | {} | {} | {} |",
+                if target == BASELINE {
+                    "none (straight to a pod)"
+                } else {
+                    &target
+                },
+                cell(
+                    &v(Workload::SaturatedConnectionsPerSecond),
+                    &b(Workload::SaturatedConnectionsPerSecond),
+                    1.0,
+                    0,
+                    true
+                ),
+                cell(
+                    &v(Workload::SaturatedTransactionsPerSecond),
+                    &b(Workload::SaturatedTransactionsPerSecond),
+                    1.0,
+                    0,
+                    true
+                ),
+                cell(
+                    &v(Workload::CpuUsPerConnection),
+                    &b(Workload::CpuUsPerConnection),
+                    1.0,
+                    1,
+                    true
+                ),
+                cell(
+                    &v(Workload::KernelCpuUsPerConnection),
+                    &b(Workload::KernelCpuUsPerConnection),
+                    1.0,
+                    1,
+                    true
+                ),
+                cell(&v(Workload::BusyPercent), &[], 1.0, 0, false),
+            );
+        }
+    }
+}
+
 /// Checks a run against what every report must satisfy: each data-plane figure comes from
 /// measured operations, every mode at every count has its control-plane record, the
 /// baseline was measured at every count. Returns the problems found.
@@ -315,6 +401,8 @@ pub fn problems(run: &Run) -> Vec<String> {
             ));
         }
     }
+    let workloads: std::collections::BTreeSet<Workload> =
+        run.samples.iter().map(|s| s.workload).collect();
     let mut per_target: BTreeMap<(usize, &str), usize> = BTreeMap::new();
     for s in &run.samples {
         *per_target.entry((s.services, &s.target)).or_default() += 1;
@@ -325,7 +413,8 @@ pub fn problems(run: &Run) -> Vec<String> {
         }
     }
     for ((n, target), count) in &per_target {
-        let want = run.rounds * Workload::ALL.len();
+        // Runs recorded before a workload existed have none of it: count those present.
+        let want = run.rounds * workloads.len();
         // A mode that failed a workload has the reason in its note, in the table.
         let explained = run.control(*n, target).is_some_and(|c| c.note.is_some());
         if *count != want && !explained {

@@ -28,7 +28,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use proxy_tests::{
     apiserver::ApiServer,
     bench::{
-        load::{bulk_throughput, connect_rate, quantile, transaction_rate},
+        load::{
+            bulk_throughput, connect_rate, parallel_connect_rate, parallel_transaction_rate,
+            quantile, transaction_rate, ConnectRate, CpuTimes,
+        },
         plots,
         report::{self, ControlSample, Run, Sample, Workload, BASELINE},
     },
@@ -118,6 +121,10 @@ struct Args {
         default_value_if("quick", "true", Some("0.5"))
     )]
     seconds: f64,
+    /// Client threads of the saturated workloads [default: 4 per CPU, enough to keep every
+    /// core busy here].
+    #[arg(long, value_name = "N", value_parser = count)]
+    clients: Option<usize>,
     /// Seconds to wait for a mode's agent to serve, after a start or a change (--quick: 60).
     #[arg(
         long = "serve-timeout",
@@ -585,21 +592,36 @@ fn api_control_into(mode: &str, n: usize, args: &Args, control: &mut ControlSamp
     Ok(())
 }
 
+/// What the saturated connection workload measured.
+struct Saturated {
+    rate: ConnectRate,
+    cpu: CpuTimes,
+    tps: f64,
+}
+
 fn measure(
     target: &Target,
     n: usize,
     round: usize,
     seconds: f64,
+    clients: usize,
     out: &mut Vec<Sample>,
 ) -> Result<()> {
     let d = Duration::from_secs_f64(seconds);
     let (http, bulk) = (target.http, target.bulk);
-    let (rate, tps, bps) = target.lab.client.ns.run(move || -> Result<_> {
-        Ok((
-            connect_rate(http, d)?,
-            transaction_rate(http, d)?,
-            bulk_throughput(bulk, d)?,
-        ))
+    let (rate, tps, bps, saturated) = target.lab.client.ns.run(move || -> Result<_> {
+        let rate = connect_rate(http, d)?;
+        let tps = transaction_rate(http, d)?;
+        let bps = bulk_throughput(bulk, d)?;
+        let before = CpuTimes::now()?;
+        let many = parallel_connect_rate(http, d, clients)?;
+        let cpu = CpuTimes::now()?.since(&before);
+        let saturated = Saturated {
+            rate: many,
+            cpu,
+            tps: parallel_transaction_rate(http, d, clients)?,
+        };
+        Ok((rate, tps, bps, saturated))
     })??;
     let sample = |workload, value, operations| Sample {
         services: n,
@@ -635,6 +657,34 @@ fn measure(
         bps,
         (bps * seconds) as u64,
     ));
+    let Saturated { rate, cpu, tps } = saturated;
+    let connections = rate.connections as u64;
+    let per_connection = |us: f64| us / rate.connections.max(1) as f64;
+    out.push(sample(
+        Workload::SaturatedConnectionsPerSecond,
+        rate.per_second(),
+        connections,
+    ));
+    out.push(sample(
+        Workload::CpuUsPerConnection,
+        per_connection(cpu.busy_us),
+        connections,
+    ));
+    out.push(sample(
+        Workload::KernelCpuUsPerConnection,
+        per_connection(cpu.kernel_us),
+        connections,
+    ));
+    out.push(sample(
+        Workload::BusyPercent,
+        100.0 * cpu.busy_us / cpu.total_us.max(1.0),
+        connections,
+    ));
+    out.push(sample(
+        Workload::SaturatedTransactionsPerSecond,
+        tps,
+        (tps * seconds) as u64,
+    ));
     Ok(())
 }
 
@@ -655,6 +705,8 @@ fn main() -> Result<()> {
         return write_outputs(&run, &args.out);
     }
     let started = Instant::now();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let clients = args.clients.unwrap_or(4 * cpus);
     let mut run = Run {
         command: std::iter::once("modebench".to_string())
             .chain(std::env::args().skip(1))
@@ -669,10 +721,11 @@ fn main() -> Result<()> {
         .trim()
         .to_string(),
         kernel: kernel(),
-        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cpus,
         environment: std::env::var("PROXY_BENCH_ENVIRONMENT").unwrap_or_else(|_| "host".into()),
         rounds: args.rounds,
         seconds_per_workload: args.seconds,
+        clients,
         ..Default::default()
     };
     let requested: Vec<String> = args
@@ -762,7 +815,7 @@ fn main() -> Result<()> {
                     args.rounds,
                     target.name
                 ));
-                let measured = measure(target, n, round, args.seconds, &mut run.samples)
+                let measured = measure(target, n, round, args.seconds, clients, &mut run.samples)
                     .with_context(|| format!("{} at {n} services", target.name));
                 match measured {
                     // Every ratio is taken against the baseline: without it there is no run.
