@@ -2104,3 +2104,76 @@ mod safety {
         );
     }
 }
+
+/// The sync's writes go to the kernel in batches: whole batches land (read back from the
+/// maps), and a batch that meets a full `SERVICES` map ends in "map full" for the entry
+/// that did not fit, with everything before it written, as single writes did.
+#[test]
+fn batched_map_writes_land_whole_and_a_full_map_is_reported() {
+    use proxy_agent::proxier::ebpf::{
+        maps::{MapError, ServiceMaps},
+        sync::service_key,
+    };
+    use proxy_common::{Backend, ServiceValue};
+    require_kernel!();
+    let mut dp = TestDatapath::load(DatapathSizes {
+        services: 64,
+        ..small()
+    })
+    .expect("load datapath");
+    let maps = dp.sync.maps_mut();
+    let backends: Vec<(u32, Backend, _)> = (1..=600u32)
+        .map(|id| {
+            (
+                id,
+                Backend::new(id, id.to_be(), 8080u16.to_be(), 0, 7),
+                None,
+            )
+        })
+        .collect();
+    maps.set_backends(&backends).expect("backends fit");
+    assert!(maps.batches, "this kernel (5.6+) takes batch updates");
+    let entries: Vec<_> = (0..100u16)
+        .map(|slot| {
+            let key = service_key(
+                Frontend {
+                    addr: IpAddr::V4(VIP),
+                    port: 80,
+                    protocol: Protocol::Tcp,
+                },
+                slot,
+            );
+            let value = ServiceValue {
+                backend_id: slot as u32 + 1,
+                service_id: 7,
+                count: 0,
+                flags: 0,
+            };
+            (key, value)
+        })
+        .collect();
+    let err = maps.set_services(&entries).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            MapError::Full {
+                map: "SERVICES",
+                capacity: 64
+            }
+        ),
+        "{err:?}"
+    );
+    let contents = maps.entries().expect("read the maps back");
+    assert_eq!(contents.backends.len(), 600);
+    assert!(contents
+        .backends
+        .iter()
+        .all(|b| b.service_id == 7 && b.id >= 1 && b.id <= 600));
+    // The map holds exactly what fit: the first 64 entries in order.
+    let mut slots: Vec<u16> = contents.services.iter().map(|(k, _)| k.slot()).collect();
+    slots.sort_unstable();
+    assert_eq!(slots, (0..64).collect::<Vec<u16>>());
+    // A full map is no reason to stop batching; rewriting what is there is no new entry.
+    assert!(maps.batches);
+    maps.set_services(&entries[..64]).expect("overwrites fit");
+}

@@ -7,9 +7,14 @@ use std::{
     net::IpAddr,
 };
 
-use aya::maps::{
-    lpm_trie::{Key as LpmKey, LpmTrie},
-    Array, HashMap as BpfHashMap, MapData, MapError as AyaMapError,
+use std::os::fd::{AsFd, AsRawFd};
+
+use aya::{
+    maps::{
+        lpm_trie::{Key as LpmKey, LpmTrie},
+        Array, HashMap as BpfHashMap, IterableMap, MapData, MapError as AyaMapError,
+    },
+    Pod,
 };
 use proxy_common::{
     map_names, Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue,
@@ -72,6 +77,30 @@ pub trait ServiceMaps {
         addr6: Option<BackendAddr6>,
     ) -> Result<(), MapError>;
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError>;
+    /// [`Self::set_backend`] for each, in order; the kernel maps write them in batches.
+    fn set_backends(
+        &mut self,
+        backends: &[(u32, Backend, Option<BackendAddr6>)],
+    ) -> Result<(), MapError> {
+        for (id, backend, addr6) in backends {
+            self.set_backend(*id, *backend, *addr6)?;
+        }
+        Ok(())
+    }
+    /// [`Self::set_service`] for each, in order; the kernel maps write them in batches.
+    fn set_services(&mut self, entries: &[(ServiceMapKey, ServiceValue)]) -> Result<(), MapError> {
+        for (key, value) in entries {
+            self.set_service(*key, *value)?;
+        }
+        Ok(())
+    }
+    /// [`Self::set_maglev`] for each, in order; the kernel maps write them in batches.
+    fn set_maglevs(&mut self, entries: &[(MaglevKey, u32)]) -> Result<(), MapError> {
+        for (key, slot) in entries {
+            self.set_maglev(*key, *slot)?;
+        }
+        Ok(())
+    }
     fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
     fn set_maglev(&mut self, key: MaglevKey, slot: u32) -> Result<(), MapError>;
@@ -274,9 +303,93 @@ pub struct KernelMaps {
     pub backend_conns: Array<MapData, u64>,
     pub backend_released: Array<MapData, u64>,
     pub services_capacity: u32,
+    /// Whether the kernel takes batch updates (5.6+); after a refusal, one write per entry.
+    pub batches: bool,
+}
+
+/// `union bpf_attr` as the `BPF_MAP_*_BATCH` commands read it.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+
+/// Writes `keys[i]` → `values[i]` into `map` with one `BPF_MAP_UPDATE_BATCH` (aya has no
+/// batch operations): at 100 000 services the first sync writes ~2 million entries, and
+/// a system call each was most of its time. On error: how many were written, and why not
+/// the rest.
+fn update_batch<K: Pod, V: Pod>(
+    map: &MapData,
+    keys: &[K],
+    values: &[V],
+) -> Result<(), (usize, std::io::Error)> {
+    debug_assert_eq!(keys.len(), values.len());
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: keys.len() as u32,
+        map_fd: map.fd().as_fd().as_raw_fd() as u32,
+        ..Default::default()
+    };
+    // SAFETY: `attr` points at `count` keys and values of the map's key and value types
+    // (declared once in proxy-common with the kernel's layout), which outlive the call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_UPDATE_BATCH,
+            &mut attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>() as u32,
+        )
+    };
+    if ret < 0 {
+        let written = (attr.count as usize).min(keys.len());
+        return Err((written, std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 impl KernelMaps {
+    /// Writes `keys` → `values` into `map` in batches while the kernel takes them; returns
+    /// how many were written (the caller writes the rest one by one: a single write reports
+    /// a full map or another error precisely).
+    fn batch_prefix<K: Pod, V: Pod>(
+        batches: &mut bool,
+        map: &MapData,
+        keys: &[K],
+        values: &[V],
+    ) -> usize {
+        const CHUNK: usize = 4096;
+        let mut done = 0;
+        while *batches && done < keys.len() {
+            let end = (done + CHUNK).min(keys.len());
+            match update_batch(map, &keys[done..end], &values[done..end]) {
+                Ok(()) => done = end,
+                Err((written, e)) => {
+                    done += written;
+                    // A kernel without batch updates (before 5.6) refuses the first one.
+                    if written == 0 && e.raw_os_error() != Some(libc::E2BIG) {
+                        tracing::debug!("batch map updates refused ({e}): one write per entry");
+                        *batches = false;
+                    }
+                    break;
+                }
+            }
+        }
+        done
+    }
+
     /// Takes the maps the service sync writes out of the loaded datapath. Call once.
     pub fn take(datapath: &mut Datapath) -> anyhow::Result<Self> {
         Ok(Self {
@@ -295,6 +408,7 @@ impl KernelMaps {
                 datapath.second_handle(map_names::BACKEND_RELEASED)?,
             )?,
             services_capacity: datapath.sizes.services,
+            batches: true,
         })
     }
 }
@@ -371,6 +485,80 @@ impl ServiceMaps for KernelMaps {
         self.backends
             .set(slot, backend, 0)
             .map_err(|e| classify("BACKENDS", capacity, e))
+    }
+
+    fn set_backends(
+        &mut self,
+        backends: &[(u32, Backend, Option<BackendAddr6>)],
+    ) -> Result<(), MapError> {
+        let slots: Vec<u32> = backends
+            .iter()
+            .map(|(id, ..)| id & BACKEND_INDEX_MASK)
+            .collect();
+        let (slots6, addrs6): (Vec<u32>, Vec<BackendAddr6>) = backends
+            .iter()
+            .filter_map(|(id, _, a)| Some((id & BACKEND_INDEX_MASK, (*a)?)))
+            .unzip();
+        let zeros = vec![0u64; slots.len()];
+        let values: Vec<Backend> = backends.iter().map(|(_, b, _)| *b).collect();
+        let all = backends.len();
+        // In the order of single writes: IPv6 addresses, zeroed counters, then the backends.
+        let b = &mut self.batches;
+        let written = Self::batch_prefix(b, self.backend_addrs6.map(), &slots6, &addrs6)
+            == slots6.len()
+            && Self::batch_prefix(b, self.backend_conns.map(), &slots, &zeros) == all
+            && Self::batch_prefix(b, self.backend_released.map(), &slots, &zeros) == all
+            && Self::batch_prefix(b, self.backends.map(), &slots, &values) == all;
+        if written {
+            return Ok(());
+        }
+        // What a batch did not write: all of it again one by one (array writes can be
+        // repeated), which reports the first failure as single writes do.
+        backends
+            .iter()
+            .try_for_each(|(id, b, a)| self.set_backend(*id, *b, *a))
+    }
+
+    fn set_services(&mut self, entries: &[(ServiceMapKey, ServiceValue)]) -> Result<(), MapError> {
+        let (mut k4, mut v4, mut k6, mut v6) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (key, value) in entries {
+            match key {
+                ServiceMapKey::V4(k) => {
+                    k4.push(*k);
+                    v4.push(*value);
+                }
+                ServiceMapKey::V6(k) => {
+                    k6.push(*k);
+                    v6.push(*value);
+                }
+            }
+        }
+        let capacity = self.services_capacity;
+        let done = Self::batch_prefix(&mut self.batches, self.services.map(), &k4, &v4);
+        for i in done..k4.len() {
+            self.services
+                .insert(k4[i], v4[i], 0)
+                .map_err(|e| classify("SERVICES", capacity, e))?;
+        }
+        let done = Self::batch_prefix(&mut self.batches, self.services6.map(), &k6, &v6);
+        for i in done..k6.len() {
+            self.services6
+                .insert(k6[i], v6[i], 0)
+                .map_err(|e| classify("SERVICES6", capacity, e))?;
+        }
+        Ok(())
+    }
+
+    fn set_maglevs(&mut self, entries: &[(MaglevKey, u32)]) -> Result<(), MapError> {
+        let (keys, slots): (Vec<MaglevKey>, Vec<u32>) = entries.iter().copied().unzip();
+        let capacity = self.maglev_capacity;
+        let done = Self::batch_prefix(&mut self.batches, self.maglev.map(), &keys, &slots);
+        for i in done..keys.len() {
+            self.maglev
+                .insert(keys[i], slots[i], 0)
+                .map_err(|e| classify("MAGLEV", capacity, e))?;
+        }
+        Ok(())
     }
 
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError> {

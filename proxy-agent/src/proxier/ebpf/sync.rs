@@ -871,46 +871,59 @@ impl<M: ServiceMaps> MapSync<M> {
         let mut ops = 0;
         let old_ids: HashSet<u32> = old.iter().chain(old_draining).map(|s| s.0).collect();
         let new_ids: HashSet<u32> = new.iter().chain(new_draining).map(|s| s.0).collect();
+        // Each step's writes go together (one batch in the kernel maps); the steps stay in
+        // order.
         // 1. new backends first (draining ones too: they may be new to this agent)
-        for (id, addr) in new
+        let backends: Vec<_> = new
             .iter()
             .chain(new_draining)
             .filter(|s| !old_ids.contains(&s.0))
-        {
-            let (value, addr6) = backend_value(*id, addr, remote.contains(addr), service_id);
-            self.maps.set_backend(*id, value, addr6)?;
-            ops += 1;
-        }
+            .map(|(id, addr)| {
+                let (value, addr6) = backend_value(*id, addr, remote.contains(addr), service_id);
+                (*id, value, addr6)
+            })
+            .collect();
+        self.maps.set_backends(&backends)?;
+        ops += backends.len();
         // 2. slots that changed (backend or cumulative weight)
-        for (i, s) in new.iter().enumerate() {
-            if old.get(i) != Some(s) || old_cumulative.get(i) != Some(&cumulative[i]) {
+        let slots: Vec<_> = new
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| {
+                old.get(*i) != Some(s) || old_cumulative.get(*i) != Some(&cumulative[*i])
+            })
+            .map(|(i, s)| {
                 let value = ServiceValue {
                     backend_id: s.0,
                     service_id,
                     count: cumulative[i] as u16,
                     flags: (cumulative[i] >> 16) as u16,
                 };
-                self.maps
-                    .set_service(service_key(frontend, i as u16 + 1), value)?;
-                ops += 1;
-            }
-        }
+                (service_key(frontend, i as u16 + 1), value)
+            })
+            .collect();
+        self.maps.set_services(&slots)?;
+        ops += slots.len();
         // 2b. source ranges it gains, before the header can ask for them
         for (addr, prefix) in new_ranges.difference(old_ranges) {
             self.maps.add_source_range((service_id, *addr, *prefix))?;
             ops += 1;
         }
         // 2c. the Maglev table's entries that changed, before the header may ask for it
-        for (index, slot) in maglev.iter().enumerate() {
-            if old_maglev.get(index) != Some(slot) {
+        let table: Vec<_> = maglev
+            .iter()
+            .enumerate()
+            .filter(|(index, slot)| old_maglev.get(*index) != Some(*slot))
+            .map(|(index, slot)| {
                 let key = MaglevKey {
                     service_id,
                     index: index as u32,
                 };
-                self.maps.set_maglev(key, *slot)?;
-                ops += 1;
-            }
-        }
+                (key, *slot)
+            })
+            .collect();
+        self.maps.set_maglevs(&table)?;
+        ops += table.len();
         // 3. the header, when new or when its count or flags change
         if header_changed || old.len() != new.len() {
             let header = ServiceValue {
