@@ -10,7 +10,7 @@ use crate::model::ServicePortName;
 
 use prometheus::{
     exponential_buckets, linear_buckets, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts,
-    IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -60,6 +60,8 @@ pub struct Metrics {
     pub datapath_events: GaugeVec,
     /// Traffic counter series not exported (`--traffic-metrics-limit`), by kind.
     pub traffic_series_omitted: IntGaugeVec,
+    /// The sync loop's time on anything but syncs, by `work`: a change waits behind it.
+    pub loop_work: HistogramVec,
     pub service_traffic: TrafficMetrics,
     pub backend_traffic: TrafficMetrics,
 }
@@ -346,6 +348,17 @@ impl Metrics {
                 &["kind"],
             )
             .unwrap(),
+            loop_work: HistogramVec::new(
+                HistogramOpts::new(
+                    "proxy_agent_sync_loop_work_seconds",
+                    "Time the sync loop spent on work other than syncs (work: interfaces, \
+                     conntrack_gc, counters, flow_log, takeover); a change arriving meanwhile \
+                     waits for it",
+                )
+                .buckets(exponential_buckets(0.0005, 2.0, 15).expect("buckets")),
+                &["work"],
+            )
+            .unwrap(),
             service_traffic: TrafficMetrics::new(
                 "proxy_agent_service",
                 "service port",
@@ -400,6 +413,7 @@ impl Metrics {
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.datapath_events.clone()));
         reg(Box::new(m.traffic_series_omitted.clone()));
+        reg(Box::new(m.loop_work.clone()));
         for c in m.service_traffic.collectors() {
             reg(c);
         }

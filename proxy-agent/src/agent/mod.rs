@@ -74,15 +74,16 @@ impl Leftovers {
         }
     }
 
+    /// Removes what other modes left on the node once this mode serves; true when it just did.
     async fn take_over(
         &mut self,
         syncs: &SyncLoop,
         s: &Settings,
         lock: Option<&RootLock>,
         metrics: &Metrics,
-    ) {
+    ) -> bool {
         if self.removed {
-            return;
+            return false;
         }
         let may_go = Self::may_go(s.mode, syncs);
         metrics.other_modes_state_kept.set(i64::from(!may_go));
@@ -99,7 +100,7 @@ impl Leftovers {
                 );
                 self.reported = true;
             }
-            return;
+            return false;
         }
         // Best effort: each failure is logged.
         let _ = cleanup::remove_modes(Some(s.mode), s).await;
@@ -117,6 +118,7 @@ impl Leftovers {
             );
         }
         self.removed = true;
+        true
     }
 }
 
@@ -248,9 +250,13 @@ pub async fn run(mut s: Settings) -> Result<()> {
 
     let mut deferred: Option<Instant> = None;
     loop {
-        leftovers
+        let started = Instant::now();
+        if leftovers
             .take_over(&syncs, &s, root_lock.as_ref(), &metrics)
-            .await;
+            .await
+        {
+            loop_work(&metrics, "takeover", started);
+        }
         let wait = deferred.map(|d| d.saturating_duration_since(Instant::now()));
         let flow_log = ebpf.as_mut().and_then(|e| e.flow_logger.as_mut());
         let has_flow_log = flow_log.is_some();
@@ -288,24 +294,33 @@ pub async fn run(mut s: Settings) -> Result<()> {
                 }
             }
             Ok(mut ready) = async { flow_log.unwrap().readable_mut().await }, if has_flow_log => {
+                let started = Instant::now();
                 ready.get_inner_mut().flush();
                 ready.clear_ready();
+                loop_work(&metrics, "flow_log", started);
             }
             Some(event) = async { link_rx.as_mut().unwrap().recv().await }, if has_links => {
                 if let Some(e) = ebpf.as_mut() {
+                    let started = Instant::now();
                     e.link_event(event);
+                    loop_work(&metrics, "interfaces", started);
                 }
             }
             _ = gc_tick.tick() => {
                 if let Some(e) = ebpf.as_mut() {
+                    let started = Instant::now();
                     e.collect_conntrack_garbage(&metrics);
+                    loop_work(&metrics, "conntrack_gc", started);
                 }
             }
             _ = stats_tick.tick() => {
                 if let Some(e) = ebpf.as_mut() {
-                    if let Some((services, backends)) = proxier.counter_ids(e.backend_metrics) {
+                    let started = Instant::now();
+                    let ids = proxier.counter_ids(e.backend_metrics, e.traffic_metrics_limit);
+                    if let Some((services, backends)) = ids {
                         e.read_counters(services, backends, &metrics);
                     }
+                    loop_work(&metrics, "counters", started);
                 }
             }
             _ = sigterm.recv() => break,
@@ -321,6 +336,24 @@ pub async fn run(mut s: Settings) -> Result<()> {
         _ => info!("stopping; the rules stay in place"),
     }
     Ok(())
+}
+
+/// Records the sync loop's time on `work` (anything but a sync, which has its own
+/// histograms): a change that arrives meanwhile waits for it, so long work shows here and,
+/// from 50 ms, in the log.
+fn loop_work(metrics: &Metrics, work: &str, started: Instant) {
+    let took = started.elapsed();
+    metrics
+        .loop_work
+        .with_label_values(&[work])
+        .observe(took.as_secs_f64());
+    if took >= Duration::from_millis(50) {
+        debug!(
+            work,
+            took_ms = took.as_millis() as u64,
+            "the sync loop was busy"
+        );
+    }
 }
 
 /// What the `--config` file said that the operator should know: warnings, and fields that

@@ -11,7 +11,7 @@ use crate::{
         attach::Attacher,
         cgroup,
         pins::{self, Adoption, BpffsRoot},
-        runtime::{CounterIds, EbpfRuntime},
+        runtime::{Counters, EbpfRuntime},
         sockets::SocketCleaner,
         Datapath, DatapathSizes, LoadOptions,
     },
@@ -358,26 +358,29 @@ impl ActiveProxier {
 
     /// The eBPF proxier's traffic counter ids with their labels: per service port, and per
     /// backend when `backends` (`--backend-metrics`).
-    pub fn counter_ids(&self, backends: bool) -> Option<(CounterIds, CounterIds)> {
+    pub fn counter_ids(&self, backends: bool, limit: usize) -> Option<(Counters, Counters)> {
         let ActiveProxier::Ebpf(p) = self else {
             return None;
         };
-        let services = p
-            .service_ids()
-            .into_iter()
-            .map(|(name, id)| (service_labels(&name), id))
-            .collect();
-        let backends = if backends {
-            p.backend_ids()
+        let services = Counters::within(p.service_id_count(), limit, || {
+            p.service_ids()
                 .into_iter()
-                .map(|(name, endpoint, id)| {
-                    let mut labels = service_labels(&name);
-                    labels.push(endpoint.to_string());
-                    (labels, id)
-                })
+                .map(|(name, id)| (service_labels(&name), id))
                 .collect()
+        });
+        let backends = if backends {
+            Counters::within(p.backend_id_count(), limit, || {
+                p.backend_ids()
+                    .into_iter()
+                    .map(|(name, endpoint, id)| {
+                        let mut labels = service_labels(&name);
+                        labels.push(endpoint.to_string());
+                        (labels, id)
+                    })
+                    .collect()
+            })
         } else {
-            Vec::new()
+            Counters::Ids(Vec::new())
         };
         Some((services, backends))
     }

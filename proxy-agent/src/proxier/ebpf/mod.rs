@@ -81,6 +81,22 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             .collect()
     }
 
+    /// How many entries [`Self::backend_ids`] would list, without listing them.
+    pub fn backend_id_count(&self) -> usize {
+        self.sync
+            .backend_ids()
+            .filter(|(f, ..)| self.names.contains_key(&f.frontend()))
+            .count()
+    }
+
+    /// How many entries [`Self::service_ids`] would list, without listing them.
+    pub fn service_id_count(&self) -> usize {
+        self.sync
+            .service_ids()
+            .filter(|(f, _)| self.names.contains_key(&f.frontend()))
+            .count()
+    }
+
     /// Every programmed service port with its id in `SERVICE_STATS`.
     pub fn service_ids(&self) -> Vec<(ServicePortName, u32)> {
         self.sync
