@@ -520,6 +520,7 @@ impl Lab {
             let udp = UdpSocket::bind(("0.0.0.0", UDP_PORT))?;
             udp.set_nonblocking(true)?;
             ready_tx.send(()).ok();
+            let workers = Workers::default();
             let mut buf = [0u8; 2048];
             // Wait on both sockets at once; the timeout only bounds how late a stop is seen.
             let mut fds = [
@@ -546,10 +547,10 @@ impl Lab {
                 }
                 while let Ok((stream, _)) = tcp.accept() {
                     let name = name.clone();
-                    std::thread::spawn(move || serve_greeting_then_echo(stream, &name));
+                    workers.run(move || serve_greeting_then_echo(stream, &name));
                 }
                 while let Ok((stream, _)) = bulk.accept() {
-                    std::thread::spawn(move || count_and_report(stream));
+                    workers.run(move || count_and_report(stream));
                 }
                 while let Ok((_, from)) = udp.recv_from(&mut buf) {
                     let _ = udp.send_to(name.as_bytes(), from);
@@ -697,6 +698,61 @@ pub fn serve_greeting_then_echo(mut stream: TcpStream, name: &str) {
         return;
     }
     echo(&mut stream);
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A thread per connection, reused: a connection goes to an idle thread when there is one,
+/// else to a new one. A benchmark opens thousands of short connections a second, and a new
+/// thread each (its stack mapped and unmapped, the other cores told to flush their TLBs)
+/// cost more CPU than the datapath under test. Threads are created from the calling one
+/// (so they share its namespace) and end when it drops this.
+struct Workers {
+    tx: std::sync::mpsc::Sender<Job>,
+    rx: Arc<std::sync::Mutex<std::sync::mpsc::Receiver<Job>>>,
+    /// Threads waiting for a job and not yet promised one.
+    idle: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Default for Workers {
+    fn default() -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        Workers {
+            tx,
+            rx: Arc::new(std::sync::Mutex::new(rx)),
+            idle: Arc::default(),
+        }
+    }
+}
+
+impl Workers {
+    fn run(&self, job: impl FnOnce() + Send + 'static) {
+        // Promise the job to an idle thread (it is waiting on the channel, so it takes it),
+        // or start one: a job never waits behind a long connection.
+        let promised = self
+            .idle
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        let mut first: Job = Box::new(job);
+        if promised {
+            match self.tx.send(first) {
+                Ok(()) => return,
+                Err(unsent) => first = unsent.0,
+            }
+        }
+        let (rx, idle) = (self.rx.clone(), self.idle.clone());
+        std::thread::spawn(move || {
+            first();
+            loop {
+                idle.fetch_add(1, Ordering::AcqRel);
+                let next = rx.lock().map(|r| r.recv());
+                match next {
+                    Ok(Ok(job)) => job(),
+                    _ => return,
+                }
+            }
+        });
+    }
 }
 
 /// TCP :8081 of a backend pod (the benchmark's bulk transfers): reads until the peer

@@ -93,7 +93,7 @@ fn a_small_run_writes_the_table_the_samples_and_the_plots() {
         md.contains(&format!("Under saturation ({} client threads", run.clients)),
         "{md}"
     );
-    for stem in ["connections", "connect-p99", "sync"] {
+    for stem in ["connections", "connect-p99", "cpu-per-connection", "sync"] {
         let svg = std::fs::read_to_string(out.path().join(format!("{stem}.svg"))).unwrap();
         assert!(
             svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),

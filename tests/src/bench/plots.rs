@@ -188,11 +188,29 @@ fn control_plane(run: &Run) -> Vec<Series> {
                 out.push((format!("{mode}: {what}"), points));
             }
         }
+        for (what, get) in [
+            (
+                "cold start, API source",
+                (|c: &super::report::ControlSample| c.cold_start_ms) as fn(&_) -> _,
+            ),
+            ("one change end to end, API source", |c| c.one_change_ms),
+        ] {
+            let points: Vec<(f64, f64)> = run
+                .api
+                .iter()
+                .filter(|c| c.mode == mode)
+                .filter_map(|c| Some((c.services as f64, get(c)?)))
+                .filter(|(_, y)| *y > 0.0)
+                .collect();
+            if !points.is_empty() {
+                out.push((format!("{mode}: {what}"), points));
+            }
+        }
     }
     out
 }
 
-/// The three plots of a run, into `dir`; returns the files written.
+/// The plots of a run, into `dir`; returns the files written.
 pub fn write_all(run: &Run, dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     files.extend(plot(
@@ -209,6 +227,16 @@ pub fn write_all(run: &Run, dir: &Path) -> Result<Vec<PathBuf>> {
         "µs (median of rounds)",
         &data_plane(run, Workload::ConnectP99Us),
     )?);
+    let cpu = data_plane(run, Workload::CpuUsPerConnection);
+    if !cpu.is_empty() {
+        files.extend(plot(
+            dir,
+            "cpu-per-connection",
+            "CPU time per new connection, every core busy (client, backends, datapath)",
+            "µs of CPU per connection (median of rounds)",
+            &cpu,
+        )?);
+    }
     let control = control_plane(run);
     if !control.is_empty() {
         files.extend(plot(
