@@ -27,6 +27,7 @@ use axum::{
     body::{Body, Bytes},
     extract::{RawQuery, State},
     routing::{get, post},
+    serve::ListenerExt,
     Router,
 };
 use serde_json::Value;
@@ -332,6 +333,11 @@ impl ApiServer {
                     }
                 };
                 let _ = ready_tx.send(Ok(()));
+                // As the API server (Go's net/http) does: without it each list page waits
+                // on Nagle and delayed ACKs.
+                let listener = listener.tap_io(|tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
                 let _ = axum::serve(listener, app).await;
             });
         });
