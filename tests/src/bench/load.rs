@@ -116,6 +116,20 @@ pub fn bulk_throughput(to: SocketAddr, duration: Duration) -> Result<f64> {
     Ok(received as f64 / seconds)
 }
 
+/// `work` on `clients` threads at once; every thread's result, in order.
+fn on_threads<T: Send>(clients: usize, work: impl Fn() -> Result<T> + Sync) -> Vec<Result<T>> {
+    std::thread::scope(|scope| {
+        let running: Vec<_> = (0..clients.max(1)).map(|_| scope.spawn(&work)).collect();
+        running
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a client thread panicked"))
+            })
+            .collect()
+    })
+}
+
 /// [`connect_rate`] from `clients` threads at once (each its own connect-request-close
 /// loop), merged: enough of them keep every core busy, so what the path between client
 /// and backend costs shows as fewer connections per second and more CPU per connection.
@@ -125,20 +139,8 @@ pub fn parallel_connect_rate(
     clients: usize,
 ) -> Result<ConnectRate> {
     let started = Instant::now();
-    let results: Vec<Result<ConnectRate>> = std::thread::scope(|scope| {
-        let running: Vec<_> = (0..clients.max(1))
-            .map(|_| scope.spawn(move || connect_rate(to, duration)))
-            .collect();
-        running
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| bail!("a client thread panicked"))
-            })
-            .collect()
-    });
     let mut out = ConnectRate::default();
-    for r in results {
+    for r in on_threads(clients, || connect_rate(to, duration)) {
         let r = r?;
         out.connections += r.connections;
         out.connect_us.extend(r.connect_us);
@@ -153,18 +155,9 @@ pub fn parallel_transaction_rate(
     duration: Duration,
     clients: usize,
 ) -> Result<f64> {
-    std::thread::scope(|scope| {
-        let running: Vec<_> = (0..clients.max(1))
-            .map(|_| scope.spawn(move || transaction_rate(to, duration)))
-            .collect();
-        running
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| bail!("a client thread panicked"))
-            })
-            .sum()
-    })
+    on_threads(clients, || transaction_rate(to, duration))
+        .into_iter()
+        .sum()
 }
 
 /// The machine's CPU time so far, from `/proc/stat` (every namespace shares the cores, so

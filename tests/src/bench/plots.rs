@@ -9,7 +9,7 @@ use plotters::prelude::*;
 
 use super::{
     load::median_min_max,
-    report::{Run, Workload, BASELINE},
+    report::{ControlSample, Run, Workload, BASELINE},
 };
 
 /// Where the plots' text gets its glyphs and metrics (Debian's fonts-dejavu-core).
@@ -167,36 +167,25 @@ fn data_plane(run: &Run, workload: Workload) -> Vec<Series> {
         .collect()
 }
 
+/// One figure of the control-plane records.
+type Figure = fn(&ControlSample) -> Option<f64>;
+
 fn control_plane(run: &Run) -> Vec<Series> {
+    let cold: Figure = |c| c.cold_start_ms;
+    let figures: [(&[ControlSample], &str, Figure); 4] = [
+        (&run.control, "cold start", cold),
+        (&run.control, "one change, its sync", |c| {
+            c.one_change_sync_ms
+        }),
+        (&run.api, "cold start, API source", cold),
+        (&run.api, "one change end to end, API source", |c| {
+            c.one_change_ms
+        }),
+    ];
     let mut out = Vec::new();
     for mode in run.targets().into_iter().filter(|t| t != BASELINE) {
-        for (what, get) in [
-            (
-                "cold start",
-                (|c: &super::report::ControlSample| c.cold_start_ms) as fn(&_) -> _,
-            ),
-            ("one change, its sync", |c| c.one_change_sync_ms),
-        ] {
-            let points: Vec<(f64, f64)> = run
-                .control
-                .iter()
-                .filter(|c| c.mode == mode)
-                .filter_map(|c| Some((c.services as f64, get(c)?)))
-                .filter(|(_, y)| *y > 0.0)
-                .collect();
-            if !points.is_empty() {
-                out.push((format!("{mode}: {what}"), points));
-            }
-        }
-        for (what, get) in [
-            (
-                "cold start, API source",
-                (|c: &super::report::ControlSample| c.cold_start_ms) as fn(&_) -> _,
-            ),
-            ("one change end to end, API source", |c| c.one_change_ms),
-        ] {
-            let points: Vec<(f64, f64)> = run
-                .api
+        for (records, what, get) in figures {
+            let points: Vec<(f64, f64)> = records
                 .iter()
                 .filter(|c| c.mode == mode)
                 .filter_map(|c| Some((c.services as f64, get(c)?)))
