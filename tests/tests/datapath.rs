@@ -2177,3 +2177,58 @@ fn batched_map_writes_land_whole_and_a_full_map_is_reported() {
     assert!(maps.batches);
     maps.set_services(&entries[..64]).expect("overwrites fit");
 }
+
+/// The conntrack sweep reads maps with batch lookups: across several batches they return
+/// every entry once, as an iteration does.
+#[test]
+fn batch_lookups_read_every_entry_once() {
+    use proxy_agent::{
+        datapath::batch::lookup_all,
+        proxier::ebpf::{maps::ServiceMaps, sync::service_key},
+    };
+    use proxy_common::{ServiceKey, ServiceValue};
+    require_kernel!();
+    let mut dp = TestDatapath::load(DatapathSizes {
+        services: 16_384,
+        ..small()
+    })
+    .expect("load datapath");
+    let maps = dp.sync.maps_mut();
+    // 10 000 entries: more than two lookup batches.
+    let entries: Vec<_> = (0..10_000u32)
+        .map(|i| {
+            let key = service_key(
+                Frontend {
+                    addr: IpAddr::V4(Ipv4Addr::from(u32::from(VIP) + i / 100)),
+                    port: 80,
+                    protocol: Protocol::Tcp,
+                },
+                (i % 100) as u16,
+            );
+            let value = ServiceValue {
+                backend_id: i + 1,
+                service_id: 7,
+                count: 0,
+                flags: 0,
+            };
+            (key, value)
+        })
+        .collect();
+    maps.set_services(&entries).expect("fits");
+    use aya::maps::IterableMap;
+    let read: Vec<(ServiceKey, ServiceValue)> =
+        lookup_all(maps.services.map()).expect("this kernel (5.6+) has batch lookups");
+    let mut batched: Vec<u32> = read.iter().map(|(_, v)| v.backend_id).collect();
+    batched.sort_unstable();
+    let mut iterated: Vec<u32> = maps
+        .services
+        .iter()
+        .map(|e| e.unwrap().1.backend_id)
+        .collect();
+    iterated.sort_unstable();
+    assert_eq!(batched.len(), 10_000);
+    assert_eq!(batched, iterated);
+    assert!(read
+        .iter()
+        .all(|(k, v)| k.slot as u32 == (v.backend_id - 1) % 100));
+}

@@ -2,6 +2,7 @@
 //! configuration, programs verified by the kernel.
 
 pub mod attach;
+pub mod batch;
 pub mod cgroup;
 pub mod cleanup;
 pub mod features;
@@ -162,11 +163,13 @@ fn sweep<K: aya::Pod, V: aya::Pod>(
     expired: impl Fn(u8, u8, u64) -> bool,
     released: &mut std::collections::HashMap<u32, u64>,
 ) -> (usize, usize) {
-    let mut seen = 0;
-    let stale: Vec<(K, V)> = map
-        .iter()
-        .filter_map(|entry| entry.ok())
-        .inspect(|_| seen += 1)
+    use aya::maps::IterableMap;
+    // A full map is 262 144 entries by default: read in batches, not two system calls each.
+    let entries = batch::lookup_all::<K, V>(map.map())
+        .unwrap_or_else(|| map.iter().filter_map(|entry| entry.ok()).collect());
+    let seen = entries.len();
+    let stale: Vec<(K, V)> = entries
+        .into_iter()
         .filter(|(k, v)| {
             let (proto, flags, last_seen_ns, _) = fields(k, v);
             expired(proto, flags, last_seen_ns)

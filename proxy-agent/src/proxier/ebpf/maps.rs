@@ -7,8 +7,6 @@ use std::{
     net::IpAddr,
 };
 
-use std::os::fd::{AsFd, AsRawFd};
-
 use aya::{
     maps::{
         lpm_trie::{Key as LpmKey, LpmTrie},
@@ -21,7 +19,7 @@ use proxy_common::{
     SourceRangeKey, SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
 };
 
-use crate::datapath::Datapath;
+use crate::datapath::{batch::update_batch, Datapath};
 
 /// A key of `SERVICES` (IPv4 frontends) or `SERVICES6` (IPv6 frontends): the two maps share
 /// their values, service ids and backend ids, so the sync logic writes them alike.
@@ -305,59 +303,6 @@ pub struct KernelMaps {
     pub services_capacity: u32,
     /// Whether the kernel takes batch updates (5.6+); after a refusal, one write per entry.
     pub batches: bool,
-}
-
-/// `union bpf_attr` as the `BPF_MAP_*_BATCH` commands read it.
-#[repr(C)]
-#[derive(Default)]
-struct BatchAttr {
-    in_batch: u64,
-    out_batch: u64,
-    keys: u64,
-    values: u64,
-    count: u32,
-    map_fd: u32,
-    elem_flags: u64,
-    flags: u64,
-}
-
-const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
-
-/// Writes `keys[i]` → `values[i]` into `map` with one `BPF_MAP_UPDATE_BATCH` (aya has no
-/// batch operations): at 100 000 services the first sync writes ~2 million entries, and
-/// a system call each was most of its time. On error: how many were written, and why not
-/// the rest.
-fn update_batch<K: Pod, V: Pod>(
-    map: &MapData,
-    keys: &[K],
-    values: &[V],
-) -> Result<(), (usize, std::io::Error)> {
-    debug_assert_eq!(keys.len(), values.len());
-    if keys.is_empty() {
-        return Ok(());
-    }
-    let mut attr = BatchAttr {
-        keys: keys.as_ptr() as u64,
-        values: values.as_ptr() as u64,
-        count: keys.len() as u32,
-        map_fd: map.fd().as_fd().as_raw_fd() as u32,
-        ..Default::default()
-    };
-    // SAFETY: `attr` points at `count` keys and values of the map's key and value types
-    // (declared once in proxy-common with the kernel's layout), which outlive the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_UPDATE_BATCH,
-            &mut attr as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>() as u32,
-        )
-    };
-    if ret < 0 {
-        let written = (attr.count as usize).min(keys.len());
-        return Err((written, std::io::Error::last_os_error()));
-    }
-    Ok(())
 }
 
 impl KernelMaps {
