@@ -94,21 +94,20 @@ pub fn lookup_all<K: Pod, V: Pod>(map: &MapData) -> Option<Vec<(K, V)>> {
             map_fd: map.fd().as_fd().as_raw_fd() as u32,
             ..Default::default()
         };
-        let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
-        let n = (attr.count as usize).min(LOOKUP_CHUNK);
-        match result {
-            Ok(()) => {}
+        let end = match bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+            Ok(()) => false,
             // The end of the map: the last entries came with it.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
-                return Some(out);
-            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
             Err(e) => {
                 tracing::debug!("batch map lookups refused ({e}): iterating instead");
                 return None;
             }
-        }
+        };
+        let n = (attr.count as usize).min(LOOKUP_CHUNK);
         out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        if end {
+            return Some(out);
+        }
         token = next;
         first = false;
     }

@@ -387,9 +387,8 @@ impl Datapath {
         if features.sock_release_cookie {
             names.push(program_names::SOCK_RELEASE);
         }
-        let mut verified = verify_all(&mut ebpf, &names)?;
         let mut ipv6 = ipv6_wanted;
-        for (name, result) in verified.drain(..) {
+        for (name, result) in verify_all(&mut ebpf, &names)? {
             let Err(e) = result else { continue };
             let hint = privilege_hint(&e);
             // The IPv6 programs are tail-called: without them IPv6 packets pass
@@ -773,7 +772,7 @@ fn verify_all<'a>(
             .map(|(name, handle)| {
                 let result = handle
                     .join()
-                    .unwrap_or_else(|_| Err(ProgramError::UnexpectedProgramType));
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
                 (name, result)
             })
             .collect()

@@ -335,6 +335,24 @@ impl KernelMaps {
         done
     }
 
+    /// Inserts `keys[i]` → `values[i]` into hash map `map` (called `name` in errors): in
+    /// batches while the kernel takes them, the rest one by one.
+    fn insert_all<K: Pod, V: Pod>(
+        batches: &mut bool,
+        map: &mut BpfHashMap<MapData, K, V>,
+        keys: &[K],
+        values: &[V],
+        name: &'static str,
+        capacity: u32,
+    ) -> Result<(), MapError> {
+        let done = Self::batch_prefix(batches, map.map(), keys, values);
+        for (key, value) in keys[done..].iter().zip(&values[done..]) {
+            map.insert(key, value, 0)
+                .map_err(|e| classify(name, capacity, e))?;
+        }
+        Ok(())
+    }
+
     /// Takes the maps the service sync writes out of the loaded datapath. Call once.
     pub fn take(datapath: &mut Datapath) -> anyhow::Result<Self> {
         Ok(Self {
@@ -479,31 +497,29 @@ impl ServiceMaps for KernelMaps {
             }
         }
         let capacity = self.services_capacity;
-        let done = Self::batch_prefix(&mut self.batches, self.services.map(), &k4, &v4);
-        for i in done..k4.len() {
-            self.services
-                .insert(k4[i], v4[i], 0)
-                .map_err(|e| classify("SERVICES", capacity, e))?;
-        }
-        let done = Self::batch_prefix(&mut self.batches, self.services6.map(), &k6, &v6);
-        for i in done..k6.len() {
-            self.services6
-                .insert(k6[i], v6[i], 0)
-                .map_err(|e| classify("SERVICES6", capacity, e))?;
-        }
-        Ok(())
+        let batches = &mut self.batches;
+        Self::insert_all(batches, &mut self.services, &k4, &v4, "SERVICES", capacity)?;
+        Self::insert_all(
+            batches,
+            &mut self.services6,
+            &k6,
+            &v6,
+            "SERVICES6",
+            capacity,
+        )
     }
 
     fn set_maglevs(&mut self, entries: &[(MaglevKey, u32)]) -> Result<(), MapError> {
         let (keys, slots): (Vec<MaglevKey>, Vec<u32>) = entries.iter().copied().unzip();
         let capacity = self.maglev_capacity;
-        let done = Self::batch_prefix(&mut self.batches, self.maglev.map(), &keys, &slots);
-        for i in done..keys.len() {
-            self.maglev
-                .insert(keys[i], slots[i], 0)
-                .map_err(|e| classify("MAGLEV", capacity, e))?;
-        }
-        Ok(())
+        Self::insert_all(
+            &mut self.batches,
+            &mut self.maglev,
+            &keys,
+            &slots,
+            "MAGLEV",
+            capacity,
+        )
     }
 
     fn remove_backend(&mut self, id: u32) -> Result<(), MapError> {
