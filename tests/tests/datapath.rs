@@ -9,9 +9,9 @@ use std::{
 use proxy_agent::{
     datapath::DatapathSizes,
     model::{Frontend, Protocol},
-    proxier::ebpf::sync::HeaderSettings,
+    proxier::ebpf::{maps::ServiceMapKey, sync::HeaderSettings},
 };
-use proxy_common::Stat;
+use proxy_common::{ServiceValue, Stat};
 use proxy_tests::{
     kernel::{Hook, TestDatapath, TC_ACT_REDIRECT, TC_ACT_UNSPEC},
     packet::{
@@ -2105,16 +2105,35 @@ mod safety {
     }
 }
 
+/// `n` `SERVICES` entries written straight to the map: slots 0..100 of VIP:80, then of the
+/// addresses after it; entry `i` names backend `i + 1` of service id 7.
+fn service_entries(n: u32) -> Vec<(ServiceMapKey, ServiceValue)> {
+    use proxy_agent::proxier::ebpf::sync::service_key;
+    (0..n)
+        .map(|i| {
+            let frontend = Frontend {
+                addr: IpAddr::V4(Ipv4Addr::from(u32::from(VIP) + i / 100)),
+                port: 80,
+                protocol: Protocol::Tcp,
+            };
+            let value = ServiceValue {
+                backend_id: i + 1,
+                service_id: 7,
+                count: 0,
+                flags: 0,
+            };
+            (service_key(frontend, (i % 100) as u16), value)
+        })
+        .collect()
+}
+
 /// The sync's writes go to the kernel in batches: whole batches land (read back from the
 /// maps), and a batch that meets a full `SERVICES` map ends in "map full" for the entry
 /// that did not fit, with everything before it written, as single writes did.
 #[test]
 fn batched_map_writes_land_whole_and_a_full_map_is_reported() {
-    use proxy_agent::proxier::ebpf::{
-        maps::{MapError, ServiceMaps},
-        sync::service_key,
-    };
-    use proxy_common::{Backend, ServiceValue};
+    use proxy_agent::proxier::ebpf::maps::{MapError, ServiceMaps};
+    use proxy_common::Backend;
     require_kernel!();
     let mut dp = TestDatapath::load(DatapathSizes {
         services: 64,
@@ -2133,25 +2152,7 @@ fn batched_map_writes_land_whole_and_a_full_map_is_reported() {
         .collect();
     maps.set_backends(&backends).expect("backends fit");
     assert!(maps.batches, "this kernel (5.6+) takes batch updates");
-    let entries: Vec<_> = (0..100u16)
-        .map(|slot| {
-            let key = service_key(
-                Frontend {
-                    addr: IpAddr::V4(VIP),
-                    port: 80,
-                    protocol: Protocol::Tcp,
-                },
-                slot,
-            );
-            let value = ServiceValue {
-                backend_id: slot as u32 + 1,
-                service_id: 7,
-                count: 0,
-                flags: 0,
-            };
-            (key, value)
-        })
-        .collect();
+    let entries = service_entries(100);
     let err = maps.set_services(&entries).unwrap_err();
     assert!(
         matches!(
@@ -2182,11 +2183,8 @@ fn batched_map_writes_land_whole_and_a_full_map_is_reported() {
 /// every entry once, as an iteration does.
 #[test]
 fn batch_lookups_read_every_entry_once() {
-    use proxy_agent::{
-        datapath::batch::lookup_all,
-        proxier::ebpf::{maps::ServiceMaps, sync::service_key},
-    };
-    use proxy_common::{ServiceKey, ServiceValue};
+    use proxy_agent::{datapath::batch::lookup_all, proxier::ebpf::maps::ServiceMaps};
+    use proxy_common::ServiceKey;
     require_kernel!();
     let mut dp = TestDatapath::load(DatapathSizes {
         services: 16_384,
@@ -2195,25 +2193,7 @@ fn batch_lookups_read_every_entry_once() {
     .expect("load datapath");
     let maps = dp.sync.maps_mut();
     // 10 000 entries: more than two lookup batches.
-    let entries: Vec<_> = (0..10_000u32)
-        .map(|i| {
-            let key = service_key(
-                Frontend {
-                    addr: IpAddr::V4(Ipv4Addr::from(u32::from(VIP) + i / 100)),
-                    port: 80,
-                    protocol: Protocol::Tcp,
-                },
-                (i % 100) as u16,
-            );
-            let value = ServiceValue {
-                backend_id: i + 1,
-                service_id: 7,
-                count: 0,
-                flags: 0,
-            };
-            (key, value)
-        })
-        .collect();
+    let entries = service_entries(10_000);
     maps.set_services(&entries).expect("fits");
     use aya::maps::IterableMap;
     let read: Vec<(ServiceKey, ServiceValue)> =

@@ -9,7 +9,7 @@ use plotters::prelude::*;
 
 use super::{
     load::median_min_max,
-    report::{ControlSample, Run, Workload, BASELINE},
+    report::{label, ControlSample, Run, Workload, BASELINE},
 };
 
 /// Where the plots' text gets its glyphs and metrics (Debian's fonts-dejavu-core).
@@ -156,12 +156,7 @@ fn data_plane(run: &Run, workload: Workload) -> Vec<Series> {
                 })
                 .filter(|(_, y)| *y > 0.0)
                 .collect();
-            let label = if target == BASELINE {
-                "none (straight to a pod)".to_string()
-            } else {
-                target
-            };
-            (label, points)
+            (label(&target).to_string(), points)
         })
         .filter(|(_, p): &Series| !p.is_empty())
         .collect()

@@ -197,6 +197,35 @@ fn cell(values: &[f64], baseline: &[f64], scale: f64, digits: usize, ratio: bool
     out
 }
 
+/// How a target is named in tables and plots.
+pub fn label(target: &str) -> &str {
+    if target == BASELINE {
+        "none (straight to a pod)"
+    } else {
+        target
+    }
+}
+
+/// The [`cell`] of `workload` for `target` at `n` services (its ratio to the baseline's
+/// when `ratio`).
+fn column(
+    run: &Run,
+    n: usize,
+    target: &str,
+    workload: Workload,
+    scale: f64,
+    digits: usize,
+    ratio: bool,
+) -> String {
+    cell(
+        &run.values(n, target, workload),
+        &run.values(n, BASELINE, workload),
+        scale,
+        digits,
+        ratio,
+    )
+}
+
 /// A control record's cells: cold start, one change, its sync (ms), peak RSS (MiB), programmed.
 fn control_figures(control: Option<&ControlSample>) -> [String; 5] {
     let ms = |x: Option<f64>| {
@@ -240,43 +269,24 @@ pub fn markdown(run: &Run) -> String {
     );
     for n in run.service_counts() {
         for target in run.targets() {
-            let v = |w| run.values(n, &target, w);
-            let b = |w| run.values(n, BASELINE, w);
             let control = run.control(n, &target);
-            if v(Workload::ConnectionsPerSecond).is_empty() && control.is_none() {
+            if run
+                .values(n, &target, Workload::ConnectionsPerSecond)
+                .is_empty()
+                && control.is_none()
+            {
                 continue;
             }
             let [cold, change, sync, rss, objects] = control_figures(control);
+            let col = |w, scale, digits, ratio| column(run, n, &target, w, scale, digits, ratio);
             let mut row = format!(
                 "| {} | {n} | {} | {} | {} | {} | {} | {cold} | {change} | {sync} | {rss} | {objects} |",
-                if target == BASELINE {
-                    "none (straight to a pod)"
-                } else {
-                    &target
-                },
-                cell(
-                    &v(Workload::ConnectionsPerSecond),
-                    &b(Workload::ConnectionsPerSecond),
-                    1.0,
-                    0,
-                    true
-                ),
-                cell(
-                    &v(Workload::TransactionsPerSecond),
-                    &b(Workload::TransactionsPerSecond),
-                    1.0,
-                    0,
-                    true
-                ),
-                cell(
-                    &v(Workload::BulkBytesPerSecond),
-                    &b(Workload::BulkBytesPerSecond),
-                    1e-6,
-                    0,
-                    true
-                ),
-                cell(&v(Workload::ConnectP50Us), &[], 1.0, 0, false),
-                cell(&v(Workload::ConnectP99Us), &[], 1.0, 0, false),
+                label(&target),
+                col(Workload::ConnectionsPerSecond, 1.0, 0, true),
+                col(Workload::TransactionsPerSecond, 1.0, 0, true),
+                col(Workload::BulkBytesPerSecond, 1e-6, 0, true),
+                col(Workload::ConnectP50Us, 1.0, 0, false),
+                col(Workload::ConnectP99Us, 1.0, 0, false),
             );
             if let Some(note) = control.and_then(|c| c.note.as_deref()) {
                 let _ = write!(row, " {note}");
@@ -341,48 +351,22 @@ fn saturated_table(run: &Run, out: &mut String) {
     );
     for n in run.service_counts() {
         for target in run.targets() {
-            let v = |w| run.values(n, &target, w);
-            let b = |w| run.values(n, BASELINE, w);
-            if v(Workload::SaturatedConnectionsPerSecond).is_empty() {
+            if run
+                .values(n, &target, Workload::SaturatedConnectionsPerSecond)
+                .is_empty()
+            {
                 continue;
             }
+            let col = |w, scale, digits, ratio| column(run, n, &target, w, scale, digits, ratio);
             let _ = writeln!(
                 out,
                 "| {} | {n} | {} | {} | {} | {} | {} |",
-                if target == BASELINE {
-                    "none (straight to a pod)"
-                } else {
-                    &target
-                },
-                cell(
-                    &v(Workload::SaturatedConnectionsPerSecond),
-                    &b(Workload::SaturatedConnectionsPerSecond),
-                    1.0,
-                    0,
-                    true
-                ),
-                cell(
-                    &v(Workload::SaturatedTransactionsPerSecond),
-                    &b(Workload::SaturatedTransactionsPerSecond),
-                    1.0,
-                    0,
-                    true
-                ),
-                cell(
-                    &v(Workload::CpuUsPerConnection),
-                    &b(Workload::CpuUsPerConnection),
-                    1.0,
-                    1,
-                    true
-                ),
-                cell(
-                    &v(Workload::KernelCpuUsPerConnection),
-                    &b(Workload::KernelCpuUsPerConnection),
-                    1.0,
-                    1,
-                    true
-                ),
-                cell(&v(Workload::BusyPercent), &[], 1.0, 0, false),
+                label(&target),
+                col(Workload::SaturatedConnectionsPerSecond, 1.0, 0, true),
+                col(Workload::SaturatedTransactionsPerSecond, 1.0, 0, true),
+                col(Workload::CpuUsPerConnection, 1.0, 1, true),
+                col(Workload::KernelCpuUsPerConnection, 1.0, 1, true),
+                col(Workload::BusyPercent, 1.0, 0, false),
             );
         }
     }

@@ -46,6 +46,11 @@ use proxy_tests::{
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const HTTP: u16 = 80;
 const BULK: u16 = 81;
+/// The measured service's ports.
+const BENCH_PORTS: [Port; 2] = [
+    ("http", "TCP", HTTP, TCP_PORT),
+    ("bulk", "TCP", BULK, BULK_PORT),
+];
 /// Endpoints of every other service (addresses nothing answers on: they are only programmed).
 const FILLER_ENDPOINTS: usize = 10;
 const ALL_MODES: [&str; 5] = ["ebpf", "iptables", "ipvs", "nftables", "userspace"];
@@ -244,15 +249,7 @@ fn each_service(
     mut f: impl FnMut(&str, Ipv4Addr, &[Port], &[Ipv4Addr]),
 ) {
     let ips: Vec<Ipv4Addr> = lab.backends.iter().take(endpoints).map(|p| p.ip).collect();
-    f(
-        "bench",
-        VIP,
-        &[
-            ("http", "TCP", HTTP, TCP_PORT),
-            ("bulk", "TCP", BULK, BULK_PORT),
-        ],
-        &ips,
-    );
+    f("bench", VIP, &BENCH_PORTS, &ips);
     let mut eps = Vec::with_capacity(FILLER_ENDPOINTS);
     for i in 1..n {
         // Cluster IPs from 10.112.0.0/12, endpoints from 10.128.0.0/9 (outside the lab).
@@ -430,20 +427,22 @@ fn start_mode(mode: &str, n: usize, args: &Args, control: &mut ControlSample) ->
     let extra = agent_args(mode, n);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     lab.spawn_agent(&path, &extra)?;
-    let vip = SocketAddrV4::new(VIP, HTTP);
-    match wait_served(&lab, vip, None, args.serve_timeout) {
-        Ok(t) => control.cold_start_ms = Some(t.as_secs_f64() * 1e3),
-        Err(e) => {
-            let log = lab.agent().map(|a| a.log_text()).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(3).collect();
-            bail!("{e:#} (agent log ends: {})", tail.join(" | "));
-        }
-    }
+    control.cold_start_ms = Some(cold_start(&mut lab, args)?.as_secs_f64() * 1e3);
     Ok(Target {
         name: mode.to_string(),
         lab,
         http: SocketAddr::from((VIP, HTTP)),
         bulk: SocketAddr::from((VIP, BULK)),
+    })
+}
+
+/// How long after the agent's start the measured ClusterIP served; on a timeout, the error
+/// ends with the agent's last log lines.
+fn cold_start(lab: &mut Lab, args: &Args) -> Result<Duration> {
+    wait_served(lab, SocketAddrV4::new(VIP, HTTP), None, args.serve_timeout).map_err(|e| {
+        let log = lab.agent().map(|a| a.log_text()).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(3).collect();
+        anyhow::anyhow!("{e:#} (agent log ends: {})", tail.join(" | "))
     })
 }
 
@@ -548,13 +547,7 @@ fn api_control_into(mode: &str, n: usize, args: &Args, control: &mut ControlSamp
     ]);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     lab.spawn_agent_from(None, &extra)?;
-    let served = wait_served(&lab, SocketAddrV4::new(VIP, HTTP), None, args.serve_timeout)
-        .map_err(|e| {
-            let log = lab.agent().map(|a| a.log_text()).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(3).collect();
-            anyhow::anyhow!("{e:#} (agent log ends: {})", tail.join(" | "))
-        })?;
-    control.cold_start_ms = Some(served.as_secs_f64() * 1e3);
+    control.cold_start_ms = Some(cold_start(&mut lab, args)?.as_secs_f64() * 1e3);
     // The change goes through the watch: wait until all three are open, and then for the
     // start-up's last work (attaching the lab's interfaces) to pass, so the change is
     // measured in a steady state, as the manifest source's is (after the rounds).
@@ -563,10 +556,7 @@ fn api_control_into(mode: &str, n: usize, args: &Args, control: &mut ControlSamp
     let (_, slice) = objects(
         "bench",
         VIP,
-        &[
-            ("http", "TCP", HTTP, TCP_PORT),
-            ("bulk", "TCP", BULK, BULK_PORT),
-        ],
+        &BENCH_PORTS,
         &lab.backends
             .iter()
             .take(4)
