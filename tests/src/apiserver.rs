@@ -241,7 +241,7 @@ impl ApiServer {
         json_response(200, Body::from(body))
     }
 
-    fn watch(&self, resource: &str, query: &Query) -> axum::response::Response {
+    fn watch(&self, resource: &'static str, query: &Query) -> axum::response::Response {
         let mut inner = self.inner.lock().unwrap();
         let r = inner.resources.get_mut(resource).unwrap();
         r.watchers += 1;
@@ -255,9 +255,7 @@ impl ApiServer {
             .map(|(_, line)| line.clone())
             .collect();
         let last = r.log.last().map_or(since, |(v, _)| *v.max(&since));
-        let server = self.clone();
-        let name = resource_name(resource);
-        let gone = WatchGuard(server, name);
+        let gone = WatchGuard(self.clone(), resource);
         let replayed = futures::stream::iter(replay.into_iter().map(Ok::<_, Infallible>));
         let live = futures::stream::unfold((rx, last, gone), |(mut rx, last, gone)| async move {
             loop {
@@ -372,14 +370,6 @@ impl Drop for WatchGuard {
             }
         }
     }
-}
-
-fn resource_name(resource: &str) -> &'static str {
-    RESOURCES
-        .iter()
-        .find(|(n, ..)| *n == resource)
-        .map(|(n, ..)| *n)
-        .expect("a served resource")
 }
 
 fn json_response(status: u16, body: Body) -> axum::response::Response {
