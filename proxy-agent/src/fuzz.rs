@@ -15,7 +15,7 @@
 //! | `api_objects` | API-server JSON: a Service, EndpointSlice, Node or a List of them | as `manifests` |
 //! | `annotations` | a Service's scheduler, weights and topology annotations | no panic |
 //! | `netlink` | a netlink reply: messages, acks, attributes, IPVS virtual and real servers, ctnetlink entries | no panic; attributes stay inside the buffer; an IPVS server decoded, encoded and decoded again is the same |
-//! | `rule_listings` | `nft list table` and `iptables-save` output | no panic |
+//! | `rule_listings` | `iptables-save` output and nft scripts (the netlink encoder) | no panic |
 
 use std::net::IpAddr;
 
@@ -31,7 +31,7 @@ use crate::{
     proxier::{
         iptables::cleanup as iptables_cleanup,
         ipvs::netlink::{self as ipvs, decode_real_server, decode_virtual_server},
-        nftables::nft,
+        nftables::netlink,
     },
     source::{api, manifests, Snapshot},
 };
@@ -240,6 +240,6 @@ pub fn netlink(data: &[u8]) {
 
 pub fn rule_listings(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
-    let _ = nft::parse_listing(&text);
+    let _ = netlink::encode_script(&text);
     let _ = iptables_cleanup::parse(&text);
 }

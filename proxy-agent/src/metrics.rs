@@ -43,7 +43,7 @@ pub struct Metrics {
     pub ipvs_virtual_servers: IntGauge,
     pub ipvs_sync_failures: IntCounter,
     pub nftables_sync_failures: IntCounter,
-    pub nftables_transactions: IntCounterVec,
+    pub nftables_transactions: IntCounter,
     // This project's own.
     pub programmed_service_ports: IntGaugeVec,
     pub programmed_backends: IntGaugeVec,
@@ -231,13 +231,9 @@ impl Metrics {
                 "Cumulative proxy nftables sync failures",
             )
             .unwrap(),
-            nftables_transactions: IntCounterVec::new(
-                Opts::new(
-                    "proxy_agent_nftables_transactions_total",
-                    "nftables mode transactions, by how they reached the kernel (netlink: \
-                     incremental syncs; nft: full syncs)",
-                ),
-                &["via"],
+            nftables_transactions: IntCounter::new(
+                "proxy_agent_nftables_transactions_total",
+                "nftables mode transactions sent to nf_tables (one per family and sync)",
             )
             .unwrap(),
             programmed_service_ports: IntGaugeVec::new(

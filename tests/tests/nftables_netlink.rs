@@ -1,7 +1,8 @@
-//! The nftables mode's incremental transactions go to nf_tables over netlink instead of
-//! through `nft`: the same syncs, once with each, must leave the same tables, as `nft list`
-//! prints them (rule by rule, element by element), and a refused transaction must leave
-//! nothing behind and name the line it failed on.
+//! The nftables mode's transactions, full and incremental, go to nf_tables over netlink
+//! instead of through `nft`: the same syncs, once with each, must leave the same tables, as
+//! `nft list` prints them (rule by rule, element by element); a refused transaction must
+//! leave nothing behind and name the line it failed on; a full sync after a restart must
+//! drop what is no longer wanted and keep the affinity clients.
 
 use std::{
     net::SocketAddr,
@@ -232,7 +233,7 @@ fn both_ways(local: &LocalTraffic) -> Runs {
         .run(move || drive(NftCommand, |_| 0, &first))
         .expect("nft namespace");
     let (netlink_steps, transactions) = namespace("nl")
-        .run(move || drive(NftNetlink::default(), |n| n.netlink_transactions, &second))
+        .run(move || drive(NftNetlink::default(), |n| n.transactions, &second))
         .expect("netlink namespace");
     (nft_steps, netlink_steps, transactions)
 }
@@ -246,7 +247,7 @@ fn pods_told_by_interface_over_netlink_leave_the_tables_nft_would() {
         Some(LocalMatch::Interface("cbr0".into())),
     ]);
     let (nft_steps, netlink_steps, transactions) = both_ways(&local);
-    assert_eq!(transactions, 4);
+    assert_eq!(transactions, 8);
     for (step, (a, b)) in nft_steps.iter().zip(&netlink_steps).enumerate() {
         assert!(a.1.contains("iifname != \"lxc*\""), "step {step}: {}", a.1);
         assert!(a.2.contains("iifname != \"cbr0\""), "step {step}: {}", a.2);
@@ -256,11 +257,11 @@ fn pods_told_by_interface_over_netlink_leave_the_tables_nft_would() {
 }
 
 #[test]
-fn incremental_transactions_over_netlink_leave_the_tables_nft_would() {
+fn full_and_incremental_syncs_over_netlink_leave_the_tables_nft_would() {
     require_kernel!();
     let (nft_steps, netlink_steps, netlink_transactions) = both_ways(&by_cidrs());
-    // Two incremental syncs × two families went over netlink; the full ones through nft.
-    assert_eq!(netlink_transactions, 4);
+    // Two full and two incremental syncs, each a transaction per family.
+    assert_eq!(netlink_transactions, 8);
     let fulls: Vec<bool> = netlink_steps.iter().map(|(full, _, _)| *full).collect();
     assert_eq!(fulls, [true, false, false, true]);
     for (step, (a, b)) in nft_steps.iter().zip(&netlink_steps).enumerate() {
@@ -330,11 +331,95 @@ fn a_table_is_found_by_name_without_listing_the_ruleset() {
             // Removal (cleanup, mode switches) goes over netlink too, chains and all.
             let removed = proxy_agent::proxier::nftables::remove_all(&mut nft).unwrap();
             let gone = !nft.has_table("ip", "kube-proxy").unwrap();
-            (before, found, removed, gone, nft.nft_transactions == 0)
+            (before, found, removed, gone, nft.transactions == 3)
         })
         .expect("namespace");
     assert!(!before && found.0, "the table is found once it exists");
     assert!(!found.1 && !found.2, "only that family's, by that name");
     assert_eq!(removed, 1, "one table removed (ip6 had none)");
-    assert!(gone && over_netlink, "deleted, without nft");
+    assert!(gone && over_netlink, "deleted, one transaction per family");
+}
+
+/// The seconds an element of `listing` has left (`10.9.9.9 expires 1m39s996ms`).
+fn expires_seconds(listing: &str, key: &str) -> Option<u64> {
+    let at = listing.find(&format!("{key} expires "))? + key.len() + " expires ".len();
+    let text: String = listing[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect();
+    let mut seconds = 0;
+    let mut number = 0;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '0'..='9' => number = number * 10 + u64::from(c.to_digit(10)?),
+            'h' => (seconds, number) = (seconds + number * 3600, 0),
+            'm' if chars.peek() == Some(&'s') => break,
+            'm' => (seconds, number) = (seconds + number * 60, 0),
+            's' => (seconds, number) = (seconds + number, 0),
+            _ => return None,
+        }
+    }
+    Some(seconds)
+}
+
+#[test]
+fn a_restarted_proxier_replaces_the_table_and_keeps_affinity_clients() {
+    require_kernel!();
+    let (before, after) = namespace("nlrestart")
+        .run(|| {
+            let mut first = NftablesProxier::new(
+                NftNetlink::default(),
+                Box::new(RecordedFlows::default()),
+                14,
+                &by_cidrs(),
+            );
+            let start = desired(&states(0));
+            first.sync_full(&start).expect("first agent's sync");
+            // A client the sticky service's affinity set has seen, 100 s left.
+            let table = listing("ip");
+            let set = table
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("set "))
+                .find(|s| s.starts_with("affinity-"))
+                .expect("an affinity set")
+                .trim_end_matches(" {")
+                .to_string();
+            let client = [
+                "add",
+                "element",
+                "ip",
+                "kube-proxy",
+                &set,
+                "{",
+                "10.9.9.9",
+                "expires",
+                "100s",
+                "}",
+            ];
+            sh("nft", &client).expect("adding a client");
+            // A new agent (no memory of the table) whose services changed meanwhile.
+            let mut second = NftablesProxier::new(
+                NftNetlink::default(),
+                Box::new(RecordedFlows::default()),
+                14,
+                &by_cidrs(),
+            );
+            second
+                .sync(&desired(&states(2)), &[])
+                .expect("second agent's first sync");
+            (table, listing("ip"))
+        })
+        .expect("namespace");
+    assert!(before.contains("10.96.0.10"), "web was served:\n{before}");
+    assert!(
+        !after.contains("10.96.0.10") && !after.contains("10.0.1.10:8080"),
+        "web's chains and elements are gone after the restart:\n{after}"
+    );
+    assert!(after.contains("10.96.0.20"), "late is served:\n{after}");
+    let left = expires_seconds(&after, "10.9.9.9").expect("the client is still there");
+    assert!(
+        left > 0 && left <= 100,
+        "the client keeps the time it had left ({left} s):\n{after}"
+    );
 }

@@ -428,16 +428,7 @@ impl ModeProxier for ActiveProxier {
             ActiveProxier::Nftables(p) => {
                 metrics.nftables_rules.set(p.rule_count() as i64);
                 catch_up(&metrics.nftables_sync_failures, p.failures);
-                let nft = p.nft();
-                for (via, total) in [
-                    ("netlink", nft.netlink_transactions),
-                    ("nft", nft.nft_transactions),
-                ] {
-                    catch_up(
-                        &metrics.nftables_transactions.with_label_values(&[via]),
-                        total,
-                    );
-                }
+                catch_up(&metrics.nftables_transactions, p.nft().transactions);
             }
             ActiveProxier::Ipvs(p) => {
                 metrics.ipvs_virtual_servers.set(p.virtual_servers() as i64);

@@ -1,10 +1,13 @@
 //! The nftables proxier: kube-proxy's nftables design (see [`rules`]), one transaction per
-//! family and sync, written in nft's language: full syncs go through `nft -f -`,
-//! incremental ones to nf_tables as a netlink batch (see [`netlink`] for why).
+//! family and sync, written in nft's language and sent to nf_tables as a netlink batch
+//! (see [`netlink`] for why not through `nft`).
 //!
-//! The first sync, the hourly one and the one after a failed transaction are full: every
-//! chain is flushed and rewritten, the verdict maps are refilled, and chains and sets nobody
-//! wants are deleted (affinity sets that are still wanted keep their clients). The others
+//! The first sync, the hourly one and the one after a failed transaction are full: the
+//! table is deleted and written whole in the same transaction, so the kernel swaps the old
+//! table for the new one at commit (no packet sees neither), nothing anybody left in it
+//! survives, and nothing has to be listed to find what is stale — a listing of 100 000
+//! services' chains takes the kernel minutes. The affinity sets' clients are read first
+//! (one dump per wanted set) and written back with the time they had left. The other syncs
 //! are incremental: the changed service ports' chains are rewritten, and the verdict maps
 //! get only the elements that were added or removed, so a change costs the same at 10 000
 //! services as at 10.
@@ -278,7 +281,6 @@ impl<N: Nft> NftablesProxier<N> {
         }
         for (chain, hook) in BASE_CHAINS {
             let _ = writeln!(out, "add chain {t} {chain} {hook}");
-            let _ = writeln!(out, "flush chain {t} {chain}");
         }
         let mark = ctx.masquerade_mark;
         let snat = match ctx.masquerade_addr {
@@ -347,16 +349,9 @@ impl<N: Nft> NftablesProxier<N> {
         let ctx = self.contexts[i].clone();
         let ip = ctx.ip();
         let t = format!("{ip} {TABLE}");
-        // A table that is not there is not listed: nft lists one table by fetching the
-        // whole ruleset first, which the other family's table can make a minutes-long wait
-        // at 100 000 services.
-        let existing = if !full {
-            None
-        } else if self.nft.has_table(ip, TABLE)? {
-            Some(self.nft.objects(ip, TABLE)?)
-        } else {
-            Some(nft::TableObjects::default())
-        };
+        // A full sync replaces the table whole, so nothing needs listing to find what is
+        // stale; the affinity sets' clients it reads first, to carry them over.
+        let had_table = full && self.nft.has_table(ip, TABLE)?;
         let state = &mut self.families[i];
         let Regenerated {
             current,
@@ -373,52 +368,44 @@ impl<N: Nft> NftablesProxier<N> {
         // What the rewritten service ports had in the maps (an incremental sync changes
         // only that).
         let old_elements = (!full).then(|| wanted_elements(&replaced));
-        let mut stale_chains = BTreeSet::new();
-        let mut stale_sets = BTreeSet::new();
-        for old in replaced {
-            stale_chains.extend(old.chains.into_iter().map(|(c, _)| c));
-            stale_sets.extend(old.sets.into_iter().map(|(s, _)| s));
-        }
-        if let Some(existing) = &existing {
-            let fixed: BTreeSet<&str> = BASE_CHAINS.iter().map(|(c, _)| *c).collect();
-            stale_chains.extend(
-                existing
-                    .chains
-                    .iter()
-                    .filter(|c| !fixed.contains(c.as_str()))
-                    .cloned(),
-            );
-            stale_sets.extend(
-                existing
-                    .sets
-                    .iter()
-                    .filter(|s| !MAPS.contains(&s.as_str()))
-                    .cloned(),
-            );
-        }
-        // Chain and set names are the service port's own (its key is in them): an
-        // incremental sync's stale objects can only be wanted again by the ports it writes.
         let written_names: BTreeSet<&ServicePortName> = write.iter().collect();
         let written: Vec<&ServiceRules> = write.iter().filter_map(|n| current.get(n)).collect();
-        let wanting: Vec<&ServiceRules> = if full {
-            current.values().collect()
-        } else {
-            written.clone()
-        };
-        let wanted_chains: BTreeSet<&String> = wanting
-            .iter()
-            .flat_map(|r| r.chains.iter().map(|(c, _)| c))
-            .collect();
-        let wanted_sets: BTreeSet<&String> = wanting
-            .iter()
-            .flat_map(|r| r.sets.iter().map(|(s, _)| s))
-            .collect();
-        stale_chains.retain(|c| !wanted_chains.contains(c));
-        stale_sets.retain(|s| !wanted_sets.contains(s));
+        // What an incremental sync deletes: the rewritten ports' chains and sets nobody
+        // wants now. Names are the service port's own (its key is in them), so only the
+        // ports it writes can want them again. (A full sync starts from an empty table.)
+        let mut stale_chains = BTreeSet::new();
+        let mut stale_sets = BTreeSet::new();
+        if !full {
+            for old in replaced {
+                stale_chains.extend(old.chains.into_iter().map(|(c, _)| c));
+                stale_sets.extend(old.sets.into_iter().map(|(s, _)| s));
+            }
+            let wanted_chains: BTreeSet<&String> = written
+                .iter()
+                .flat_map(|r| r.chains.iter().map(|(c, _)| c))
+                .collect();
+            let wanted_sets: BTreeSet<&String> = written
+                .iter()
+                .flat_map(|r| r.sets.iter().map(|(s, _)| s))
+                .collect();
+            stale_chains.retain(|c| !wanted_chains.contains(c));
+            stale_sets.retain(|s| !wanted_sets.contains(s));
+        }
+
+        let mut carried = Vec::new();
+        if had_table {
+            for (set, _) in current.values().flat_map(|r| &r.sets) {
+                let clients = self.nft.address_elements(ip, TABLE, set)?;
+                carried.extend(clients.into_iter().map(|c| (set.clone(), c)));
+            }
+        }
 
         let mut out = String::new();
         let _ = writeln!(out, "add table {t}");
         if full {
+            // Deleted and written again in one transaction: packets see the old table or
+            // the new one, never neither (the kernel swaps them at commit).
+            let _ = writeln!(out, "delete table {t}\nadd table {t}");
             self.static_part(&ctx, &mut out);
         }
         // 1. Every new object first, so rules and elements can name them.
@@ -437,7 +424,9 @@ impl<N: Nft> NftablesProxier<N> {
         // 2. The rewritten chains.
         for rules in &written {
             for (chain, lines) in &rules.chains {
-                let _ = writeln!(out, "flush chain {t} {chain}");
+                if !full {
+                    let _ = writeln!(out, "flush chain {t} {chain}");
+                }
                 for line in lines {
                     let _ = writeln!(out, "add rule {t} {chain} {line}");
                 }
@@ -450,13 +439,22 @@ impl<N: Nft> NftablesProxier<N> {
             None => {
                 elements = wanted_elements(current.values());
                 for map in MAPS {
-                    let kind = if map == NODE_PORT_IPS { "set" } else { "map" };
-                    let _ = writeln!(out, "flush {kind} {t} {map}");
                     let all: Vec<String> =
                         elements[map].iter().map(|(k, v)| element(k, v)).collect();
                     if !all.is_empty() {
                         let _ = writeln!(out, "add element {t} {map} {{ {} }}", all.join(", "));
                     }
+                }
+                // Affinity: each client keeps its endpoint for the time it had left.
+                for (set, client) in &carried {
+                    let _ = match client.expires_ms {
+                        Some(ms) if ms > 0 => writeln!(
+                            out,
+                            "add element {t} {set} {{ {} expires {ms}ms }}",
+                            client.key
+                        ),
+                        _ => writeln!(out, "add element {t} {set} {{ {} }}", client.key),
+                    };
                 }
             }
             Some(old) => {

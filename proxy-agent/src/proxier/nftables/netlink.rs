@@ -1,17 +1,19 @@
-//! The nftables proxier's incremental transactions, sent to nf_tables over netlink.
+//! The nftables proxier's transactions, sent to nf_tables over netlink.
 //!
 //! Why not `nft -f`: before it applies anything, `nft` (1.0.6, Debian 12's) reads the chain
 //! list of every table, and the kernel's chain dump restarts from the head of the list for
 //! each reply buffer, so at 10 000 services (110 000 chains) adding one map element cost
-//! 2 s of kernel time on this machine. A netlink batch names its chains and sets, which the
-//! kernel looks up by hash: the cost of a change no longer grows with the table.
+//! 2 s of kernel time on this machine, and a full sync at 100 000 services never finished.
+//! A netlink batch names its chains and sets, which the kernel looks up by hash: the cost
+//! of a change no longer grows with the table, and no path of the agent lists the table.
 //!
 //! The proxier keeps writing nft's language (its tests and the in-memory model read it);
-//! [`encode_script`] translates the commands incremental syncs use — `add table|chain|rule|
-//! set|element`, `flush chain`, `delete chain|set|element` over the rule shapes of
-//! [`super::rules`] — into the messages `nft` itself sends (the same bytecode, so `nft list`
-//! prints the same rules). A script with anything else (the full syncs' base chains and map
-//! definitions) goes to `nft` whole. Either way a script is one transaction.
+//! [`encode_script`] translates every command it writes — `add|delete table`, `add chain`
+//! (base chains with their hooks too), `add rule`, `add map|set`, `add|delete element`,
+//! `flush chain|map|set`, `delete chain|set` over the rule shapes of [`super::rules`] and
+//! the table's static part — into the messages `nft` itself sends (the same bytecode and
+//! set metadata, so `nft list` prints the same table). A line it does not know is an
+//! error naming the line, never a silent detour through `nft`.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -21,7 +23,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use netlink_sys::protocols::NETLINK_NETFILTER;
 
-use super::nft::{Nft, NftCommand, TableObjects};
+use super::nft::{Element, Nft};
 use crate::kernel::nlattr::{
     self, attr, attr_str, nested, NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST,
 };
@@ -43,6 +45,7 @@ const DELRULE: u16 = 8;
 const NEWSET: u16 = 9;
 const DELSET: u16 = 11;
 const NEWSETELEM: u16 = 12;
+const GETSETELEM: u16 = 13;
 const DELSETELEM: u16 = 14;
 
 const NFPROTO_IPV4: u8 = 2;
@@ -55,7 +58,9 @@ const REG_2: u32 = 2;
 
 const NFT_JUMP: i32 = -3;
 const NFT_GOTO: i32 = -4;
+const NFT_RETURN: i32 = -5;
 const NF_DROP: i32 = 0;
+const NF_ACCEPT: u32 = 1;
 
 const CMP_EQ: u32 = 0;
 const CMP_NEQ: u32 = 1;
@@ -64,12 +69,51 @@ const PAYLOAD_TRANSPORT: u32 = 2;
 const META_MARK: u32 = 3;
 const META_IIFNAME: u32 = 6;
 const META_L4PROTO: u32 = 16;
+const CT_STATE: u32 = 0;
+/// `ct state new`: the bit of IP_CT_NEW in the state mask.
+const CT_STATE_NEW: u32 = 1 << 3;
+/// NF_NAT_RANGE_PROTO_RANDOM_FULLY, nft's `fully-random`.
+const NAT_RANDOM_FULLY: u32 = 0x10;
+const NAT_SNAT: u32 = 0;
+const NAT_DNAT: u32 = 1;
 
 /// nft's set key types (`ipv4_addr`, `ipv6_addr`), which `nft list` reads back.
 const TYPE_IPADDR: u32 = 7;
 const TYPE_IP6ADDR: u32 = 8;
+/// `inet_proto` and `inet_service`, and how nft builds a concatenation's type from its
+/// parts' (6 bits each).
+const TYPE_INET_PROTOCOL: u32 = 12;
+const TYPE_INET_SERVICE: u32 = 13;
+const TYPE_BITS: u32 = 6;
+const SET_MAP: u32 = 0x08;
 const SET_TIMEOUT: u32 = 0x10;
 const SET_EVAL: u32 = 0x20;
+/// NFT_DATA_VERDICT: a map's values are verdicts.
+const DATA_VERDICT: u32 = 0xffff_ff00;
+/// nft's set user data (NFTNL_UDATA_SET_*), byte for byte what nft 1.0.6 sends, so that
+/// `nft list` prints our sets as it prints its own: a set of addresses keeps its key in
+/// network byte order; a verdict map of a concatenation also says how its parts read.
+fn udata_address_set() -> Vec<u8> {
+    let mut u = vec![0u8, 4];
+    u.extend(2u32.to_ne_bytes()); // KEYBYTEORDER: big-endian
+    u
+}
+
+fn udata_concat_map() -> Vec<u8> {
+    let mut u = Vec::with_capacity(28);
+    for (kind, value) in [(0u8, 0u32), (1, 0)] {
+        u.extend([kind, 4]); // KEYBYTEORDER, DATABYTEORDER
+        u.extend(value.to_ne_bytes());
+    }
+    u.extend([3, 8, 0, 4]);
+    u.extend(TYPE_INET_SERVICE.to_ne_bytes());
+    u.extend([1, 0]);
+    u.extend([6, 4]); // DATA_INTERVAL: no
+    u.extend(0u32.to_ne_bytes());
+    u
+}
+/// Elements per message: the element list is one attribute, whose length is 16 bits.
+const ELEMENTS_PER_MESSAGE: usize = 256;
 
 /// What [`encode_script`] does not translate: the line, for the log.
 #[derive(Debug, PartialEq, Eq)]
@@ -160,9 +204,23 @@ fn data_value(buf: &mut Vec<u8>, kind: u16, value: &[u8]) {
     nested(buf, kind, |d| attr(d, 1 /* NFTA_DATA_VALUE */, value));
 }
 
+/// The register nft names for the 32-bit register `index` (0 = the first of the data
+/// registers): a 16-byte register's number where one starts there, else the 32-bit one's.
+fn reg32(index: u32) -> u32 {
+    if index.is_multiple_of(4) {
+        REG_1 + index / 4
+    } else {
+        8 + index
+    }
+}
+
 fn payload(list: &mut Vec<u8>, base: u32, offset: u32, len: u32) {
+    payload_to(list, REG_1, base, offset, len)
+}
+
+fn payload_to(list: &mut Vec<u8>, dreg: u32, base: u32, offset: u32, len: u32) {
     expr(list, "payload", |e| {
-        attr(e, 1 /* DREG */, &be32(REG_1));
+        attr(e, 1 /* DREG */, &be32(dreg));
         attr(e, 2 /* BASE */, &be32(base));
         attr(e, 3 /* OFFSET */, &be32(offset));
         attr(e, 4 /* LEN */, &be32(len));
@@ -178,8 +236,12 @@ fn cmp(list: &mut Vec<u8>, op: u32, value: &[u8]) {
 }
 
 fn meta_load(list: &mut Vec<u8>, key: u32) {
+    meta_to(list, REG_1, key)
+}
+
+fn meta_to(list: &mut Vec<u8>, dreg: u32, key: u32) {
     expr(list, "meta", |e| {
-        attr(e, 1 /* DREG */, &be32(REG_1));
+        attr(e, 1 /* DREG */, &be32(dreg));
         attr(e, 2 /* KEY */, &be32(key));
     });
 }
@@ -212,14 +274,52 @@ fn immediate(list: &mut Vec<u8>, reg: u32, value: &[u8]) {
     });
 }
 
-/// `jump X`, `goto X`, `drop`: (code, chain).
+/// `jump X`, `goto X`, `drop`, `return`: (code, chain).
 fn parse_verdict<'a>(words: &[&'a str]) -> Option<(i32, Option<&'a str>)> {
     match words {
         ["jump", chain] => Some((NFT_JUMP, Some(chain))),
         ["goto", chain] => Some((NFT_GOTO, Some(chain))),
         ["drop"] => Some((NF_DROP, None)),
+        ["return"] => Some((NFT_RETURN, None)),
         _ => None,
     }
+}
+
+/// A lookup of the key in REG_1 in `set`; with a verdict map, its element's verdict.
+fn lookup(list: &mut Vec<u8>, set: &str, verdict_map: bool) {
+    expr(list, "lookup", |e| {
+        attr(e, 2 /* SREG */, &be32(REG_1));
+        if verdict_map {
+            attr(e, 3 /* DREG */, &be32(REG_VERDICT));
+        }
+        attr_str(e, 1 /* SET */, set);
+    });
+}
+
+/// `meta l4proto . th dport`, loaded after a key part of `at` bytes (for a concatenation).
+fn protocol_and_port(list: &mut Vec<u8>, at: u32) {
+    meta_to(list, reg32(at / 4), META_L4PROTO);
+    payload_to(list, reg32(at / 4 + 1), PAYLOAD_TRANSPORT, 2, 2);
+}
+
+/// A NAT statement taking its address from REG_1 (and its port from REG_2 if `port`).
+fn nat(list: &mut Vec<u8>, family: Family, kind: u32, port: bool, flags: u32) {
+    expr(list, "nat", |e| {
+        attr(e, 1 /* TYPE */, &be32(kind));
+        attr(e, 2 /* FAMILY */, &be32(u32::from(family.nfproto())));
+        attr(e, 3 /* REG_ADDR_MIN */, &be32(REG_1));
+        if port {
+            attr(e, 5 /* REG_PROTO_MIN */, &be32(REG_2));
+        }
+        attr(e, 7 /* FLAGS */, &be32(flags));
+    });
+}
+
+fn reject(list: &mut Vec<u8>, kind: u32, code: u8) {
+    expr(list, "reject", |e| {
+        attr(e, 1 /* TYPE */, &be32(kind));
+        attr(e, 2 /* ICMP_CODE */, &[code]);
+    });
 }
 
 /// An address match (`ip saddr 10.0.0.1`, `ip6 daddr != fd00::/56`), as nft encodes it: a
@@ -290,6 +390,36 @@ fn rule_expressions(family: Family, rule: &str) -> Option<Vec<u8>> {
     let mut w = &words[..];
     while !w.is_empty() {
         w = match w {
+            // The service lookup: `ip daddr . meta l4proto . th dport vmap @service-ips`.
+            [ip, "daddr", ".", "meta", "l4proto", ".", "th", "dport", "vmap", map]
+                if Family::parse(ip) == Some(family) =>
+            {
+                let len = family.addr_len() as u32;
+                payload(
+                    &mut list,
+                    PAYLOAD_NETWORK,
+                    family.addr_offset("daddr")?,
+                    len,
+                );
+                protocol_and_port(&mut list, len);
+                lookup(&mut list, map.strip_prefix('@')?, true);
+                &[]
+            }
+            // The NodePort lookup, after the address is found in the node's set.
+            ["meta", "l4proto", ".", "th", "dport", "vmap", map] => {
+                protocol_and_port(&mut list, 0);
+                lookup(&mut list, map.strip_prefix('@')?, true);
+                &[]
+            }
+            ["ct", "state", "new", rest @ ..] => {
+                expr(&mut list, "ct", |e| {
+                    attr(e, 1 /* DREG */, &be32(REG_1));
+                    attr(e, 2 /* KEY */, &be32(CT_STATE));
+                });
+                bitwise(&mut list, &CT_STATE_NEW.to_ne_bytes(), &0u32.to_ne_bytes());
+                cmp(&mut list, CMP_NEQ, &0u32.to_ne_bytes());
+                rest
+            }
             [ip, field, rest @ ..]
                 if Family::parse(ip) == Some(family) && matches!(*field, "saddr" | "daddr") =>
             {
@@ -304,10 +434,7 @@ fn rule_expressions(family: Family, rule: &str) -> Option<Vec<u8>> {
                         return None;
                     }
                     payload(&mut list, PAYLOAD_NETWORK, offset, family.addr_len() as u32);
-                    expr(&mut list, "lookup", |e| {
-                        attr_str(e, 1 /* SET */, set);
-                        attr(e, 2 /* SREG */, &be32(REG_1));
-                    });
+                    lookup(&mut list, set, false);
                 } else {
                     address_match(&mut list, family, offset, op, value)?;
                 }
@@ -355,17 +482,20 @@ fn rule_expressions(family: Family, rule: &str) -> Option<Vec<u8>> {
                 cmp(&mut list, CMP_EQ, &0u32.to_ne_bytes());
                 rest
             }
-            ["meta", "mark", "&", mask, "!=", "0", rest @ ..] => {
+            ["meta", "mark", "&", mask, op @ ("!=" | "=="), "0", rest @ ..] => {
                 let mask = hex_mark(mask)?;
                 meta_load(&mut list, META_MARK);
                 bitwise(&mut list, &mask.to_ne_bytes(), &0u32.to_ne_bytes());
-                cmp(&mut list, CMP_NEQ, &0u32.to_ne_bytes());
+                let op = if *op == "==" { CMP_EQ } else { CMP_NEQ };
+                cmp(&mut list, op, &0u32.to_ne_bytes());
                 rest
             }
-            ["meta", "mark", "set", "meta", "mark", "|", bits, rest @ ..] => {
+            ["meta", "mark", "set", "meta", "mark", op @ ("|" | "^"), bits, rest @ ..] => {
                 let bits = hex_mark(bits)?;
+                // `|` keeps the other bits and sets these; `^` keeps all and flips these.
+                let mask = if *op == "|" { !bits } else { u32::MAX };
                 meta_load(&mut list, META_MARK);
-                bitwise(&mut list, &(!bits).to_ne_bytes(), &bits.to_ne_bytes());
+                bitwise(&mut list, &mask.to_ne_bytes(), &bits.to_ne_bytes());
                 expr(&mut list, "meta", |e| {
                     attr(e, 2 /* KEY */, &be32(META_MARK));
                     attr(e, 3 /* SREG */, &be32(REG_1));
@@ -399,21 +529,38 @@ fn rule_expressions(family: Family, rule: &str) -> Option<Vec<u8>> {
                 family.addr(&to.ip().to_string())?;
                 immediate(&mut list, REG_1, &addr_bytes(to.ip()));
                 immediate(&mut list, REG_2, &to.port().to_be_bytes());
-                expr(&mut list, "nat", |e| {
-                    attr(e, 1 /* TYPE */, &be32(1 /* NFT_NAT_DNAT */));
-                    attr(e, 2 /* FAMILY */, &be32(u32::from(family.nfproto())));
-                    attr(e, 3 /* REG_ADDR_MIN */, &be32(REG_1));
-                    attr(e, 5 /* REG_PROTO_MIN */, &be32(REG_2));
-                    attr(
-                        e,
-                        7, /* FLAGS */
-                        &be32(2 /* NF_NAT_RANGE_PROTO_SPECIFIED */),
-                    );
-                });
+                nat(
+                    &mut list, family, NAT_DNAT, true, 2, /* NF_NAT_RANGE_PROTO_SPECIFIED */
+                );
                 rest
             }
-            [kind @ ("jump" | "goto" | "drop"), ..] => {
-                let n = if *kind == "drop" { 1 } else { 2 };
+            ["snat", "to", to, "fully-random"] => {
+                immediate(&mut list, REG_1, &addr_bytes(family.addr(to)?));
+                nat(&mut list, family, NAT_SNAT, false, NAT_RANDOM_FULLY);
+                &[]
+            }
+            ["masquerade", "fully-random"] => {
+                expr(&mut list, "masq", |e| {
+                    attr(e, 1 /* FLAGS */, &be32(NAT_RANDOM_FULLY))
+                });
+                &[]
+            }
+            ["reject", "with", "tcp", "reset"] => {
+                reject(&mut list, 1 /* NFT_REJECT_TCP_RST */, 0);
+                &[]
+            }
+            ["reject"] => {
+                // ICMP port unreachable: code 3 in ICMP, 4 in ICMPv6.
+                let code = if family == Family::Ip { 3 } else { 4 };
+                reject(&mut list, 0 /* NFT_REJECT_ICMP_UNREACH */, code);
+                &[]
+            }
+            [kind @ ("jump" | "goto" | "drop" | "return"), ..] => {
+                let n = if matches!(*kind, "drop" | "return") {
+                    1
+                } else {
+                    2
+                };
                 if w.len() != n {
                     return None;
                 }
@@ -471,23 +618,88 @@ fn braced(body: &str) -> Option<Vec<&str>> {
 #[derive(Default)]
 pub struct Batch {
     bytes: Vec<u8>,
-    /// Line of each message, by sequence number - 1.
-    lines: Vec<String>,
+    /// The script line (from 0) of each message, by sequence number - 1.
+    lines: Vec<u32>,
+    /// Where the last message starts in `bytes`.
+    last: usize,
     next_set_id: u32,
 }
 
+/// A hook's number and a priority's value, from their names in a base chain's spec.
+fn hook_number(name: &str) -> Option<u32> {
+    ["prerouting", "input", "forward", "output", "postrouting"]
+        .iter()
+        .position(|h| *h == name)
+        .map(|i| i as u32)
+}
+
+fn priority(word: &str) -> Option<i32> {
+    match word {
+        "dstnat" => Some(-100),
+        "filter" => Some(0),
+        "srcnat" => Some(100),
+        other => other.parse().ok(),
+    }
+}
+
+/// One element's parts: `10.0.0.9 timeout 10800s expires 5000ms : goto x` → key, timeout
+/// and expiry (ms), verdict words.
+struct ElementText<'a> {
+    key: &'a str,
+    timeout: Option<u64>,
+    expires: Option<u64>,
+    value: Vec<&'a str>,
+}
+
+fn milliseconds(word: &str) -> Option<u64> {
+    match word.strip_suffix("ms") {
+        Some(ms) => ms.parse().ok(),
+        None => word
+            .strip_suffix('s')?
+            .parse::<u64>()
+            .ok()?
+            .checked_mul(1000),
+    }
+}
+
+fn element_text(element: &str) -> Option<ElementText<'_>> {
+    let (key, value) = element.split_once(" : ").unwrap_or((element, ""));
+    let (key, options) = match key.find(" timeout ").or_else(|| key.find(" expires ")) {
+        Some(at) => (&key[..at], &key[at + 1..]),
+        None => (key, ""),
+    };
+    let mut parsed = ElementText {
+        key,
+        timeout: None,
+        expires: None,
+        value: value.split_whitespace().collect(),
+    };
+    let words: Vec<&str> = options.split_whitespace().collect();
+    for pair in words.chunks(2) {
+        match pair {
+            ["timeout", t] if parsed.timeout.is_none() => parsed.timeout = Some(milliseconds(t)?),
+            ["expires", t] if parsed.expires.is_none() => parsed.expires = Some(milliseconds(t)?),
+            _ => return None,
+        }
+    }
+    Some(parsed)
+}
+
 impl Batch {
-    fn push(&mut self, line: &str, family: Family, msg: u16, flags: u16, attrs: &[u8]) {
+    fn push(&mut self, line: u32, family: Family, msg: u16, flags: u16, attrs: &[u8]) {
         let seq = self.lines.len() as u32 + 1;
         let kind = (NFNL_SUBSYS_NFTABLES << 8) | msg;
+        self.last = self.bytes.len();
+        // No acknowledgement asked for each message: the kernel reports every failing
+        // one anyway, and a million answers cost more than the transaction itself.
         self.bytes.extend(nlattr::message(
             kind,
-            NLM_F_REQUEST | NLM_F_ACK | flags,
+            NLM_F_REQUEST | flags,
             seq,
             [family.nfproto(), 0, 0, 0],
             attrs,
         ));
-        self.lines.push(line.to_string());
+        self.lines.push(line);
     }
 
     /// How many messages the transaction holds.
@@ -499,7 +711,136 @@ impl Batch {
         self.lines.is_empty()
     }
 
-    fn command(&mut self, line: &str) -> Option<()> {
+    fn set_id(&mut self) -> [u8; 4] {
+        self.next_set_id += 1;
+        be32(self.next_set_id)
+    }
+
+    /// `{ type nat hook prerouting priority dstnat ; policy accept ; }`: the chain's type,
+    /// hook and priority attributes.
+    fn base_chain(a: &mut Vec<u8>, body: &str) -> Option<()> {
+        let spec: Vec<&str> = body.split_whitespace().collect();
+        let ["{", "type", kind @ ("nat" | "filter"), "hook", hook, "priority", prio, ";", "policy", "accept", ";", "}"] =
+            spec.as_slice()
+        else {
+            return None;
+        };
+        let (hook, prio) = (hook_number(hook)?, priority(prio)?);
+        attr_str(a, 7 /* NFTA_CHAIN_TYPE */, kind);
+        attr(a, 5 /* NFTA_CHAIN_POLICY */, &be32(NF_ACCEPT));
+        nested(a, 4 /* NFTA_CHAIN_HOOK */, |h| {
+            attr(h, 1 /* NFTA_HOOK_HOOKNUM */, &be32(hook));
+            attr(h, 2 /* NFTA_HOOK_PRIORITY */, &prio.to_be_bytes());
+        });
+        Some(())
+    }
+
+    /// A set or map's type attributes, from its spec: the static part's verdict maps and
+    /// address set, or an affinity set (`flags dynamic,timeout`).
+    fn set_spec(&mut self, a: &mut Vec<u8>, family: Family, body: &str) -> Option<()> {
+        let spec: Vec<&str> = body.split_whitespace().collect();
+        let addr_type = |t: &str| match (t, family) {
+            ("ipv4_addr", Family::Ip) => Some((TYPE_IPADDR, 4u32)),
+            ("ipv6_addr", Family::Ip6) => Some((TYPE_IP6ADDR, 16)),
+            _ => None,
+        };
+        let port_type = (TYPE_INET_PROTOCOL << TYPE_BITS) | TYPE_INET_SERVICE;
+        let (flags, key_type, key_len, timeout, map, udata) = match spec.as_slice() {
+            ["{", "type", t, ".", "inet_proto", ".", "inet_service", ":", "verdict", ";", "}"] => {
+                let (t, len) = addr_type(t)?;
+                let key = (t << (2 * TYPE_BITS)) | port_type;
+                (SET_MAP, key, len + 8, None, true, udata_concat_map())
+            }
+            ["{", "type", "inet_proto", ".", "inet_service", ":", "verdict", ";", "}"] => {
+                (SET_MAP, port_type, 8, None, true, udata_concat_map())
+            }
+            ["{", "type", t, ";", "}"] => {
+                let (t, len) = addr_type(t)?;
+                (0, t, len, None, false, udata_address_set())
+            }
+            ["{", "type", t, ";", "flags", "dynamic,timeout", ";", "timeout", timeout, ";", "}"] => {
+                let (t, len) = addr_type(t)?;
+                let ms = milliseconds(timeout)?;
+                (
+                    SET_TIMEOUT | SET_EVAL,
+                    t,
+                    len,
+                    Some(ms),
+                    false,
+                    udata_address_set(),
+                )
+            }
+            _ => return None,
+        };
+        attr(a, 3 /* NFTA_SET_FLAGS */, &be32(flags));
+        attr(a, 4 /* NFTA_SET_KEY_TYPE */, &be32(key_type));
+        attr(a, 5 /* NFTA_SET_KEY_LEN */, &be32(key_len));
+        if map {
+            attr(a, 6 /* NFTA_SET_DATA_TYPE */, &be32(DATA_VERDICT));
+            attr(a, 7 /* NFTA_SET_DATA_LEN */, &be32(0));
+        }
+        attr(a, 10 /* NFTA_SET_ID */, &self.set_id());
+        if let Some(ms) = timeout {
+            attr(a, 11 /* NFTA_SET_TIMEOUT */, &ms.to_be_bytes());
+        }
+        attr(a, 13 /* NFTA_SET_USERDATA */, &udata);
+        Some(())
+    }
+
+    /// `add|delete element`: one message per [`ELEMENTS_PER_MESSAGE`] elements.
+    fn elements(
+        &mut self,
+        n: u32,
+        family: Family,
+        table: &str,
+        set: &str,
+        add: bool,
+        body: &str,
+    ) -> Option<()> {
+        let elements = braced(body)?;
+        for chunk in elements.chunks(ELEMENTS_PER_MESSAGE) {
+            let mut list = Vec::new();
+            for element in chunk {
+                let e = element_text(element)?;
+                let key = element_key(family, e.key)?;
+                let data = match (add, e.value.as_slice()) {
+                    (_, []) => None,
+                    (true, v) => Some(parse_verdict(v)?),
+                    (false, _) => return None,
+                };
+                if !add && (e.timeout.is_some() || e.expires.is_some()) {
+                    return None;
+                }
+                nested(&mut list, 1 /* NFTA_LIST_ELEM */, |a| {
+                    data_value(a, 1 /* NFTA_SET_ELEM_KEY */, &key);
+                    if let Some((code, chain)) = data {
+                        verdict(a, 2 /* NFTA_SET_ELEM_DATA */, code, chain);
+                    }
+                    if let Some(ms) = e.timeout {
+                        attr(a, 4 /* NFTA_SET_ELEM_TIMEOUT */, &ms.to_be_bytes());
+                    }
+                    if let Some(ms) = e.expires {
+                        attr(a, 5 /* NFTA_SET_ELEM_EXPIRATION */, &ms.to_be_bytes());
+                    }
+                });
+            }
+            let mut a = Vec::new();
+            table_and(&mut a, table, 2 /* NFTA_SET_ELEM_LIST_SET */, set);
+            attr(
+                &mut a,
+                3 /* NFTA_SET_ELEM_LIST_ELEMENTS */ | NLA_F_NESTED,
+                &list,
+            );
+            if add {
+                self.push(n, family, NEWSETELEM, NLM_F_CREATE, &a);
+            } else {
+                self.push(n, family, DELSETELEM, 0, &a);
+            }
+        }
+        Some(())
+    }
+
+    fn command(&mut self, n: u32, line: &str) -> Option<()> {
         let words: Vec<&str> = line.splitn(5, ' ').collect();
         let [verb, kind, family, table, rest @ ..] = words.as_slice() else {
             return None;
@@ -512,23 +853,26 @@ impl Batch {
             ("add" | "delete", "table") if rest.is_empty() => {
                 attr_str(&mut a, 1 /* NFTA_TABLE_NAME */, table);
                 if *verb == "add" {
-                    self.push(line, family, NEWTABLE, NLM_F_CREATE, &a);
+                    self.push(n, family, NEWTABLE, NLM_F_CREATE, &a);
                 } else {
                     // The kernel empties the table (rules, maps, chains) itself.
-                    self.push(line, family, DELTABLE, 0, &a);
+                    self.push(n, family, DELTABLE, 0, &a);
                 }
             }
-            ("add" | "delete", "chain") if !name.is_empty() && body.is_empty() => {
+            ("add", "chain") if !name.is_empty() => {
                 table_and(&mut a, table, 3 /* NFTA_CHAIN_NAME */, name);
-                if *verb == "add" {
-                    self.push(line, family, NEWCHAIN, NLM_F_CREATE, &a);
-                } else {
-                    self.push(line, family, DELCHAIN, 0, &a);
+                if !body.is_empty() {
+                    Self::base_chain(&mut a, body)?;
                 }
+                self.push(n, family, NEWCHAIN, NLM_F_CREATE, &a);
+            }
+            ("delete", "chain") if !name.is_empty() && body.is_empty() => {
+                table_and(&mut a, table, 3 /* NFTA_CHAIN_NAME */, name);
+                self.push(n, family, DELCHAIN, 0, &a);
             }
             ("flush", "chain") if !name.is_empty() && body.is_empty() => {
                 table_and(&mut a, table, 2 /* NFTA_RULE_CHAIN */, name);
-                self.push(line, family, DELRULE, 0, &a);
+                self.push(n, family, DELRULE, 0, &a);
             }
             ("add", "rule") => {
                 let expressions = rule_expressions(family, body)?;
@@ -538,77 +882,28 @@ impl Batch {
                     4 /* NFTA_RULE_EXPRESSIONS */ | NLA_F_NESTED,
                     &expressions,
                 );
-                self.push(line, family, NEWRULE, NLM_F_CREATE | NLM_F_APPEND, &a);
+                self.push(n, family, NEWRULE, NLM_F_CREATE | NLM_F_APPEND, &a);
             }
-            ("add", "set") => {
-                // Only the affinity sets: `{ type ipv4_addr ; flags dynamic,timeout ; timeout 10800s ; }`.
-                let spec: Vec<&str> = body.split_whitespace().collect();
-                let ["{", "type", key_type, ";", "flags", "dynamic,timeout", ";", "timeout", timeout, ";", "}"] =
-                    spec.as_slice()
-                else {
+            ("add", "set" | "map") if !name.is_empty() => {
+                table_and(&mut a, table, 2 /* NFTA_SET_NAME */, name);
+                self.set_spec(&mut a, family, body)?;
+                // A map's spec says `: verdict`, a set's does not.
+                if (*kind == "map") != body.contains(": verdict") {
                     return None;
-                };
-                let (key_type, key_len) = match (*key_type, family) {
-                    ("ipv4_addr", Family::Ip) => (TYPE_IPADDR, 4u32),
-                    ("ipv6_addr", Family::Ip6) => (TYPE_IP6ADDR, 16),
-                    _ => return None,
-                };
-                let seconds: u64 = timeout.strip_suffix('s')?.parse().ok()?;
-                self.next_set_id += 1;
-                table_and(&mut a, table, 2 /* NFTA_SET_NAME */, name);
-                attr(
-                    &mut a,
-                    3, /* NFTA_SET_FLAGS */
-                    &be32(SET_TIMEOUT | SET_EVAL),
-                );
-                attr(&mut a, 4 /* NFTA_SET_KEY_TYPE */, &be32(key_type));
-                attr(&mut a, 5 /* NFTA_SET_KEY_LEN */, &be32(key_len));
-                attr(&mut a, 10 /* NFTA_SET_ID */, &be32(self.next_set_id));
-                attr(
-                    &mut a,
-                    11, /* NFTA_SET_TIMEOUT */
-                    &(seconds * 1000).to_be_bytes(),
-                );
-                // nft's user data: the key is big-endian (NFTNL_UDATA_SET_KEYBYTEORDER).
-                let mut udata = vec![0u8, 4];
-                udata.extend(2u32.to_ne_bytes());
-                attr(&mut a, 13 /* NFTA_SET_USERDATA */, &udata);
-                self.push(line, family, NEWSET, NLM_F_CREATE, &a);
+                }
+                self.push(n, family, NEWSET, NLM_F_CREATE, &a);
             }
-            ("delete", "set") if !name.is_empty() && body.is_empty() => {
+            ("delete", "set" | "map") if !name.is_empty() && body.is_empty() => {
                 table_and(&mut a, table, 2 /* NFTA_SET_NAME */, name);
-                self.push(line, family, DELSET, 0, &a);
+                self.push(n, family, DELSET, 0, &a);
+            }
+            ("flush", "set" | "map") if !name.is_empty() && body.is_empty() => {
+                // Deleting elements without naming any empties the set.
+                table_and(&mut a, table, 2 /* NFTA_SET_ELEM_LIST_SET */, name);
+                self.push(n, family, DELSETELEM, 0, &a);
             }
             (verb @ ("add" | "delete"), "element") => {
-                let elements = braced(body)?;
-                let mut list = Vec::new();
-                for element in elements {
-                    let (key, value) = element.split_once(" : ").unwrap_or((element, ""));
-                    let key = element_key(family, key)?;
-                    let value: Vec<&str> = value.split_whitespace().collect();
-                    let data = match (verb, value.as_slice()) {
-                        (_, []) => None,
-                        ("add", v) => Some(parse_verdict(v)?),
-                        _ => return None,
-                    };
-                    nested(&mut list, 1 /* NFTA_LIST_ELEM */, |e| {
-                        data_value(e, 1 /* NFTA_SET_ELEM_KEY */, &key);
-                        if let Some((code, chain)) = data {
-                            verdict(e, 2 /* NFTA_SET_ELEM_DATA */, code, chain);
-                        }
-                    });
-                }
-                table_and(&mut a, table, 2 /* NFTA_SET_ELEM_LIST_SET */, name);
-                attr(
-                    &mut a,
-                    3 /* NFTA_SET_ELEM_LIST_ELEMENTS */ | NLA_F_NESTED,
-                    &list,
-                );
-                if verb == "add" {
-                    self.push(line, family, NEWSETELEM, NLM_F_CREATE, &a);
-                } else {
-                    self.push(line, family, DELSETELEM, 0, &a);
-                }
+                self.elements(n, family, table, name, verb == "add", body)?;
             }
             _ => return None,
         }
@@ -619,13 +914,19 @@ impl Batch {
 /// The script as one netlink transaction, or the first line it cannot translate.
 pub fn encode_script(script: &str) -> Result<Batch, Unsupported> {
     let mut batch = Batch::default();
-    for line in script.lines().map(str::trim) {
+    for (n, line) in script.lines().enumerate() {
+        let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
         batch
-            .command(line)
+            .command(n as u32, line)
             .ok_or_else(|| Unsupported(line.to_string()))?;
+    }
+    // The last message is the one acknowledged: its answer says the transaction applied.
+    if let Some(flags) = batch.bytes.get_mut(batch.last + 6..batch.last + 8) {
+        let with_ack = u16::from_ne_bytes([flags[0], flags[1]]) | NLM_F_ACK;
+        flags.copy_from_slice(&with_ack.to_ne_bytes());
     }
     Ok(batch)
 }
@@ -644,18 +945,19 @@ fn set_buffer(socket: &netlink_sys::Socket, option: libc::c_int, bytes: usize) {
     }
 }
 
-/// Sends `batch` as one transaction (begin, its messages, end) and reads the kernel's
-/// answer to each message. The kernel runs the batch inside the send, so every answer is
-/// queued when it returns.
+fn family_number(family: &str) -> Result<u8> {
+    match family {
+        "ip" => Ok(NFPROTO_IPV4),
+        "ip6" => Ok(NFPROTO_IPV6),
+        other => bail!("no nf_tables family {other:?}"),
+    }
+}
+
 /// Whether `family` (`ip` / `ip6`) has the table `table`: one request for that table,
 /// answered at once whatever else the ruleset holds (nft fetches the whole ruleset before
 /// listing even the table names: minutes behind 100 000 services' chains).
 pub fn table_exists(family: &str, table: &str) -> Result<bool> {
-    let nfproto = match family {
-        "ip" => NFPROTO_IPV4,
-        "ip6" => NFPROTO_IPV6,
-        other => bail!("no nf_tables family {other:?}"),
-    };
+    let nfproto = family_number(family)?;
     let socket = nlattr::open(NETLINK_NETFILTER, "nf_tables netlink")?;
     let mut name = Vec::new();
     attr_str(&mut name, 1 /* NFTA_TABLE_NAME */, table);
@@ -676,7 +978,70 @@ pub fn table_exists(family: &str, table: &str) -> Result<bool> {
     }
 }
 
-pub fn send(batch: &Batch) -> Result<()> {
+/// The elements of the address set `set` (an affinity set), with the time each has left;
+/// empty if there is no such set. One dump of that set alone.
+pub fn address_elements(family: &str, table: &str, set: &str) -> Result<Vec<Element>> {
+    let nfproto = family_number(family)?;
+    let socket = nlattr::open(NETLINK_NETFILTER, "nf_tables netlink")?;
+    let mut a = Vec::new();
+    table_and(&mut a, table, 2 /* NFTA_SET_ELEM_LIST_SET */, set);
+    let request = nlattr::message(
+        (NFNL_SUBSYS_NFTABLES << 8) | GETSETELEM,
+        NLM_F_REQUEST | nlattr::NLM_F_DUMP,
+        1,
+        [nfproto, 0, 0, 0],
+        &a,
+    );
+    socket
+        .send(&request, 0)
+        .context("asking nf_tables for a set's elements")?;
+    let mut out = Vec::new();
+    let answer = nlattr::receive(&socket, 1, "nf_tables netlink", |body| {
+        let lists = nlattr::attrs(body).filter(|(k, _)| *k == 3 /* ELEMENTS */);
+        for (_, list) in lists {
+            for (_, element) in nlattr::attrs(list) {
+                if let Some(e) = decode_element(element) {
+                    out.push(e);
+                }
+            }
+        }
+    });
+    match answer {
+        Ok(()) => Ok(out),
+        Err(e) if nlattr::errno(&e) == Some(libc::ENOENT) => Ok(Vec::new()),
+        Err(e) => Err(e).with_context(|| format!("reading the elements of {family} {table} {set}")),
+    }
+}
+
+/// An address element of a dump: its key as text and the milliseconds it has left.
+fn decode_element(element: &[u8]) -> Option<Element> {
+    let mut key = None;
+    let mut expires = None;
+    for (kind, value) in nlattr::attrs(element) {
+        match kind {
+            1 /* KEY */ => {
+                let (_, bytes) = nlattr::attrs(value).find(|(k, _)| *k == 1)?;
+                key = Some(match bytes.len() {
+                    4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+                    16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+                    _ => return None,
+                });
+            }
+            5 /* EXPIRATION */ => expires = Some(u64::from_be_bytes(value.try_into().ok()?)),
+            _ => {}
+        }
+    }
+    Some(Element {
+        key: key?.to_string(),
+        expires_ms: expires,
+    })
+}
+
+/// Sends `batch` (the translation of `script`) as one transaction — begin, its messages,
+/// end — and reads the kernel's answers. The kernel runs the batch inside the send, so
+/// every answer is queued when it returns: an error for each message it refused (or for
+/// the commit), and the acknowledgement of the last message if all went through.
+pub fn send(batch: &Batch, script: &str) -> Result<()> {
     if batch.is_empty() {
         return Ok(());
     }
@@ -684,7 +1049,14 @@ pub fn send(batch: &Batch) -> Result<()> {
     let res_id = NFNL_SUBSYS_NFTABLES.to_be_bytes();
     let header = [0, 0, res_id[0], res_id[1]];
     let end_seq = batch.len() as u32 + 1;
-    let mut bytes = nlattr::message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, header, &[]);
+    let mut bytes = Vec::with_capacity(batch.bytes.len() + 40);
+    bytes.extend(nlattr::message(
+        NFNL_MSG_BATCH_BEGIN,
+        NLM_F_REQUEST,
+        0,
+        header,
+        &[],
+    ));
     bytes.extend_from_slice(&batch.bytes);
     bytes.extend(nlattr::message(
         NFNL_MSG_BATCH_END,
@@ -693,37 +1065,43 @@ pub fn send(batch: &Batch) -> Result<()> {
         header,
         &[],
     ));
-    // Room for the whole batch and an answer per message (SO_*BUFFORCE: we hold
+    // Room for the whole batch and for the errors of a failing one (SO_*BUFFORCE: we hold
     // CAP_NET_ADMIN; the plain options are capped by the sysctls).
     set_buffer(&socket, libc::SO_SNDBUFFORCE, bytes.len() * 2 + (1 << 16));
-    set_buffer(&socket, libc::SO_RCVBUFFORCE, batch.len() * 128 + (1 << 16));
+    set_buffer(&socket, libc::SO_RCVBUFFORCE, 1 << 22);
     // An error answer without a copy of the (possibly large) message it answers.
     let _ = socket.set_cap_ack(true);
     socket
         .send(&bytes, 0)
         .context("sending the nf_tables transaction")?;
+    drop(bytes);
 
-    let mut acked = 0;
+    let last = batch.len() as u32;
+    let mut applied = false;
     let mut failures: Vec<String> = Vec::new();
     let mut buf = vec![0u8; 1 << 16];
-    while acked < batch.len() {
+    loop {
         let n = match socket.recv(&mut &mut buf[..], libc::MSG_DONTWAIT) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
             Err(e) => return Err(e).context("reading the nf_tables answers"),
         };
         for (seq, code) in nlattr::acks(&buf[..n]) {
-            acked += 1;
-            if code != 0 {
-                let what = match batch.lines.get((seq as usize).wrapping_sub(1)) {
-                    Some(line) => format!("{line:?}"),
-                    None => "the commit".to_string(),
-                };
-                failures.push(format!(
-                    "{what}: {}",
-                    std::io::Error::from_raw_os_error(-code)
-                ));
+            if code == 0 {
+                applied |= seq == last;
+                continue;
             }
+            let what = match batch.lines.get((seq as usize).wrapping_sub(1)) {
+                Some(&line) => {
+                    let text = script.lines().nth(line as usize).unwrap_or_default();
+                    format!("{:?}", text.trim())
+                }
+                None => "the commit".to_string(),
+            };
+            failures.push(format!(
+                "{what}: {}",
+                std::io::Error::from_raw_os_error(-code)
+            ));
         }
     }
     if let Some(first) = failures.first() {
@@ -733,45 +1111,35 @@ pub fn send(batch: &Batch) -> Result<()> {
             if failures.len() == 1 { "" } else { "s" }
         );
     }
-    if acked < batch.len() {
-        bail!(
-            "nf_tables answered {acked} of the transaction's {} messages",
-            batch.len()
-        );
+    if !applied {
+        bail!("nf_tables did not answer the transaction");
     }
     Ok(())
 }
 
-/// [`Nft`] for the proxier: incremental transactions over netlink, the rest through `nft`.
+/// [`Nft`] for the proxier: every transaction over netlink, tables and sets read over
+/// netlink by name.
 #[derive(Clone, Debug, Default)]
 pub struct NftNetlink {
-    fallback: NftCommand,
-    /// Transactions sent over netlink, and those handed to `nft`.
-    pub netlink_transactions: u64,
-    pub nft_transactions: u64,
+    /// Transactions sent.
+    pub transactions: u64,
 }
 
 impl Nft for NftNetlink {
     fn apply(&mut self, script: &str) -> Result<()> {
-        match encode_script(script) {
-            Ok(batch) => {
-                self.netlink_transactions += 1;
-                send(&batch)
-            }
-            Err(Unsupported(line)) => {
-                tracing::trace!(%line, "transaction through nft");
-                self.nft_transactions += 1;
-                self.fallback.apply(script)
-            }
-        }
-    }
-
-    fn objects(&mut self, family: &str, table: &str) -> Result<TableObjects> {
-        self.fallback.objects(family, table)
+        let batch = encode_script(script).map_err(|Unsupported(line)| {
+            anyhow::anyhow!("no netlink encoding for {line:?} (a proxier bug: please report it)")
+        })?;
+        self.transactions += 1;
+        send(&batch, script)
     }
 
     fn has_table(&mut self, family: &str, table: &str) -> Result<bool> {
         table_exists(family, table)
+    }
+
+    fn address_elements(&mut self, family: &str, table: &str, set: &str) -> Result<Vec<Element>> {
+        address_elements(family, table, set)
     }
 }
 
@@ -780,9 +1148,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn incremental_commands_translate_and_the_rest_goes_to_nft() {
+    fn static_and_service_commands_translate_and_others_are_refused() {
         let script = "add table ip kube-proxy\n\
+            delete table ip kube-proxy\n\
+            add table ip kube-proxy\n\
+            add map ip kube-proxy service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; }\n\
+            add map ip kube-proxy service-nodeports { type inet_proto . inet_service : verdict ; }\n\
+            add set ip kube-proxy nodeport-ips { type ipv4_addr ; }\n\
+            add chain ip kube-proxy nat-output { type nat hook output priority -100 ; policy accept ; }\n\
+            add chain ip kube-proxy filter-input { type filter hook input priority filter ; policy accept ; }\n\
+            add chain ip kube-proxy services\n\
+            add rule ip kube-proxy nat-output jump services\n\
+            add rule ip kube-proxy filter-input ct state new jump services\n\
+            add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips\n\
+            add rule ip kube-proxy services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports\n\
+            add rule ip kube-proxy services meta mark & 0x4000 == 0 return\n\
+            add rule ip kube-proxy services meta mark set meta mark ^ 0x4000\n\
+            add rule ip kube-proxy services snat to 192.168.1.1 fully-random\n\
+            add rule ip kube-proxy services masquerade fully-random\n\
+            add rule ip kube-proxy services meta l4proto tcp reject with tcp reset\n\
+            add rule ip kube-proxy services reject\n\
+            flush map ip kube-proxy service-ips\n\
             add set ip kube-proxy affinity-x { type ipv4_addr ; flags dynamic,timeout ; timeout 10800s ; }\n\
+            add element ip kube-proxy affinity-x { 10.0.0.9 expires 5000ms, 10.0.0.8 }\n\
             add chain ip kube-proxy endpoint-x\n\
             flush chain ip kube-proxy endpoint-x\n\
             add rule ip kube-proxy endpoint-x update @affinity-x { ip saddr }\n\
@@ -791,20 +1179,56 @@ mod tests {
             delete element ip kube-proxy nodeport-ips { 192.168.1.1 }\n\
             delete chain ip kube-proxy old\n\
             delete set ip kube-proxy affinity-old\n";
-        assert_eq!(encode_script(script).unwrap().len(), 10);
-        // A base chain, a map definition, a rule shape of the static part: nft's.
+        assert_eq!(encode_script(script).unwrap().len(), 30);
         for line in [
-            "add chain ip kube-proxy nat-output { type nat hook output priority -100 ; policy accept ; }",
-            "add map ip kube-proxy service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; }",
-            "add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips",
+            "add chain ip kube-proxy c { type route hook output priority -100 ; policy accept ; }",
+            "add chain ip kube-proxy c { type nat hook egress priority -100 ; policy accept ; }",
+            "add map ip kube-proxy m { type ipv4_addr : ipv4_addr ; }",
+            "add map ip kube-proxy m { type ipv4_addr ; }",
+            "add set ip kube-proxy s { type ipv6_addr ; }",
             "add rule ip kube-proxy c ip6 saddr fd00::1 goto x",
             "add rule ip kube-proxy c goto x goto y",
+            "add rule ip kube-proxy c snat to fd00::1 fully-random",
+            "add rule ip kube-proxy c counter",
+            "delete element ip kube-proxy s { 10.0.0.1 expires 5s }",
+            "add element ip kube-proxy s { 10.0.0.1 expires soon }",
         ] {
             let Err(Unsupported(got)) = encode_script(&format!("add table ip t\n{line}\n")) else {
-                panic!("{line} should go to nft");
+                panic!("{line} should be refused");
             };
             assert_eq!(got, line);
         }
+    }
+
+    #[test]
+    fn large_element_lists_are_split_across_messages() {
+        let elements: Vec<String> = (0..1000)
+            .map(|i| format!("10.96.{}.{} . tcp . 80 : goto s", i / 256, i % 256))
+            .collect();
+        let script = format!(
+            "add element ip kube-proxy service-ips {{ {} }}\n",
+            elements.join(", ")
+        );
+        let batch = encode_script(&script).unwrap();
+        assert_eq!(batch.len(), 1000usize.div_ceil(ELEMENTS_PER_MESSAGE));
+        // Every message fits its 16-bit attribute lengths.
+        for (_, _, body) in nlattr::messages(&batch.bytes) {
+            assert!(body.len() < usize::from(u16::MAX));
+        }
+    }
+
+    #[test]
+    fn only_the_last_message_asks_for_an_answer() {
+        let batch = encode_script("add table ip t\nadd chain ip t a\nadd chain ip t b\n").unwrap();
+        let mut at = 0;
+        let mut acks = Vec::new();
+        while at < batch.bytes.len() {
+            let len = u32::from_ne_bytes(batch.bytes[at..at + 4].try_into().unwrap()) as usize;
+            let f = u16::from_ne_bytes([batch.bytes[at + 6], batch.bytes[at + 7]]);
+            acks.push(f & NLM_F_ACK != 0);
+            at += len;
+        }
+        assert_eq!(acks, [false, false, true]);
     }
 
     #[test]

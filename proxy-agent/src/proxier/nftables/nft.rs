@@ -1,37 +1,34 @@
-//! Where the nftables proxier's commands go: the kernel through `nft -f -` (one transaction
-//! per call), or an in-memory model of the commands it writes, for tests without a kernel.
+//! Where the nftables proxier's commands go: the kernel (over netlink in the agent, see
+//! [`super::netlink`]; through `nft -f -` in the tests that compare the two), or an
+//! in-memory model of the commands it writes, for tests without a kernel.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    process::Command,
-};
+use std::{collections::BTreeMap, process::Command};
 
 use anyhow::{bail, Context, Result};
 
 use crate::kernel::command;
 
-/// The chains and sets (maps included) of one table.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TableObjects {
-    pub chains: BTreeSet<String>,
-    pub sets: BTreeSet<String>,
+/// An element of an address set (an affinity set's client), and the milliseconds it has
+/// left if it expires.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Element {
+    pub key: String,
+    pub expires_ms: Option<u64>,
 }
 
 pub trait Nft {
     /// Runs `script` as one transaction: all of it or nothing.
     fn apply(&mut self, script: &str) -> Result<()>;
 
-    /// What `family`'s (`ip` / `ip6`) table `table` holds; empty if there is no such table.
-    fn objects(&mut self, family: &str, table: &str) -> Result<TableObjects>;
+    /// Whether `family` (`ip` / `ip6`) has a table `table`, without listing what it holds
+    /// (a listing of 100 000 services' chains takes minutes).
+    fn has_table(&mut self, family: &str, table: &str) -> Result<bool>;
 
-    /// Whether `family` has a table `table` (without listing what it holds: a listing of
-    /// 100 000 services' chains takes nft minutes).
-    fn has_table(&mut self, family: &str, table: &str) -> Result<bool> {
-        Ok(self.objects(family, table)? != TableObjects::default())
-    }
+    /// The elements of address set `set`; empty if there is no such set.
+    fn address_elements(&mut self, family: &str, table: &str, set: &str) -> Result<Vec<Element>>;
 }
 
-/// The `nft` command.
+/// The `nft` command: what the agent's netlink transactions are compared with in tests.
 #[derive(Clone, Debug, Default)]
 pub struct NftCommand;
 
@@ -78,36 +75,39 @@ impl Nft for NftCommand {
         Ok(())
     }
 
-    fn objects(&mut self, family: &str, table: &str) -> Result<TableObjects> {
+    fn address_elements(&mut self, family: &str, table: &str, set: &str) -> Result<Vec<Element>> {
         let out = command::run(
-            Command::new("nft").args(["list", "table", family, table]),
+            Command::new("nft").args(["-j", "list", "set", family, table, set]),
             None,
             command::RULESET_TIMEOUT,
         )
         .context("running nft (install the nftables package)")?;
         if !out.status.success() {
-            return Ok(TableObjects::default());
+            return Ok(Vec::new());
         }
-        Ok(parse_listing(&String::from_utf8_lossy(&out.stdout)))
+        let json: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("reading nft's JSON")?;
+        Ok(json_elements(&json))
     }
 }
 
-/// Chain, set and map names from `nft list table` output.
-pub fn parse_listing(listing: &str) -> TableObjects {
-    let mut objects = TableObjects::default();
-    for line in listing.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            ["chain", name, "{"] => {
-                objects.chains.insert(name.trim_matches('"').to_string());
-            }
-            ["set" | "map", name, "{"] => {
-                objects.sets.insert(name.trim_matches('"').to_string());
-            }
-            _ => {}
-        }
-    }
-    objects
+/// The elements in `nft -j list set` output: `"10.0.0.9"`, or `{"elem": {"val":
+/// "10.0.0.9", "expires": 4999}}` (seconds).
+fn json_elements(json: &serde_json::Value) -> Vec<Element> {
+    let sets = json["nftables"].as_array().into_iter().flatten();
+    let elements = sets.flat_map(|o| o["set"]["elem"].as_array().into_iter().flatten());
+    elements
+        .filter_map(|e| {
+            let (key, expires) = match e.as_str() {
+                Some(key) => (key, None),
+                None => (e["elem"]["val"].as_str()?, e["elem"]["expires"].as_u64()),
+            };
+            Some(Element {
+                key: key.to_string(),
+                expires_ms: expires.map(|s| s * 1000),
+            })
+        })
+        .collect()
 }
 
 #[derive(Clone, Debug, Default)]
@@ -120,8 +120,8 @@ struct Table {
 /// An in-memory model of the commands the proxier writes (`add table|chain|rule|set|map|
 /// element`, `flush chain|set|map`, `delete table|chain|set|element`), as strict as the
 /// kernel where it matters: rules only into existing chains, jumps and `@set`s only to
-/// existing ones, no deleting a chain still jumped to, no deleting a missing element, and
-/// a transaction applies whole or not at all.
+/// existing ones, no deleting a chain still jumped to, no deleting a missing element, a
+/// transaction applies whole or not at all, and only if the netlink encoder can send it.
 #[derive(Clone, Debug, Default)]
 pub struct MemoryNft {
     tables: BTreeMap<(String, String), Table>,
@@ -274,6 +274,9 @@ fn apply_command(tables: &mut BTreeMap<(String, String), Table>, line: &str) -> 
         (Some("add"), Some("element")) => {
             for e in elements(body) {
                 let (k, v) = e.split_once(" : ").unwrap_or((&e, ""));
+                // A key's timeout and expiry are not modelled.
+                let k = k.split(" timeout ").next().unwrap_or(k);
+                let k = k.split(" expires ").next().unwrap_or(k);
                 for t in targets(v) {
                     if !table.chains.contains_key(&t) {
                         bail!("verdict to missing chain {t}");
@@ -302,6 +305,10 @@ fn apply_command(tables: &mut BTreeMap<(String, String), Table>, line: &str) -> 
 impl Nft for MemoryNft {
     fn apply(&mut self, script: &str) -> Result<()> {
         self.scripts.push(script.to_string());
+        // What the agent could not send, the model refuses too.
+        if let Err(super::netlink::Unsupported(line)) = super::netlink::encode_script(script) {
+            bail!("no netlink encoding for {line:?}");
+        }
         let mut tables = self.tables.clone();
         for (n, line) in script.lines().enumerate() {
             let line = line.trim();
@@ -314,14 +321,18 @@ impl Nft for MemoryNft {
         Ok(())
     }
 
-    fn objects(&mut self, family: &str, table: &str) -> Result<TableObjects> {
-        Ok(self
-            .tables
-            .get(&(family.to_string(), table.to_string()))
-            .map(|t| TableObjects {
-                chains: t.chains.keys().cloned().collect(),
-                sets: t.sets.keys().cloned().collect(),
+    fn has_table(&mut self, family: &str, table: &str) -> Result<bool> {
+        Ok(MemoryNft::has_table(self, family, table))
+    }
+
+    fn address_elements(&mut self, family: &str, table: &str, set: &str) -> Result<Vec<Element>> {
+        let elements = self.elements(family, table, set).unwrap_or_default();
+        Ok(elements
+            .into_keys()
+            .map(|key| Element {
+                key,
+                expires_ms: None,
             })
-            .unwrap_or_default())
+            .collect())
     }
 }
