@@ -614,8 +614,8 @@ fn braced(body: &str) -> Option<Vec<&str>> {
     })
 }
 
-/// A transaction as netlink messages, and the script line each message came from.
-#[derive(Default)]
+/// A transaction as netlink messages (between the batch's begin and end messages, ready
+/// to send without another copy), and the script line each message came from.
 pub struct Batch {
     bytes: Vec<u8>,
     /// The script line (from 0) of each message, by sequence number - 1.
@@ -683,6 +683,24 @@ fn element_text(element: &str) -> Option<ElementText<'_>> {
         }
     }
     Some(parsed)
+}
+
+/// The header of the batch begin and end messages: the nf_tables subsystem (res_id).
+fn batch_header() -> [u8; 4] {
+    let res_id = NFNL_SUBSYS_NFTABLES.to_be_bytes();
+    [0, 0, res_id[0], res_id[1]]
+}
+
+impl Default for Batch {
+    fn default() -> Self {
+        let begin = nlattr::message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, batch_header(), &[]);
+        Batch {
+            bytes: begin,
+            lines: Vec::new(),
+            last: 0,
+            next_set_id: 0,
+        }
+    }
 }
 
 impl Batch {
@@ -923,11 +941,22 @@ pub fn encode_script(script: &str) -> Result<Batch, Unsupported> {
             .command(n as u32, line)
             .ok_or_else(|| Unsupported(line.to_string()))?;
     }
+    if batch.is_empty() {
+        return Ok(batch);
+    }
     // The last message is the one acknowledged: its answer says the transaction applied.
     if let Some(flags) = batch.bytes.get_mut(batch.last + 6..batch.last + 8) {
         let with_ack = u16::from_ne_bytes([flags[0], flags[1]]) | NLM_F_ACK;
         flags.copy_from_slice(&with_ack.to_ne_bytes());
     }
+    let end_seq = batch.len() as u32 + 1;
+    batch.bytes.extend(nlattr::message(
+        NFNL_MSG_BATCH_END,
+        NLM_F_REQUEST,
+        end_seq,
+        batch_header(),
+        &[],
+    ));
     Ok(batch)
 }
 
@@ -1046,25 +1075,7 @@ pub fn send(batch: &Batch, script: &str) -> Result<()> {
         return Ok(());
     }
     let socket = nlattr::open(NETLINK_NETFILTER, "nf_tables netlink")?;
-    let res_id = NFNL_SUBSYS_NFTABLES.to_be_bytes();
-    let header = [0, 0, res_id[0], res_id[1]];
-    let end_seq = batch.len() as u32 + 1;
-    let mut bytes = Vec::with_capacity(batch.bytes.len() + 40);
-    bytes.extend(nlattr::message(
-        NFNL_MSG_BATCH_BEGIN,
-        NLM_F_REQUEST,
-        0,
-        header,
-        &[],
-    ));
-    bytes.extend_from_slice(&batch.bytes);
-    bytes.extend(nlattr::message(
-        NFNL_MSG_BATCH_END,
-        NLM_F_REQUEST,
-        end_seq,
-        header,
-        &[],
-    ));
+    let bytes = &batch.bytes;
     // Room for the whole batch and for the errors of a failing one (SO_*BUFFORCE: we hold
     // CAP_NET_ADMIN; the plain options are capped by the sysctls).
     set_buffer(&socket, libc::SO_SNDBUFFORCE, bytes.len() * 2 + (1 << 16));
@@ -1072,9 +1083,8 @@ pub fn send(batch: &Batch, script: &str) -> Result<()> {
     // An error answer without a copy of the (possibly large) message it answers.
     let _ = socket.set_cap_ack(true);
     socket
-        .send(&bytes, 0)
+        .send(bytes, 0)
         .context("sending the nf_tables transaction")?;
-    drop(bytes);
 
     let last = batch.len() as u32;
     let mut applied = false;
@@ -1127,11 +1137,22 @@ pub struct NftNetlink {
 
 impl Nft for NftNetlink {
     fn apply(&mut self, script: &str) -> Result<()> {
+        let started = std::time::Instant::now();
         let batch = encode_script(script).map_err(|Unsupported(line)| {
             anyhow::anyhow!("no netlink encoding for {line:?} (a proxier bug: please report it)")
         })?;
+        let encoded = started.elapsed();
         self.transactions += 1;
-        send(&batch, script)
+        let sent = send(&batch, script);
+        tracing::debug!(
+            messages = batch.len(),
+            bytes = batch.bytes.len(),
+            script_bytes = script.len(),
+            encode_ms = encoded.as_secs_f64() * 1e3,
+            kernel_ms = (started.elapsed() - encoded).as_secs_f64() * 1e3,
+            "nf_tables transaction"
+        );
+        sent
     }
 
     fn has_table(&mut self, family: &str, table: &str) -> Result<bool> {
@@ -1228,7 +1249,8 @@ mod tests {
             acks.push(f & NLM_F_ACK != 0);
             at += len;
         }
-        assert_eq!(acks, [false, false, true]);
+        // Begin, the three commands, end.
+        assert_eq!(acks, [false, false, false, true, false]);
     }
 
     #[test]
