@@ -348,8 +348,8 @@ impl Metrics {
                 HistogramOpts::new(
                     "proxy_agent_sync_loop_work_seconds",
                     "Time the sync loop spent on work other than syncs (work: interfaces, \
-                     conntrack_gc, counters, flow_log, takeover); a change arriving meanwhile \
-                     waits for it",
+                     conntrack_gc, counters, flow_log, takeover, manifests); a change arriving \
+                     meanwhile waits for it",
                 )
                 .buckets(exponential_buckets(0.0005, 2.0, 15).expect("buckets")),
                 &["work"],

@@ -20,7 +20,7 @@ use proxy_agent::{
         nftables::{
             netlink::NftNetlink,
             nft::{Nft, NftCommand},
-            NftablesProxier,
+            table_name, NftablesProxier, MAX_TABLES, SERVICES_PER_TABLE,
         },
         Proxier, RecordedFlows,
     },
@@ -173,8 +173,11 @@ fn desired(states: &[ServicePortState]) -> DesiredState {
     }
 }
 
+/// Every table of the mode in `family`, as `nft list` prints them.
 fn listing(family: &str) -> String {
-    sh("nft", &["list", "table", family, "kube-proxy"]).unwrap_or_default()
+    (0..MAX_TABLES)
+        .filter_map(|t| sh("nft", &["list", "table", family, &table_name(t)]).ok())
+        .collect()
 }
 
 /// Every sync's resulting tables (ip, ip6), and whether it was full.
@@ -182,8 +185,10 @@ fn drive<N: Nft>(
     nft: N,
     netlink_counts: impl Fn(&N) -> u64,
     local: &LocalTraffic,
+    per_table: usize,
 ) -> (Vec<(bool, String, String)>, u64) {
     let mut p = NftablesProxier::new(nft, Box::new(RecordedFlows::default()), 14, local);
+    p.services_per_table = per_table;
     let mut out = Vec::new();
     let mut current = DesiredState::default();
     for generation in 0..3 {
@@ -227,13 +232,20 @@ type Runs = (
     u64,
 );
 
-fn both_ways(local: &LocalTraffic) -> Runs {
+fn both_ways(local: &LocalTraffic, per_table: usize) -> Runs {
     let (first, second) = (local.clone(), local.clone());
     let (nft_steps, _) = namespace("nft")
-        .run(move || drive(NftCommand, |_| 0, &first))
+        .run(move || drive(NftCommand, |_| 0, &first, per_table))
         .expect("nft namespace");
     let (netlink_steps, transactions) = namespace("nl")
-        .run(move || drive(NftNetlink::default(), |n| n.transactions, &second))
+        .run(move || {
+            drive(
+                NftNetlink::default(),
+                |n| n.transactions,
+                &second,
+                per_table,
+            )
+        })
         .expect("netlink namespace");
     (nft_steps, netlink_steps, transactions)
 }
@@ -246,7 +258,7 @@ fn pods_told_by_interface_over_netlink_leave_the_tables_nft_would() {
         Some(LocalMatch::InterfacePrefix("lxc".into())),
         Some(LocalMatch::Interface("cbr0".into())),
     ]);
-    let (nft_steps, netlink_steps, transactions) = both_ways(&local);
+    let (nft_steps, netlink_steps, transactions) = both_ways(&local, SERVICES_PER_TABLE);
     assert_eq!(transactions, 8);
     for (step, (a, b)) in nft_steps.iter().zip(&netlink_steps).enumerate() {
         assert!(a.1.contains("iifname != \"lxc*\""), "step {step}: {}", a.1);
@@ -259,7 +271,8 @@ fn pods_told_by_interface_over_netlink_leave_the_tables_nft_would() {
 #[test]
 fn full_and_incremental_syncs_over_netlink_leave_the_tables_nft_would() {
     require_kernel!();
-    let (nft_steps, netlink_steps, netlink_transactions) = both_ways(&by_cidrs());
+    let (nft_steps, netlink_steps, netlink_transactions) =
+        both_ways(&by_cidrs(), SERVICES_PER_TABLE);
     // Two full and two incremental syncs, each a transaction per family.
     assert_eq!(netlink_transactions, 8);
     let fulls: Vec<bool> = netlink_steps.iter().map(|(full, _, _)| *full).collect();
@@ -421,5 +434,79 @@ fn a_restarted_proxier_replaces_the_table_and_keeps_affinity_clients() {
     assert!(
         left > 0 && left <= 100,
         "the client keeps the time it had left ({left} s):\n{after}"
+    );
+}
+
+#[test]
+fn services_spread_over_tables_leave_the_tables_nft_would() {
+    require_kernel!();
+    // One service port per table: the IPv4 ones spread over five tables.
+    let (nft_steps, netlink_steps, transactions) = both_ways(&by_cidrs(), 1);
+    assert_eq!(transactions, 8);
+    for (step, (a, b)) in nft_steps.iter().zip(&netlink_steps).enumerate() {
+        assert!(
+            a.1.contains("table ip kube-proxy-4 {"),
+            "step {step}: five tables:\n{}",
+            a.1
+        );
+        assert!(
+            !a.2.contains("table ip6 kube-proxy-1 "),
+            "step {step}: one ip6 table"
+        );
+        assert_eq!(a.1, b.1, "step {step}: ip tables differ");
+        assert_eq!(a.2, b.2, "step {step}: ip6 tables differ");
+    }
+}
+
+#[test]
+fn a_service_in_every_table_is_served() {
+    require_kernel!();
+    let served = namespace("nlshards")
+        .run(|| {
+            // The backends' address on lo, and a route for the ClusterIPs to leave by.
+            for args in [
+                "link set lo up",
+                "addr add 10.0.0.1/24 dev lo",
+                "route add 10.96.0.0/16 dev lo",
+            ] {
+                sh("ip", &args.split(' ').collect::<Vec<_>>()).expect("lab network");
+            }
+            let ports: Vec<ServicePortState> = (1..=6)
+                .map(|i| {
+                    let backend = format!("10.0.0.1:{}", 8000 + i);
+                    svc(&format!("s{i}"), &format!("10.96.0.{i}"), &[&backend])
+                })
+                .collect();
+            let mut p = NftablesProxier::new(
+                NftNetlink::default(),
+                Box::new(RecordedFlows::default()),
+                14,
+                &LocalTraffic::default(),
+            );
+            p.services_per_table = 2;
+            p.sync_full(&desired(&ports)).expect("sync");
+            let tables = p.tables(proxy_agent::model::IpFamily::V4);
+            let mut served = Vec::new();
+            for i in 1..=6u16 {
+                let listener = std::net::TcpListener::bind(("10.0.0.1", 8000 + i)).unwrap();
+                listener.set_nonblocking(true).unwrap();
+                let vip: SocketAddr = format!("10.96.0.{i}:80").parse().unwrap();
+                let connected =
+                    std::net::TcpStream::connect_timeout(&vip, std::time::Duration::from_secs(2));
+                let accepted = (0..200).any(|_| {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    listener.accept().is_ok()
+                });
+                served.push(connected.is_ok() && accepted);
+            }
+            (tables, served, listing("ip"))
+        })
+        .expect("namespace");
+    let (tables, served, listing) = served;
+    assert_eq!(tables, 3, "six service ports, two per table");
+    assert!(listing.contains("table ip kube-proxy-2 {"), "{listing}");
+    assert_eq!(
+        served, [true; 6],
+        "each ClusterIP reaches its backend:\n{listing}"
     );
 }

@@ -264,9 +264,17 @@ pub async fn run(mut s: Settings) -> Result<()> {
         tokio::select! {
             Some(()) = reload_rx.recv() => {
                 if let Some(reader) = reader.as_mut() {
+                    let started = Instant::now();
                     match reader.load() {
                         Ok(set) => {
+                            let read = started.elapsed();
                             syncs.ingest(set);
+                            debug!(
+                                read_ms = read.as_secs_f64() * 1e3,
+                                ingest_ms = (started.elapsed() - read).as_secs_f64() * 1e3,
+                                "manifests reloaded"
+                            );
+                            loop_work(&metrics, "manifests", started);
                             deferred = syncs.sync_or_defer(&mut proxier);
                         }
                         Err(e) => warn!("manifests not reloaded: {e:#}"),
@@ -287,8 +295,10 @@ pub async fn run(mut s: Settings) -> Result<()> {
                 if let Some(reader) = reader.as_mut() {
                     // Every file, in case a change slipped past its metadata.
                     reader.forget_files();
+                    let started = Instant::now();
                     if let Ok(set) = reader.load() {
                         syncs.ingest(set);
+                        loop_work(&metrics, "manifests", started);
                         deferred = syncs.sync_or_defer(&mut proxier);
                     }
                 }

@@ -213,7 +213,8 @@ pub fn set_family_masquerade_addresses(
 pub struct Regenerated<R> {
     pub current: std::collections::BTreeMap<ServicePortName, R>,
     pub write: Vec<ServicePortName>,
-    pub replaced: Vec<R>,
+    /// What the rewritten and removed service ports had, by name.
+    pub replaced: Vec<(ServicePortName, R)>,
 }
 
 pub fn regenerate<R>(
@@ -234,14 +235,14 @@ pub fn regenerate<R>(
         let rules = match previous.remove(name) {
             Some(old) if !rewrite => old,
             old => {
-                out.replaced.extend(old);
+                out.replaced.extend(old.map(|o| (name.clone(), o)));
                 out.write.push(name.clone());
                 build(port)
             }
         };
         out.current.insert(name.clone(), rules);
     }
-    out.replaced.extend(previous.into_values());
+    out.replaced.extend(previous);
     out
 }
 

@@ -185,7 +185,7 @@ impl<T: RuleTables> IptablesProxier<T> {
         // below).
         let mut stale: BTreeSet<String> = replaced
             .into_iter()
-            .flat_map(|r| r.chains.into_iter().map(|(c, _)| c))
+            .flat_map(|(_, r)| r.chains.into_iter().map(|(c, _)| c))
             .collect();
         let mut wanted_chains: BTreeSet<&str> = BTreeSet::new();
         for rules in current.values() {

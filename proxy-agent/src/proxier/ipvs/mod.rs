@@ -191,6 +191,7 @@ impl<T: RuleTables, S: IpSets> IpvsProxier<T, S> {
             changed,
             |s| plan(s, local.as_ref()),
         );
+        let replaced: Vec<PortPlan> = replaced.into_iter().map(|(_, p)| p).collect();
         let result = self.apply(family, &current, &write, &replaced, full);
         let state = &mut self.families[i];
         state.plans = current;

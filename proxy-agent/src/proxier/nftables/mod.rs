@@ -9,8 +9,31 @@
 //! services' chains takes the kernel minutes. The affinity sets' clients are read first
 //! (one dump per wanted set) and written back with the time they had left. The other syncs
 //! are incremental: the changed service ports' chains are rewritten, and the verdict maps
-//! get only the elements that were added or removed, so a change costs the same at 10 000
-//! services as at 10.
+//! get only the elements that were added or removed.
+//!
+//! # Tables
+//!
+//! nf_tables checks a table whole at every commit that adds a jump, a goto or a NAT rule
+//! (loops, hooks: `nft_table_validate` walks every chain reachable from each base chain),
+//! so with one table every change cost the whole table: 190 ms at 10 000 services, 2.3 s
+//! at 100 000. The service ports are therefore spread over up to [`MAX_TABLES`] tables,
+//! one per [`SERVICES_PER_TABLE`] (a hash of the service port's name picks its table): a
+//! change validates only its own. Each table has the nat base chains and the service
+//! lookups of its ports; the first (`kube-proxy`, the only one up to 1 000 service ports,
+//! so smaller clusters have kube-proxy's layout exactly) also has the filter hooks,
+//! masquerading and the reject chain. A frontend lives in one table, and a NAT binding is
+//! made by the first nat chain that translates, so semantics do not change; the cost is
+//! that a new connection passes the nat chain of every table (one hash lookup each). The
+//! number of tables grows as soon as the service ports need more and shrinks only once
+//! they would fill half a table less; either way the next sync is full.
+//!
+//! ```text
+//! kube-proxy:    nat-prerouting/output -> services -> @service-ips / @service-nodeports
+//!                filter-input/forward/output -> @no-endpoint-services -> reject-chain
+//!                nat-postrouting -> masquerading
+//! kube-proxy-1:  nat-prerouting/output -> services -> @service-ips / @service-nodeports
+//! ...            (its own service, endpoint, firewall chains and affinity sets)
+//! ```
 
 pub mod netlink;
 pub mod nft;
@@ -80,13 +103,52 @@ const MAPS: [&str; 4] = [
     NODE_PORT_IPS,
 ];
 
-/// One family's table, as last written.
+/// How many service ports a table holds before they spread over more tables (see
+/// "Tables" in the module docs), and the most tables there are.
+pub const SERVICES_PER_TABLE: usize = 1000;
+pub const MAX_TABLES: usize = 16;
+
+/// The name of the `i`th table: the first is kube-proxy's, the others add their number.
+pub fn table_name(i: usize) -> String {
+    if i == 0 {
+        TABLE.to_string()
+    } else {
+        format!("{TABLE}-{i}")
+    }
+}
+
+/// The table of service port `name` among `tables`: FNV-1a of its name, stable across
+/// restarts (so an affinity set is found where the last agent wrote it).
+fn table_of(name: &ServicePortName, tables: usize) -> usize {
+    if tables <= 1 {
+        return 0;
+    }
+    let mut hash = Fnv(0xcbf2_9ce4_8422_2325);
+    let _ = write!(hash, "{name}");
+    (hash.0 % tables as u64) as usize
+}
+
+/// FNV-1a over what is written to it (a name's text, without building the string).
+struct Fnv(u64);
+
+impl std::fmt::Write for Fnv {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        for b in s.bytes() {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        Ok(())
+    }
+}
+
+/// One family's tables, as last written.
 #[derive(Default)]
 struct FamilyTable {
     services: BTreeMap<ServicePortName, ServiceRules>,
-    /// The elements of each of [`MAPS`] as last written.
+    /// The elements of each of [`MAPS`] in each table, as last written.
     elements: Elements,
     needs_full: bool,
+    /// How many tables the service ports are spread over (0: none written yet).
+    tables: usize,
 }
 
 pub struct NftablesProxier<N: Nft> {
@@ -94,11 +156,14 @@ pub struct NftablesProxier<N: Nft> {
     flows: Box<dyn FlowCleaner>,
     contexts: [RuleContext; 2],
     families: [FamilyTable; 2],
+    /// See [`SERVICES_PER_TABLE`]; tests lower it to spread a few services over tables.
+    pub services_per_table: usize,
     /// Failed transactions since start.
     pub failures: u64,
 }
 
-type Elements = BTreeMap<&'static str, BTreeMap<String, String>>;
+/// Elements by table and map.
+type Elements = BTreeMap<(usize, &'static str), BTreeMap<String, String>>;
 
 /// A service port's elements of verdict map `map` (one of [`MAPS`] but [`NODE_PORT_IPS`]).
 fn verdict_elements<'a>(rules: &'a ServiceRules, map: &str) -> &'a [(String, String)] {
@@ -110,34 +175,33 @@ fn verdict_elements<'a>(rules: &'a ServiceRules, map: &str) -> &'a [(String, Str
     }
 }
 
-/// The [`NODE_PORT_IPS`] elements of `services`.
-fn node_port_ips<'a>(
-    services: impl IntoIterator<Item = &'a ServiceRules>,
-) -> BTreeMap<String, String> {
-    services
-        .into_iter()
-        .flat_map(|r| &r.node_port_addrs)
-        .map(|addr| (addr.to_string(), String::new()))
-        .collect()
-}
+/// A service port's rules and the table they live in.
+type Placed<'a> = (usize, &'a ServiceRules);
 
-/// The elements `services` put in each map.
-fn wanted_elements<'a>(services: impl IntoIterator<Item = &'a ServiceRules> + Clone) -> Elements {
-    MAPS.iter()
-        .map(|&map| {
-            let elements = if map == NODE_PORT_IPS {
-                node_port_ips(services.clone())
+/// The elements `services` put in each map of each table: the service lookups in the
+/// service port's table, the filter hooks' `no-endpoint-services` in the first.
+fn wanted_elements<'a>(services: impl IntoIterator<Item = Placed<'a>>) -> Elements {
+    let mut out = Elements::new();
+    for (table, rules) in services {
+        for map in MAPS {
+            let target = if map == "no-endpoint-services" {
+                0
             } else {
-                services
-                    .clone()
-                    .into_iter()
-                    .flat_map(|r| verdict_elements(r, map))
-                    .cloned()
-                    .collect()
+                table
             };
-            (map, elements)
-        })
-        .collect()
+            let elements = out.entry((target, map)).or_default();
+            if map == NODE_PORT_IPS {
+                for addr in &rules.node_port_addrs {
+                    elements.insert(addr.to_string(), String::new());
+                }
+            } else {
+                for (k, v) in verdict_elements(rules, map) {
+                    elements.insert(k.clone(), v.clone());
+                }
+            }
+        }
+    }
+    out
 }
 
 /// What an incremental sync changes in one map: keys to delete (their old value differs or
@@ -150,62 +214,84 @@ struct MapChanges {
 
 /// Brings `maps` (the elements last written) up to date after an incremental sync, and
 /// says what changed: what the rewritten service ports put in a map before (`old`) leaves
-/// it, what they put there now (`new`) enters it. A key another service port also claims
-/// keeps that one's value, and the node addresses (shared by every NodePort) are counted
-/// again. Only the rewritten ports' elements are copied or compared; rebuilding every map
-/// copied each element of 10 000 services for a one-endpoint change.
+/// it, what they put there now (`new`) enters it. A key another service port of the same
+/// table also claims keeps that one's value, and the node addresses of a table (shared by
+/// its NodePorts) are counted again. Only the rewritten ports' elements are copied or
+/// compared; rebuilding every map copied each element of 10 000 services for a
+/// one-endpoint change.
 fn update_elements(
     maps: &mut Elements,
     old: &Elements,
     new: &Elements,
-    current: &BTreeMap<ServicePortName, ServiceRules>,
-    written: &BTreeSet<&ServicePortName>,
-) -> BTreeMap<&'static str, MapChanges> {
-    let mut changes: BTreeMap<&'static str, MapChanges> = BTreeMap::new();
-    let mut set = |maps: &mut Elements, map: &'static str, key: &str, value: Option<String>| {
-        let target = maps.entry(map).or_default();
-        let before = target.get(key);
-        if before == value.as_ref() {
-            return;
-        }
-        let change = changes.entry(map).or_default();
-        if before.is_some() {
-            change.removed.push(key.to_string());
-            target.remove(key);
-        }
-        if let Some(v) = value {
-            change.added.push((key.to_string(), v.clone()));
-            target.insert(key.to_string(), v);
-        }
-    };
-    let node_port_addrs = node_port_ips(current.values());
-    for map in MAPS {
-        if map == NODE_PORT_IPS {
-            let now = maps.get(map).cloned().unwrap_or_default();
-            for key in now.keys().filter(|k| !node_port_addrs.contains_key(*k)) {
-                set(maps, map, key, None);
+    current: &[Placed<'_>],
+    written: &BTreeSet<*const ServiceRules>,
+) -> BTreeMap<(usize, &'static str), MapChanges> {
+    let mut changes: BTreeMap<(usize, &'static str), MapChanges> = BTreeMap::new();
+    let mut set =
+        |maps: &mut Elements, at: (usize, &'static str), key: &str, value: Option<String>| {
+            let target = maps.entry(at).or_default();
+            let before = target.get(key);
+            if before == value.as_ref() {
+                return;
             }
-            for key in node_port_addrs.keys() {
-                set(maps, map, key, Some(String::new()));
+            let change = changes.entry(at).or_default();
+            if before.is_some() {
+                change.removed.push(key.to_string());
+                target.remove(key);
+            }
+            if let Some(v) = value {
+                change.added.push((key.to_string(), v.clone()));
+                target.insert(key.to_string(), v);
+            }
+        };
+    let touched: BTreeSet<(usize, &'static str)> = old.keys().chain(new.keys()).copied().collect();
+    for at @ (table, map) in touched {
+        if map == NODE_PORT_IPS {
+            let wanted: BTreeSet<String> = current
+                .iter()
+                .filter(|(t, _)| *t == table)
+                .flat_map(|(_, r)| &r.node_port_addrs)
+                .map(|a| a.to_string())
+                .collect();
+            let gone: Vec<String> = maps
+                .get(&at)
+                .into_iter()
+                .flat_map(|m| m.keys())
+                .filter(|k| !wanted.contains(*k))
+                .cloned()
+                .collect();
+            for key in &gone {
+                set(maps, at, key, None);
+            }
+            for key in &wanted {
+                set(maps, at, key, Some(String::new()));
             }
             continue;
         }
-        for key in old[map].keys().filter(|k| !new[map].contains_key(*k)) {
-            // Another service port may claim the same key (a conflict the model allows
-            // through): it keeps its element.
+        let empty = BTreeMap::new();
+        let (before, after) = (
+            old.get(&at).unwrap_or(&empty),
+            new.get(&at).unwrap_or(&empty),
+        );
+        for key in before.keys().filter(|k| !after.contains_key(*k)) {
+            // Another service port of the table may claim the same key (a conflict the
+            // model allows through): it keeps its element.
             let claim = current
                 .iter()
-                .filter(|(name, _)| !written.contains(name))
+                .filter(|(t, r)| {
+                    (*t == table || map == "no-endpoint-services")
+                        && !written.contains(&(*r as *const _))
+                })
                 .find_map(|(_, r)| {
                     verdict_elements(r, map)
                         .iter()
                         .find(|(k, _)| k == key)
                         .map(|(_, v)| v.clone())
                 });
-            set(maps, map, key, claim);
+            set(maps, at, key, claim);
         }
-        for (k, v) in &new[map] {
-            set(maps, map, k, Some(v.clone()));
+        for (k, v) in after {
+            set(maps, at, k, Some(v.clone()));
         }
     }
     changes
@@ -240,6 +326,7 @@ impl<N: Nft> NftablesProxier<N> {
                     ..Default::default()
                 },
             ],
+            services_per_table: SERVICES_PER_TABLE,
             failures: 0,
         }
     }
@@ -257,17 +344,38 @@ impl<N: Nft> NftablesProxier<N> {
             .sum()
     }
 
-    fn static_part(&self, ctx: &RuleContext, out: &mut String) {
+    /// How many tables `family`'s service ports are spread over.
+    pub fn tables(&self, family: IpFamily) -> usize {
+        self.families[index(family)].tables
+    }
+
+    /// The tables for `ports` service ports: one per [`Self::services_per_table`], at most
+    /// [`MAX_TABLES`].
+    fn tables_for(&self, ports: usize) -> usize {
+        ports
+            .div_ceil(self.services_per_table.max(1))
+            .clamp(1, MAX_TABLES)
+    }
+
+    /// Whether `ports` service ports want another number of tables than `tables`: more as
+    /// soon as they are too many, fewer only once they would fill half of one table less
+    /// (so a count going back and forth across a boundary does not rewrite everything).
+    fn retable(&self, tables: usize, ports: usize) -> bool {
+        let wanted = self.tables_for(ports);
+        wanted > tables || (wanted < tables && ports * 2 < self.services_per_table * (tables - 1))
+    }
+
+    /// The fixed part of table `i`: in every table, the service lookups (maps, the nat
+    /// base chains, `services`, `mark-for-masquerade`); in the first one also the filter
+    /// hooks, masquerading and the reject chain.
+    fn static_part(&self, ctx: &RuleContext, i: usize, out: &mut String) {
         let ip = ctx.ip();
-        let t = format!("{ip} {TABLE}");
+        let t = format!("{ip} {}", table_name(i));
         let addr = ctx.addr_type();
-        for (map, spec) in [
+        let first = i == 0;
+        let mut maps = vec![
             (
                 "service-ips",
-                format!("map {{ type {addr} . inet_proto . inet_service : verdict ; }}"),
-            ),
-            (
-                "no-endpoint-services",
                 format!("map {{ type {addr} . inet_proto . inet_service : verdict ; }}"),
             ),
             (
@@ -275,12 +383,27 @@ impl<N: Nft> NftablesProxier<N> {
                 "map { type inet_proto . inet_service : verdict ; }".to_string(),
             ),
             (NODE_PORT_IPS, format!("set {{ type {addr} ; }}")),
-        ] {
+        ];
+        if first {
+            maps.push((
+                "no-endpoint-services",
+                format!("map {{ type {addr} . inet_proto . inet_service : verdict ; }}"),
+            ));
+        }
+        for (map, spec) in maps {
             let (kind, body) = spec.split_once(' ').expect("kind and body");
             let _ = writeln!(out, "add {kind} {t} {map} {body}");
         }
+        let in_every = [
+            "nat-prerouting",
+            "nat-output",
+            "services",
+            "mark-for-masquerade",
+        ];
         for (chain, hook) in BASE_CHAINS {
-            let _ = writeln!(out, "add chain {t} {chain} {hook}");
+            if first || in_every.contains(chain) {
+                let _ = writeln!(out, "add chain {t} {chain} {hook}");
+            }
         }
         let mark = ctx.masquerade_mark;
         let snat = match ctx.masquerade_addr {
@@ -334,7 +457,9 @@ impl<N: Nft> NftablesProxier<N> {
             ),
             ("reject-chain", "reject".to_string()),
         ] {
-            let _ = writeln!(out, "add rule {t} {chain} {rule}");
+            if first || in_every.contains(&chain) {
+                let _ = writeln!(out, "add rule {t} {chain} {rule}");
+            }
         }
     }
 
@@ -345,13 +470,25 @@ impl<N: Nft> NftablesProxier<N> {
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> Result<usize> {
         let i = index(family);
-        let full = changed.is_none() || self.families[i].needs_full;
+        let ports = desired.ports.keys().filter(|n| n.family == family).count();
+        let state = &self.families[i];
+        let full = changed.is_none() || state.needs_full || self.retable(state.tables, ports);
+        let tables = if full {
+            self.tables_for(ports)
+        } else {
+            state.tables
+        };
         let ctx = self.contexts[i].clone();
         let ip = ctx.ip();
-        let t = format!("{ip} {TABLE}");
-        // A full sync replaces the table whole, so nothing needs listing to find what is
+        let table = |n: &ServicePortName| format!("{ip} {}", table_name(table_of(n, tables)));
+        // A full sync replaces the tables whole, so nothing needs listing to find what is
         // stale; the affinity sets' clients it reads first, to carry them over.
-        let had_table = full && self.nft.has_table(ip, TABLE)?;
+        let mut had_table = [false; MAX_TABLES];
+        if full {
+            for (t, had) in had_table.iter_mut().enumerate().take(tables) {
+                *had = self.nft.has_table(ip, &table_name(t))?;
+            }
+        }
         let state = &mut self.families[i];
         let Regenerated {
             current,
@@ -365,51 +502,75 @@ impl<N: Nft> NftablesProxier<N> {
             changed,
             |port| service_rules(port, &ctx),
         );
+        let placed: Vec<Placed<'_>> = current
+            .iter()
+            .map(|(n, r)| (table_of(n, tables), r))
+            .collect();
+        let written: Vec<(&ServicePortName, &ServiceRules)> = write
+            .iter()
+            .filter_map(|n| current.get_key_value(n))
+            .collect();
         // What the rewritten service ports had in the maps (an incremental sync changes
         // only that).
-        let old_elements = (!full).then(|| wanted_elements(&replaced));
-        let written_names: BTreeSet<&ServicePortName> = write.iter().collect();
-        let written: Vec<&ServiceRules> = write.iter().filter_map(|n| current.get(n)).collect();
+        let old_elements = (!full)
+            .then(|| wanted_elements(replaced.iter().map(|(n, r)| (table_of(n, tables), r))));
         // What an incremental sync deletes: the rewritten ports' chains and sets nobody
-        // wants now. Names are the service port's own (its key is in them), so only the
-        // ports it writes can want them again. (A full sync starts from an empty table.)
+        // wants now, in their table. Names are the service port's own (its key is in
+        // them), so only the ports it writes can want them again. (A full sync starts
+        // from empty tables.)
         let mut stale_chains = BTreeSet::new();
         let mut stale_sets = BTreeSet::new();
         if !full {
-            for old in replaced {
-                stale_chains.extend(old.chains.into_iter().map(|(c, _)| c));
-                stale_sets.extend(old.sets.into_iter().map(|(s, _)| s));
+            for (name, old) in &replaced {
+                let t = table(name);
+                stale_chains.extend(old.chains.iter().map(|(c, _)| (t.clone(), c.clone())));
+                stale_sets.extend(old.sets.iter().map(|(s, _)| (t.clone(), s.clone())));
             }
-            let wanted_chains: BTreeSet<&String> = written
-                .iter()
-                .flat_map(|r| r.chains.iter().map(|(c, _)| c))
-                .collect();
-            let wanted_sets: BTreeSet<&String> = written
-                .iter()
-                .flat_map(|r| r.sets.iter().map(|(s, _)| s))
-                .collect();
+            let mut wanted_chains = BTreeSet::new();
+            let mut wanted_sets = BTreeSet::new();
+            for (name, r) in &written {
+                let t = table(name);
+                wanted_chains.extend(r.chains.iter().map(|(c, _)| (t.clone(), c.clone())));
+                wanted_sets.extend(r.sets.iter().map(|(s, _)| (t.clone(), s.clone())));
+            }
             stale_chains.retain(|c| !wanted_chains.contains(c));
             stale_sets.retain(|s| !wanted_sets.contains(s));
         }
 
         let mut carried = Vec::new();
-        if had_table {
-            for (set, _) in current.values().flat_map(|r| &r.sets) {
-                let clients = self.nft.address_elements(ip, TABLE, set)?;
-                carried.extend(clients.into_iter().map(|c| (set.clone(), c)));
+        for (name, rules) in &current {
+            let t = table_of(name, tables);
+            if !had_table[t] {
+                continue;
+            }
+            for (set, _) in &rules.sets {
+                let clients = self.nft.address_elements(ip, &table_name(t), set)?;
+                carried.extend(clients.into_iter().map(|c| (t, set.clone(), c)));
             }
         }
 
         let mut out = String::new();
-        let _ = writeln!(out, "add table {t}");
         if full {
-            // Deleted and written again in one transaction: packets see the old table or
-            // the new one, never neither (the kernel swaps them at commit).
-            let _ = writeln!(out, "delete table {t}\nadd table {t}");
-            self.static_part(&ctx, &mut out);
+            // Every table deleted and written again in one transaction: packets see the old
+            // tables or the new ones, never neither (the kernel swaps them at commit).
+            // Tables beyond the wanted number, from an agent that had more, go too.
+            for t in 0..MAX_TABLES {
+                let _ = writeln!(
+                    out,
+                    "add table {ip} {0}\ndelete table {ip} {0}",
+                    table_name(t)
+                );
+            }
+            for t in 0..tables {
+                let _ = writeln!(out, "add table {ip} {}", table_name(t));
+                self.static_part(&ctx, t, &mut out);
+            }
+        } else {
+            let _ = writeln!(out, "add table {ip} {TABLE}");
         }
         // 1. Every new object first, so rules and elements can name them.
-        for rules in &written {
+        for (name, rules) in &written {
+            let t = table(name);
             for (set, timeout) in &rules.sets {
                 let _ = writeln!(
                     out,
@@ -422,7 +583,8 @@ impl<N: Nft> NftablesProxier<N> {
             }
         }
         // 2. The rewritten chains.
-        for rules in &written {
+        for (name, rules) in &written {
+            let t = table(name);
             for (chain, lines) in &rules.chains {
                 if !full {
                     let _ = writeln!(out, "flush chain {t} {chain}");
@@ -435,71 +597,87 @@ impl<N: Nft> NftablesProxier<N> {
         // 3. The maps: refilled (full) or changed element by element.
         let state = &mut self.families[i];
         let mut elements = std::mem::take(&mut state.elements);
-        match &old_elements {
+        let map_changes = match &old_elements {
             None => {
-                elements = wanted_elements(current.values());
-                for map in MAPS {
-                    let all: Vec<String> =
-                        elements[map].iter().map(|(k, v)| element(k, v)).collect();
-                    if !all.is_empty() {
-                        let _ = writeln!(out, "add element {t} {map} {{ {} }}", all.join(", "));
-                    }
-                }
-                // Affinity: each client keeps its endpoint for the time it had left.
-                for (set, client) in &carried {
-                    let _ = match client.expires_ms {
-                        Some(ms) if ms > 0 => writeln!(
-                            out,
-                            "add element {t} {set} {{ {} expires {ms}ms }}",
-                            client.key
-                        ),
-                        _ => writeln!(out, "add element {t} {set} {{ {} }}", client.key),
-                    };
-                }
+                elements = wanted_elements(placed.iter().copied());
+                elements
+                    .iter()
+                    .map(|(at, all)| {
+                        let added = all.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                        (
+                            *at,
+                            MapChanges {
+                                removed: Vec::new(),
+                                added,
+                            },
+                        )
+                    })
+                    .collect()
             }
             Some(old) => {
-                let new = wanted_elements(written.iter().copied());
-                let changes = update_elements(&mut elements, old, &new, &current, &written_names);
-                for (map, change) in changes {
-                    if !change.removed.is_empty() {
-                        let _ = writeln!(
-                            out,
-                            "delete element {t} {map} {{ {} }}",
-                            change.removed.join(", ")
-                        );
-                    }
-                    if !change.added.is_empty() {
-                        let added: Vec<String> =
-                            change.added.iter().map(|(k, v)| element(k, v)).collect();
-                        let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
-                    }
-                }
+                let new = wanted_elements(written.iter().map(|(n, r)| (table_of(n, tables), *r)));
+                let written_rules: BTreeSet<*const ServiceRules> =
+                    written.iter().map(|(_, r)| *r as *const _).collect();
+                update_elements(&mut elements, old, &new, &placed, &written_rules)
+            }
+        };
+        for ((t, map), change) in map_changes {
+            let t = format!("{ip} {}", table_name(t));
+            if !change.removed.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "delete element {t} {map} {{ {} }}",
+                    change.removed.join(", ")
+                );
+            }
+            if !change.added.is_empty() {
+                let added: Vec<String> = change.added.iter().map(|(k, v)| element(k, v)).collect();
+                let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
             }
         }
+        // Affinity: each client keeps its endpoint for the time it had left.
+        for (t, set, client) in &carried {
+            let t = format!("{ip} {}", table_name(*t));
+            let _ = match client.expires_ms {
+                Some(ms) if ms > 0 => writeln!(
+                    out,
+                    "add element {t} {set} {{ {} expires {ms}ms }}",
+                    client.key
+                ),
+                _ => writeln!(out, "add element {t} {set} {{ {} }}", client.key),
+            };
+        }
         // 4. What nobody wants any more: emptied first, as chains may jump to each other.
-        for chain in &stale_chains {
+        for (t, chain) in &stale_chains {
             let _ = writeln!(out, "flush chain {t} {chain}");
         }
-        for chain in &stale_chains {
+        for (t, chain) in &stale_chains {
             let _ = writeln!(out, "delete chain {t} {chain}");
         }
-        for set in &stale_sets {
+        for (t, set) in &stale_sets {
             let _ = writeln!(out, "delete set {t} {set}");
         }
+        let written_count = written.len();
+        drop(placed);
+        drop(written);
+        let state = &mut self.families[i];
         state.services = current;
         match self.nft.apply(&out) {
             Ok(()) => {
                 let state = &mut self.families[i];
                 state.elements = elements;
                 state.needs_full = false;
-                Ok(write.len())
+                state.tables = tables;
+                Ok(written_count)
             }
             Err(e) => {
                 let state = &mut self.families[i];
                 state.needs_full = true;
                 self.failures += 1;
                 Err(e).with_context(|| {
-                    format!("the {ip} {TABLE} transaction failed; the next sync rewrites the table")
+                    format!(
+                        "the {ip} {TABLE} transaction failed; the next sync rewrites the tables"
+                    )
                 })
             }
         }
@@ -507,15 +685,22 @@ impl<N: Nft> NftablesProxier<N> {
 }
 
 /// Deletes the `kube-proxy` tables of both families (this agent's nftables mode, and
-/// upstream kube-proxy's); returns how many held anything.
+/// upstream kube-proxy's) and the service tables beside them; returns how many families
+/// had any.
 pub fn remove_all(nft: &mut impl Nft) -> Result<usize> {
     let mut removed = 0;
     for ip in ["ip", "ip6"] {
         let had = nft.has_table(ip, TABLE)?;
-        // Adding first makes the delete succeed whether or not the table was there.
-        nft.apply(&format!(
-            "add table {ip} {TABLE}\ndelete table {ip} {TABLE}\n"
-        ))?;
+        // Adding first makes each delete succeed whether or not the table was there.
+        let mut script = String::new();
+        for t in 0..MAX_TABLES {
+            let _ = writeln!(
+                script,
+                "add table {ip} {0}\ndelete table {ip} {0}",
+                table_name(t)
+            );
+        }
+        nft.apply(&script)?;
         removed += had as usize;
     }
     Ok(removed)

@@ -1,5 +1,6 @@
-//! kube-proxy's nftables design, generated from one service port's state: one table per
-//! family (`ip kube-proxy`, `ip6 kube-proxy`), verdict maps keyed by destination
+//! kube-proxy's nftables design, generated from one service port's state: a table per
+//! family (`ip kube-proxy`, `ip6 kube-proxy`; beyond 1 000 service ports, more beside it,
+//! see "Tables" in [`super`]), verdict maps keyed by destination
 //! (`service-ips`: address . protocol . port, `service-nodeports`: protocol . port, and
 //! `no-endpoint-services` for the filter hooks), a chain per service port that picks an
 //! endpoint with `numgen random` (a cascade, see [`service_rules`]), a chain per endpoint

@@ -251,3 +251,81 @@ fn an_interface_detector_matches_the_input_interface_in_both_families() {
         );
     }
 }
+
+/// The tables a script writes to, besides the `add table` every script starts with.
+fn tables_written(script: &str) -> BTreeSet<String> {
+    script
+        .lines()
+        .filter(|l| !l.starts_with("add table") && !l.starts_with("delete table"))
+        .filter_map(|l| l.split(' ').nth(3).map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn service_ports_spread_over_tables_and_a_change_touches_only_its_own() {
+    let mut p = proxier();
+    p.services_per_table = 2;
+    let ports = |n: usize| -> Vec<crate::model::ServicePortState> {
+        (0..n)
+            .map(|i| {
+                let vip = format!("10.96.0.{}", i + 1);
+                state(&format!("s{i}"), &vip, &["10.0.0.1:8080"])
+            })
+            .collect()
+    };
+    let six = desired(&ports(6));
+    p.sync(&six, &diff(&DesiredState::default(), &six)).unwrap();
+    assert_eq!(p.tables(IpFamily::V4), 3);
+    // Every table has the service lookups; only the first the filter hooks.
+    for t in 0..3 {
+        assert!(p.nft().chain("ip", &table_name(t), "nat-output").is_some());
+        assert_eq!(
+            p.nft()
+                .chain("ip", &table_name(t), "filter-input")
+                .is_some(),
+            t == 0
+        );
+    }
+    let in_tables: usize = (0..3)
+        .map(|t| {
+            p.nft()
+                .elements("ip", &table_name(t), "service-ips")
+                .unwrap()
+                .len()
+        })
+        .sum();
+    assert_eq!(in_tables, 6, "each ClusterIP in exactly one table");
+
+    // One endpoint more for one service: only its table is written.
+    let mut changed = ports(6);
+    changed[3].backends.push("10.0.0.2:8080".parse().unwrap());
+    let changed = desired(&changed);
+    p.sync(&changed, &diff(&six, &changed)).unwrap();
+    let script = p.nft().scripts.last().unwrap();
+    assert_eq!(tables_written(script).len(), 1, "{script}");
+    assert!(!script.contains("delete table"), "{script}");
+
+    // A seventh service port: a fourth table, everything rewritten at once.
+    let seven = desired(&ports(7));
+    let report = p.sync(&seven, &diff(&changed, &seven)).unwrap();
+    assert_eq!(p.tables(IpFamily::V4), 4);
+    assert!(p
+        .nft()
+        .scripts
+        .last()
+        .unwrap()
+        .contains("delete table ip kube-proxy-3"));
+    assert!(report.services_written >= 7);
+
+    // Back to four: still four tables (no rewrite for a count that may come back)...
+    let four = desired(&ports(4));
+    p.sync(&four, &diff(&seven, &four)).unwrap();
+    assert_eq!(p.tables(IpFamily::V4), 4);
+    // ...down to two: one table again, and the others deleted.
+    let two = desired(&ports(2));
+    p.sync(&two, &diff(&four, &two)).unwrap();
+    assert_eq!(p.tables(IpFamily::V4), 1);
+    assert!(!p.nft().has_table("ip", &table_name(1)));
+    let served = p.nft().elements("ip", TABLE, "service-ips").unwrap();
+    assert_eq!(served.len(), 2);
+}
