@@ -175,7 +175,7 @@ fn run_mode(mode: &str, n: u32, changes: usize) -> Result<Figures> {
                     .unwrap_or_default()
                     .to_string();
                 let mut p = IptablesProxier::new(
-                    IptablesCommands { variant },
+                    IptablesCommands::variant(&variant),
                     Box::new(ConntrackFlows),
                     14,
                     &LocalTraffic::default(),

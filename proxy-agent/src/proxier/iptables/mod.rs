@@ -208,19 +208,41 @@ impl<T: RuleTables> IptablesProxier<T> {
         }
         stale.retain(|c| !wanted_chains.contains(c.as_str()));
 
+        // With the nf_tables backend a large full sync writes the service chains first, a
+        // chunk per restore, and then the rest (dispatch chains, hooks, deletions) with
+        // none of them: each chunk is atomic, and the dispatch chains only ever jump to
+        // chains that exist, old or new.
+        let written = write.len();
+        let mut write: &[ServicePortName] = &write;
+        let mut chunked = Ok(());
+        if full && write.len() > RESTORE_CHUNK && self.tables.chunked_full_syncs() {
+            // The chains every service chain may jump to, first.
+            let mut first =
+                String::from("*nat\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n");
+            masquerade_chains(&mut first, &ctx, &[]);
+            first.push_str("COMMIT\n");
+            chunked = self.tables.restore(family, &first);
+            for chunk in write.chunks(RESTORE_CHUNK) {
+                if chunked.is_err() {
+                    break;
+                }
+                chunked = self.tables.restore(family, &chains_input(&current, chunk));
+            }
+            write = &[];
+        }
         let input = restore_input(
             &ctx,
             &current,
-            &write,
+            write,
             &stale,
             full.then_some((&nat_saved, &filter_saved)),
         );
         let state = &mut self.families[i];
         state.services = current;
-        match self.tables.restore(family, &input) {
+        match chunked.and_then(|()| self.tables.restore(family, &input)) {
             Ok(()) => {
                 state.needs_full = false;
-                Ok(write.len())
+                Ok(written)
             }
             Err(e) => {
                 // The kernel's rules are unknown now: write everything next time.
@@ -241,6 +263,33 @@ impl<T: RuleTables> IptablesProxier<T> {
             }
         }
     }
+}
+
+/// Service ports per restore in a chunked full sync (see
+/// [`RuleTables::chunked_full_syncs`]).
+const RESTORE_CHUNK: usize = 250;
+
+/// The `iptables-restore --noflush` input that (re)writes the nat chains of `ports` and
+/// nothing else.
+fn chains_input(
+    services: &BTreeMap<ServicePortName, ServiceRules>,
+    ports: &[ServicePortName],
+) -> String {
+    let rules: Vec<&ServiceRules> = ports.iter().filter_map(|n| services.get(n)).collect();
+    let mut out = String::from("*nat\n");
+    for (chain, _) in rules.iter().flat_map(|r| &r.chains) {
+        let _ = writeln!(out, ":{chain} - [0:0]");
+    }
+    for line in rules
+        .iter()
+        .flat_map(|r| &r.chains)
+        .flat_map(|(_, lines)| lines)
+    {
+        out.push_str(line);
+        out.push('\n');
+    }
+    out.push_str("COMMIT\n");
+    out
 }
 
 /// The `iptables-restore --noflush` input of one family. `saved` (full syncs): the tables

@@ -482,3 +482,65 @@ fn forwarded_invalid_packets_are_dropped_unless_conntrack_is_liberal() {
         );
     }
 }
+
+/// Every chain of both tables, with its rules.
+fn everything(t: &MemoryTables) -> Vec<(String, String, Vec<String>)> {
+    ["nat", "filter"]
+        .iter()
+        .flat_map(|table| {
+            t.chains(IpFamily::V4, table).into_iter().map(move |c| {
+                let rules = t.chain(IpFamily::V4, table, &c).unwrap_or_default();
+                (table.to_string(), c, rules)
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn a_large_full_sync_in_chunks_leaves_the_rules_one_restore_would() {
+    let ports: Vec<_> = (0..600)
+        .map(|i| {
+            let vip = format!("10.96.{}.{}", i / 250, i % 250 + 1);
+            let mut s = state(&format!("s{i}"), &vip, &["10.0.0.1:8080", "10.0.0.2:8080"]);
+            if i % 7 == 0 {
+                let mut np = node_port(&s, "192.168.1.2", true);
+                np.frontend.port = 30000 + i as u16;
+                s.external = vec![np];
+            }
+            s
+        })
+        .collect();
+    let want = desired(&ports);
+    let (mut whole, _) = proxier();
+    whole.sync_full(&want).unwrap();
+    let (mut chunked, _) = proxier();
+    chunked.tables.chunked = true;
+    // A previous agent's chain, which the last restore deletes.
+    chunked
+        .tables
+        .restore(
+            IpFamily::V4,
+            "*nat\n:KUBE-SVC-OLDOLDOLDOLDOLDO - [0:0]\nCOMMIT\n",
+        )
+        .unwrap();
+    let report = chunked.sync_full(&want).unwrap();
+    assert_eq!(report.services_written, 600);
+    // The shared chains, three chunks of service chains, then the rest, per family.
+    let v4: Vec<&String> = chunked
+        .tables()
+        .restores
+        .iter()
+        .filter(|(f, _)| *f == IpFamily::V4)
+        .map(|(_, input)| input)
+        .collect();
+    assert_eq!(
+        v4.len(),
+        1 + 1 + 3 + 1,
+        "{:?}",
+        v4.iter().map(|i| i.len()).collect::<Vec<_>>()
+    );
+    assert!(v4[1].contains(":KUBE-MARK-MASQ") && !v4[1].contains("KUBE-SERVICES"));
+    assert!(!v4[2].contains("KUBE-SERVICES") && v4[2].contains(":KUBE-SVC-"));
+    assert!(v4[5].contains("-X KUBE-SVC-OLDOLDOLDOLDOLDO"));
+    assert_eq!(everything(chunked.tables()), everything(whole.tables()));
+}
