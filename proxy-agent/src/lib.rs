@@ -28,6 +28,8 @@
 //! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername/release programs (`proxy-ebpf/src/sock.rs` decides); `--socket-lb` |
 //! | what the kernel's BPF offers (probed once, logged) | [`datapath::features`] |
 //! | batch map writes (the sync) and reads (the conntrack sweep), which aya lacks | [`datapath::batch`] |
+//! | nftables over netlink; its tables of 1 000 service ports | [`proxier::nftables::netlink`] (`encode_script`); `table_of`, [`proxier::nftables::SERVICES_PER_TABLE`] |
+//! | iptables-nft full syncs in chunks | `RuleTables::chunked_full_syncs` in [`proxier::iptables::tables`]; `write_family` in [`proxier::iptables`] |
 //! | stale conntrack flows | [`model::stale_flows`] decides; [`kernel::conntrack::flows`] deletes over ctnetlink |
 //! | cleanup and mode switches | [`agent::cleanup::remove_modes`]; the eBPF part in [`datapath::cleanup`] |
 //! | eBPF conntrack entries (both families), evictions, flood safety (`CT_NEW`, confirmation) | `proxy-ebpf/src/conntrack.rs` (`track`, `forget`, `touch`, `confirm`, `may_open`); the sweep and eviction counts in [`datapath::runtime`] |
