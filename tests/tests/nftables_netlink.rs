@@ -379,7 +379,7 @@ fn expires_seconds(listing: &str, key: &str) -> Option<u64> {
 #[test]
 fn a_restarted_proxier_replaces_the_table_and_keeps_affinity_clients() {
     require_kernel!();
-    let (before, after) = namespace("nlrestart")
+    let (before, after, lowered) = namespace("nlrestart")
         .run(|| {
             let mut first = NftablesProxier::new(
                 NftNetlink::default(),
@@ -421,7 +421,24 @@ fn a_restarted_proxier_replaces_the_table_and_keeps_affinity_clients() {
             second
                 .sync(&desired(&states(2)), &[])
                 .expect("second agent's first sync");
-            (table, listing("ip"))
+            let after = listing("ip");
+            // A third agent, with the affinity timeout lowered below what the client has
+            // left: the client keeps no more than the new timeout (a kernel refuses an
+            // expiry beyond the set's timeout).
+            let mut lowered = states(2);
+            for s in lowered.iter_mut().filter(|s| s.affinity_timeout.is_some()) {
+                s.affinity_timeout = Some(30);
+            }
+            let mut third = NftablesProxier::new(
+                NftNetlink::default(),
+                Box::new(RecordedFlows::default()),
+                14,
+                &by_cidrs(),
+            );
+            third
+                .sync(&desired(&lowered), &[])
+                .expect("third agent's first sync");
+            (table, after, listing("ip"))
         })
         .expect("namespace");
     assert!(before.contains("10.96.0.10"), "web was served:\n{before}");
@@ -434,6 +451,11 @@ fn a_restarted_proxier_replaces_the_table_and_keeps_affinity_clients() {
     assert!(
         left > 0 && left <= 100,
         "the client keeps the time it had left ({left} s):\n{after}"
+    );
+    let capped = expires_seconds(&lowered, "10.9.9.9").expect("still there");
+    assert!(
+        capped > 0 && capped <= 30,
+        "capped at the new timeout ({capped} s)"
     );
 }
 

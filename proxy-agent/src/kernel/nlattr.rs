@@ -17,9 +17,14 @@ const NLMSG_DONE: u16 = 3;
 pub const NLA_F_NESTED: u16 = 0x8000;
 const NLA_TYPE_MASK: u16 = 0x3fff;
 
-/// Appends one attribute (padded to 4 bytes).
+/// Appends one attribute (padded to 4 bytes). Callers keep payloads under 64 KiB (the
+/// length is 16 bits); a longer one would be cut, so debug builds stop there.
 pub fn attr(buf: &mut Vec<u8>, kind: u16, payload: &[u8]) {
     let len = 4 + payload.len();
+    debug_assert!(
+        len <= usize::from(u16::MAX),
+        "a netlink attribute of {len} bytes"
+    );
     buf.extend_from_slice(&(len as u16).to_ne_bytes());
     buf.extend_from_slice(&kind.to_ne_bytes());
     buf.extend_from_slice(payload);

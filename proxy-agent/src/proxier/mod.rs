@@ -149,6 +149,13 @@ pub trait FamilyTables {
     /// Whether `family`'s next write must be a full one (first sync, or the last failed).
     fn needs_full(&self, family: IpFamily) -> bool;
 
+    /// Whether a write of `family` towards `desired` will be full whatever changed: by
+    /// default [`FamilyTables::needs_full`]; a proxier whose layout depends on the number
+    /// of service ports says so here too.
+    fn full_needed(&self, family: IpFamily, _desired: &DesiredState) -> bool {
+        self.needs_full(family)
+    }
+
     /// Writes `family`: everything if `changed` is `None` (or the family needs it), else
     /// what the `changed` service ports need. Returns the service ports written.
     fn sync_family(
@@ -258,7 +265,7 @@ pub fn sync_by_family(
     let mut report = SyncReport::default();
     let mut errors = Vec::new();
     for family in FAMILIES {
-        let full = changed.is_none() || tables.needs_full(family);
+        let full = changed.is_none() || tables.full_needed(family, desired);
         let touched = full
             || changed
                 .as_ref()

@@ -25,7 +25,7 @@
 //! made by the first nat chain that translates, so semantics do not change; the cost is
 //! that a new connection passes the nat chain of every table (one hash lookup each). The
 //! number of tables grows as soon as the service ports need more and shrinks only once
-//! they would fill half a table less; either way the next sync is full.
+//! twice as many would still fit in fewer; a sync that changes it is full.
 //!
 //! ```text
 //! kube-proxy:    nat-prerouting/output -> services -> @service-ips / @service-nodeports
@@ -357,12 +357,22 @@ impl<N: Nft> NftablesProxier<N> {
             .clamp(1, MAX_TABLES)
     }
 
-    /// Whether `ports` service ports want another number of tables than `tables`: more as
-    /// soon as they are too many, fewer only once they would fill half of one table less
-    /// (so a count going back and forth across a boundary does not rewrite everything).
+    /// Whether `ports` service ports want another number of tables than `tables` (0: none
+    /// written yet): more as soon as they are too many, fewer only once twice as many would
+    /// still fit in fewer (so a count going back and forth across a boundary does not
+    /// rewrite everything).
     fn retable(&self, tables: usize, ports: usize) -> bool {
-        let wanted = self.tables_for(ports);
-        wanted > tables || (wanted < tables && ports * 2 < self.services_per_table * (tables - 1))
+        tables == 0
+            || self.tables_for(ports) > tables
+            || self.tables_for(ports.saturating_mul(2)) < tables
+    }
+
+    /// Whether the next sync of `family` is full whatever changed: the last one failed, or
+    /// the service ports now want another number of tables.
+    fn full_needed(&self, family: IpFamily, desired: &DesiredState) -> bool {
+        let state = &self.families[index(family)];
+        let ports = desired.ports.keys().filter(|n| n.family == family).count();
+        state.needs_full || self.retable(state.tables, ports)
     }
 
     /// The fixed part of table `i`: in every table, the service lookups (maps, the nat
@@ -472,21 +482,29 @@ impl<N: Nft> NftablesProxier<N> {
         let i = index(family);
         let ports = desired.ports.keys().filter(|n| n.family == family).count();
         let state = &self.families[i];
-        let full = changed.is_none() || state.needs_full || self.retable(state.tables, ports);
-        let tables = if full {
+        let full = changed.is_none() || self.full_needed(family, desired);
+        let old_tables = state.tables;
+        let tables = if full && self.retable(old_tables, ports) {
             self.tables_for(ports)
         } else {
-            state.tables
+            old_tables
         };
         let ctx = self.contexts[i].clone();
         let ip = ctx.ip();
         let table = |n: &ServicePortName| format!("{ip} {}", table_name(table_of(n, tables)));
+        // Until this sync succeeds, the next one must be full (whatever fails below).
+        self.families[i].needs_full = true;
         // A full sync replaces the tables whole, so nothing needs listing to find what is
-        // stale; the affinity sets' clients it reads first, to carry them over.
+        // stale; the affinity sets' clients it reads first, to carry them over, from where
+        // they are: the table count this agent wrote, or after a restart, the tables there.
         let mut had_table = [false; MAX_TABLES];
+        let mut carry_from = old_tables;
         if full {
-            for (t, had) in had_table.iter_mut().enumerate().take(tables) {
+            for (t, had) in had_table.iter_mut().enumerate() {
                 *had = self.nft.has_table(ip, &table_name(t))?;
+            }
+            if carry_from == 0 {
+                carry_from = had_table.iter().rposition(|h| *h).map_or(0, |t| t + 1);
             }
         }
         let state = &mut self.families[i];
@@ -539,13 +557,18 @@ impl<N: Nft> NftablesProxier<N> {
 
         let mut carried = Vec::new();
         for (name, rules) in &current {
-            let t = table_of(name, tables);
-            if !had_table[t] {
+            let from = table_of(name, carry_from);
+            if !full || !had_table[from] {
                 continue;
             }
-            for (set, _) in &rules.sets {
-                let clients = self.nft.address_elements(ip, &table_name(t), set)?;
-                carried.extend(clients.into_iter().map(|c| (t, set.clone(), c)));
+            for (set, timeout) in &rules.sets {
+                let clients = self.nft.address_elements(ip, &table_name(from), set)?;
+                // The timeout may have been lowered since: no client keeps more than it.
+                let most = u64::from(*timeout) * 1000;
+                carried.extend(clients.into_iter().map(|mut c| {
+                    c.expires_ms = c.expires_ms.map(|ms| ms.min(most));
+                    (table_of(name, tables), set.clone(), c)
+                }));
             }
         }
 
@@ -709,6 +732,10 @@ pub fn remove_all(nft: &mut impl Nft) -> Result<usize> {
 impl<N: Nft> FamilyTables for NftablesProxier<N> {
     fn needs_full(&self, family: IpFamily) -> bool {
         self.families[index(family)].needs_full
+    }
+
+    fn full_needed(&self, family: IpFamily, desired: &DesiredState) -> bool {
+        NftablesProxier::full_needed(self, family, desired)
     }
 
     fn sync_family(

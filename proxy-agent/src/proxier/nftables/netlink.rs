@@ -112,8 +112,11 @@ fn udata_concat_map() -> Vec<u8> {
     u.extend(0u32.to_ne_bytes());
     u
 }
-/// Elements per message: the element list is one attribute, whose length is 16 bits.
+/// Elements per message, and the bytes an element list may grow to before the message is
+/// sent: the list is one attribute, whose length is 16 bits (an element of a verdict map
+/// with the longest names is ~230 bytes).
 const ELEMENTS_PER_MESSAGE: usize = 256;
+const ELEMENT_BYTES: usize = 32 * 1024;
 
 /// What [`encode_script`] does not translate: the line, for the log.
 #[derive(Debug, PartialEq, Eq)]
@@ -805,7 +808,8 @@ impl Batch {
         Some(())
     }
 
-    /// `add|delete element`: one message per [`ELEMENTS_PER_MESSAGE`] elements.
+    /// `add|delete element`: a message per [`ELEMENTS_PER_MESSAGE`] elements or
+    /// [`ELEMENT_BYTES`] of them, whichever comes first.
     fn elements(
         &mut self,
         n: u32,
@@ -816,39 +820,44 @@ impl Batch {
         body: &str,
     ) -> Option<()> {
         let elements = braced(body)?;
-        for chunk in elements.chunks(ELEMENTS_PER_MESSAGE) {
-            let mut list = Vec::new();
-            for element in chunk {
-                let e = element_text(element)?;
-                let key = element_key(family, e.key)?;
-                let data = match (add, e.value.as_slice()) {
-                    (_, []) => None,
-                    (true, v) => Some(parse_verdict(v)?),
-                    (false, _) => return None,
-                };
-                if !add && (e.timeout.is_some() || e.expires.is_some()) {
-                    return None;
+        let mut list = Vec::new();
+        let mut count = 0;
+        for (i, element) in elements.iter().enumerate() {
+            let e = element_text(element)?;
+            let key = element_key(family, e.key)?;
+            let data = match (add, e.value.as_slice()) {
+                (_, []) => None,
+                (true, v) => Some(parse_verdict(v)?),
+                (false, _) => return None,
+            };
+            if !add && (e.timeout.is_some() || e.expires.is_some()) {
+                return None;
+            }
+            nested(&mut list, 1 /* NFTA_LIST_ELEM */, |a| {
+                data_value(a, 1 /* NFTA_SET_ELEM_KEY */, &key);
+                if let Some((code, chain)) = data {
+                    verdict(a, 2 /* NFTA_SET_ELEM_DATA */, code, chain);
                 }
-                nested(&mut list, 1 /* NFTA_LIST_ELEM */, |a| {
-                    data_value(a, 1 /* NFTA_SET_ELEM_KEY */, &key);
-                    if let Some((code, chain)) = data {
-                        verdict(a, 2 /* NFTA_SET_ELEM_DATA */, code, chain);
-                    }
-                    if let Some(ms) = e.timeout {
-                        attr(a, 4 /* NFTA_SET_ELEM_TIMEOUT */, &ms.to_be_bytes());
-                    }
-                    if let Some(ms) = e.expires {
-                        attr(a, 5 /* NFTA_SET_ELEM_EXPIRATION */, &ms.to_be_bytes());
-                    }
-                });
+                if let Some(ms) = e.timeout {
+                    attr(a, 4 /* NFTA_SET_ELEM_TIMEOUT */, &ms.to_be_bytes());
+                }
+                if let Some(ms) = e.expires {
+                    attr(a, 5 /* NFTA_SET_ELEM_EXPIRATION */, &ms.to_be_bytes());
+                }
+            });
+            count += 1;
+            let last = i + 1 == elements.len();
+            if !last && count < ELEMENTS_PER_MESSAGE && list.len() < ELEMENT_BYTES {
+                continue;
             }
             let mut a = Vec::new();
             table_and(&mut a, table, 2 /* NFTA_SET_ELEM_LIST_SET */, set);
             attr(
                 &mut a,
                 3 /* NFTA_SET_ELEM_LIST_ELEMENTS */ | NLA_F_NESTED,
-                &list,
+                &std::mem::take(&mut list),
             );
+            count = 0;
             if add {
                 self.push(n, family, NEWSETELEM, NLM_F_CREATE, &a);
             } else {
@@ -1068,8 +1077,9 @@ fn decode_element(element: &[u8]) -> Option<Element> {
 
 /// Sends `batch` (the translation of `script`) as one transaction — begin, its messages,
 /// end — and reads the kernel's answers. The kernel runs the batch inside the send, so
-/// every answer is queued when it returns: an error for each message it refused (or for
-/// the commit), and the acknowledgement of the last message if all went through.
+/// every answer is queued when it returns: an error for each message it refused (or, at
+/// sequence 0, for the commit), and the acknowledgement of the last message, which comes
+/// whether or not the transaction applied: applied means that and no error.
 pub fn send(batch: &Batch, script: &str) -> Result<()> {
     if batch.is_empty() {
         return Ok(());
@@ -1088,7 +1098,9 @@ pub fn send(batch: &Batch, script: &str) -> Result<()> {
 
     let last = batch.len() as u32;
     let mut applied = false;
-    let mut failures: Vec<String> = Vec::new();
+    // The first failure, by sequence number, and how many there were.
+    let mut first: Option<(u32, i32)> = None;
+    let mut failures = 0usize;
     let mut buf = vec![0u8; 1 << 16];
     loop {
         let n = match socket.recv(&mut &mut buf[..], libc::MSG_DONTWAIT) {
@@ -1101,24 +1113,26 @@ pub fn send(batch: &Batch, script: &str) -> Result<()> {
                 applied |= seq == last;
                 continue;
             }
-            let what = match batch.lines.get((seq as usize).wrapping_sub(1)) {
-                Some(&line) => {
-                    let text = script.lines().nth(line as usize).unwrap_or_default();
-                    format!("{:?}", text.trim())
-                }
-                None => "the commit".to_string(),
-            };
-            failures.push(format!(
-                "{what}: {}",
-                std::io::Error::from_raw_os_error(-code)
-            ));
+            failures += 1;
+            if first.is_none_or(|(s, _)| seq < s) {
+                first = Some((seq, code));
+            }
         }
     }
-    if let Some(first) = failures.first() {
+    if let Some((seq, code)) = first {
+        // Only the first failure's line is looked up: a failing full sync may have
+        // millions of lines and as many errors.
+        let what = match batch.lines.get((seq as usize).wrapping_sub(1)) {
+            Some(&line) => {
+                let text = script.lines().nth(line as usize).unwrap_or_default();
+                format!("{:?}", text.trim())
+            }
+            None => "the commit".to_string(),
+        };
         bail!(
-            "nf_tables refused the transaction ({} error{}), at {first}",
-            failures.len(),
-            if failures.len() == 1 { "" } else { "s" }
+            "nf_tables refused the transaction ({failures} error{}), at {what}: {}",
+            if failures == 1 { "" } else { "s" },
+            std::io::Error::from_raw_os_error(-code)
         );
     }
     if !applied {
@@ -1235,6 +1249,20 @@ mod tests {
         // Every message fits its 16-bit attribute lengths.
         for (_, _, body) in nlattr::messages(&batch.bytes) {
             assert!(body.len() < usize::from(u16::MAX));
+        }
+        // Elements naming long chains: split by their bytes before their count.
+        let long = "s".repeat(200);
+        let elements: Vec<String> = (0..1000)
+            .map(|i| format!("10.96.{}.{} . tcp . 80 : goto {long}", i / 256, i % 256))
+            .collect();
+        let script = format!(
+            "add element ip kube-proxy service-ips {{ {} }}\n",
+            elements.join(", ")
+        );
+        let batch = encode_script(&script).unwrap();
+        assert!(batch.len() > 1000usize.div_ceil(ELEMENTS_PER_MESSAGE));
+        for (_, _, body) in nlattr::messages(&batch.bytes) {
+            assert!(body.len() <= ELEMENT_BYTES + 1024);
         }
     }
 

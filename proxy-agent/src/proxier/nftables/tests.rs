@@ -329,3 +329,54 @@ fn service_ports_spread_over_tables_and_a_change_touches_only_its_own() {
     let served = p.nft().elements("ip", TABLE, "service-ips").unwrap();
     assert_eq!(served.len(), 2);
 }
+
+#[test]
+fn affinity_clients_follow_their_service_port_to_another_table() {
+    let mut p = proxier();
+    p.services_per_table = 2;
+    let ports = |n: usize| -> Vec<crate::model::ServicePortState> {
+        (0..n)
+            .map(|i| {
+                let mut s = state(
+                    &format!("s{i}"),
+                    &format!("10.96.0.{}", i + 1),
+                    &["10.0.0.1:80"],
+                );
+                s.affinity_timeout = Some(600);
+                s
+            })
+            .collect()
+    };
+    let two = desired(&ports(2));
+    p.sync(&two, &diff(&DesiredState::default(), &two)).unwrap();
+    assert_eq!(p.tables(IpFamily::V4), 1);
+    let sets: Vec<String> = p.nft().scripts[0]
+        .lines()
+        .filter_map(|l| l.strip_prefix("add set ip kube-proxy affinity-"))
+        .map(|l| format!("affinity-{}", l.split(' ').next().unwrap()))
+        .collect();
+    assert_eq!(sets.len(), 2);
+    for set in &sets {
+        p.nft
+            .apply(&format!("add element ip kube-proxy {set} {{ 10.9.9.9 }}\n"))
+            .unwrap();
+    }
+    // Five ports: three tables, every port's chains and sets rewritten where they now go.
+    let five = desired(&ports(5));
+    p.sync(&five, &diff(&two, &five)).unwrap();
+    assert_eq!(p.tables(IpFamily::V4), 3);
+    for set in &sets {
+        let holding: Vec<usize> = (0..3)
+            .filter(|t| {
+                p.nft()
+                    .elements("ip", &table_name(*t), set)
+                    .is_some_and(|e| e.contains_key("10.9.9.9"))
+            })
+            .collect();
+        assert_eq!(
+            holding.len(),
+            1,
+            "{set}: the client is in its port's new table"
+        );
+    }
+}
