@@ -343,6 +343,9 @@ fn cargo(args: &[&str]) -> Command {
 
 /// The test modules named `safety` (floods, slow clients, two agents on one root).
 const SAFETY_TESTS: &str = "safety::";
+/// [W2-5]'s tests against the kernel: the benchmark smoke run (manifests, the replayed API
+/// server, saturation) and the nftables netlink transactions compared with `nft`.
+const SCALE_TESTS: &str = "scale::";
 /// The conformance rows of the eBPF mode's second socket placements (hooks not above the
 /// pods, `--socket-lb host-only`): the rows whose names end in `get_the_tc_path` /
 /// `to_the_tc_path`.
@@ -391,6 +394,8 @@ fn test(extra: &[String]) -> Result<()> {
             SAFETY_TESTS,
             "--skip",
             PLACEMENT_TESTS,
+            "--skip",
+            SCALE_TESTS,
         ]))?;
         // The pods' clients of the rows above run below the socket hooks, as the DaemonSet
         // places them; these rows check the placements where pods get the tc path ([W2-4]).
@@ -403,6 +408,8 @@ fn test(extra: &[String]) -> Result<()> {
         // Their own part, so what [W2-2] added to a CI run shows on its own.
         parts.start("test: tenant and fault safety (floods, slow clients, two agents)");
         run(&mut workspace_tests(&[SAFETY_TESTS]))?;
+        parts.start("test: the control plane at scale (bench smoke, nftables over netlink)");
+        run(&mut workspace_tests(&[SCALE_TESTS]))?;
         // Every fuzz target builds and runs a little from its corpus ([W2-3]); the corpus and
         // past crashes also ran above, uninstrumented (tests/tests/fuzz_corpus.rs).
         parts.start("test: soak, 1 min per mode under churn (ebpf, nftables)");
