@@ -250,6 +250,16 @@ fn both_ways(local: &LocalTraffic, per_table: usize) -> Runs {
     (nft_steps, netlink_steps, transactions)
 }
 
+/// A proxier as a newly started agent has it: no memory of the tables.
+fn agent() -> NftablesProxier<NftNetlink> {
+    NftablesProxier::new(
+        NftNetlink::default(),
+        Box::new(RecordedFlows::default()),
+        14,
+        &by_cidrs(),
+    )
+}
+
 /// The seconds an element of `listing` has left (`10.9.9.9 expires 1m39s996ms`).
 fn expires_seconds(listing: &str, key: &str) -> Option<u64> {
     let at = listing.find(&format!("{key} expires "))? + key.len() + " expires ".len();
@@ -387,12 +397,7 @@ mod scale {
         require_kernel!();
         let (before, after, lowered) = namespace("nlrestart")
             .run(|| {
-                let mut first = NftablesProxier::new(
-                    NftNetlink::default(),
-                    Box::new(RecordedFlows::default()),
-                    14,
-                    &by_cidrs(),
-                );
+                let mut first = agent();
                 let start = desired(&states(0));
                 first.sync_full(&start).expect("first agent's sync");
                 // A client the sticky service's affinity set has seen, 100 s left.
@@ -418,13 +423,7 @@ mod scale {
                 ];
                 sh("nft", &client).expect("adding a client");
                 // A new agent (no memory of the table) whose services changed meanwhile.
-                let mut second = NftablesProxier::new(
-                    NftNetlink::default(),
-                    Box::new(RecordedFlows::default()),
-                    14,
-                    &by_cidrs(),
-                );
-                second
+                agent()
                     .sync(&desired(&states(2)), &[])
                     .expect("second agent's first sync");
                 let after = listing("ip");
@@ -435,13 +434,7 @@ mod scale {
                 for s in lowered.iter_mut().filter(|s| s.affinity_timeout.is_some()) {
                     s.affinity_timeout = Some(30);
                 }
-                let mut third = NftablesProxier::new(
-                    NftNetlink::default(),
-                    Box::new(RecordedFlows::default()),
-                    14,
-                    &by_cidrs(),
-                );
-                third
+                agent()
                     .sync(&desired(&lowered), &[])
                     .expect("third agent's first sync");
                 (table, after, listing("ip"))

@@ -252,6 +252,18 @@ fn an_interface_detector_matches_the_input_interface_in_both_families() {
     }
 }
 
+/// Service ports `s0`… with ClusterIPs 10.96.0.1… and one endpoint each.
+fn numbered_ports(n: usize, affinity: Option<u32>) -> Vec<crate::model::ServicePortState> {
+    (0..n)
+        .map(|i| {
+            let vip = format!("10.96.0.{}", i + 1);
+            let mut s = state(&format!("s{i}"), &vip, &["10.0.0.1:8080"]);
+            s.affinity_timeout = affinity;
+            s
+        })
+        .collect()
+}
+
 /// The tables a script writes to, besides the `add table` every script starts with.
 fn tables_written(script: &str) -> BTreeSet<String> {
     script
@@ -265,14 +277,7 @@ fn tables_written(script: &str) -> BTreeSet<String> {
 fn service_ports_spread_over_tables_and_a_change_touches_only_its_own() {
     let mut p = proxier();
     p.services_per_table = 2;
-    let ports = |n: usize| -> Vec<crate::model::ServicePortState> {
-        (0..n)
-            .map(|i| {
-                let vip = format!("10.96.0.{}", i + 1);
-                state(&format!("s{i}"), &vip, &["10.0.0.1:8080"])
-            })
-            .collect()
-    };
+    let ports = |n| numbered_ports(n, None);
     let six = desired(&ports(6));
     p.sync(&six, &diff(&DesiredState::default(), &six)).unwrap();
     assert_eq!(p.tables(IpFamily::V4), 3);
@@ -334,19 +339,7 @@ fn service_ports_spread_over_tables_and_a_change_touches_only_its_own() {
 fn affinity_clients_follow_their_service_port_to_another_table() {
     let mut p = proxier();
     p.services_per_table = 2;
-    let ports = |n: usize| -> Vec<crate::model::ServicePortState> {
-        (0..n)
-            .map(|i| {
-                let mut s = state(
-                    &format!("s{i}"),
-                    &format!("10.96.0.{}", i + 1),
-                    &["10.0.0.1:80"],
-                );
-                s.affinity_timeout = Some(600);
-                s
-            })
-            .collect()
-    };
+    let ports = |n| numbered_ports(n, Some(600));
     let two = desired(&ports(2));
     p.sync(&two, &diff(&DesiredState::default(), &two)).unwrap();
     assert_eq!(p.tables(IpFamily::V4), 1);
