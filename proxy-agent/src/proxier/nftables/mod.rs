@@ -572,28 +572,32 @@ impl<N: Nft> NftablesProxier<N> {
             }
         }
 
-        let mut out = String::new();
-        if full {
-            // Every table deleted and written again in one transaction: packets see the old
-            // tables or the new ones, never neither (the kernel swaps them at commit).
-            // Tables beyond the wanted number, from an agent that had more, go too.
-            for t in 0..MAX_TABLES {
-                let _ = writeln!(
-                    out,
-                    "add table {ip} {0}\ndelete table {ip} {0}",
-                    table_name(t)
-                );
-            }
-            for t in 0..tables {
-                let _ = writeln!(out, "add table {ip} {}", table_name(t));
-                self.static_part(&ctx, t, &mut out);
-            }
+        // A full sync is a transaction per table, each table deleted and written again
+        // in its own: packets see the old table or the new one, never neither (the kernel
+        // swaps them at commit), and no transaction holds the kernel for the whole
+        // ruleset (one of 100 000 services took 47 s without rescheduling: soft lockups).
+        // A service port is in one table, so each table is whole on its own; while they
+        // are replaced one by one a port that changes table may be in two for a moment,
+        // which translates it the same either way. An incremental sync is one transaction.
+        let mut scripts: Vec<String> = if full {
+            (0..tables)
+                .map(|t| {
+                    let name = table_name(t);
+                    let mut out = format!(
+                        "add table {ip} {name}\ndelete table {ip} {name}\nadd table {ip} {name}\n"
+                    );
+                    self.static_part(&ctx, t, &mut out);
+                    out
+                })
+                .collect()
         } else {
-            let _ = writeln!(out, "add table {ip} {TABLE}");
-        }
+            vec![format!("add table {ip} {TABLE}\n")]
+        };
+        let slot = |t: usize| if full { t } else { 0 };
         // 1. Every new object first, so rules and elements can name them.
         for (name, rules) in &written {
             let t = table(name);
+            let out = &mut scripts[slot(table_of(name, tables))];
             for (set, timeout) in &rules.sets {
                 let _ = writeln!(
                     out,
@@ -608,6 +612,7 @@ impl<N: Nft> NftablesProxier<N> {
         // 2. The rewritten chains.
         for (name, rules) in &written {
             let t = table(name);
+            let out = &mut scripts[slot(table_of(name, tables))];
             for (chain, lines) in &rules.chains {
                 if !full {
                     let _ = writeln!(out, "flush chain {t} {chain}");
@@ -644,8 +649,9 @@ impl<N: Nft> NftablesProxier<N> {
                 update_elements(&mut elements, old, &new, &placed, &written_rules)
             }
         };
-        for ((t, map), change) in map_changes {
-            let t = format!("{ip} {}", table_name(t));
+        for ((ti, map), change) in map_changes {
+            let t = format!("{ip} {}", table_name(ti));
+            let out = &mut scripts[slot(ti)];
             if !change.removed.is_empty() {
                 let _ = writeln!(
                     out,
@@ -659,8 +665,9 @@ impl<N: Nft> NftablesProxier<N> {
             }
         }
         // Affinity: each client keeps its endpoint for the time it had left.
-        for (t, set, client) in &carried {
-            let t = format!("{ip} {}", table_name(*t));
+        for (ti, set, client) in &carried {
+            let t = format!("{ip} {}", table_name(*ti));
+            let out = &mut scripts[slot(*ti)];
             let _ = match client.expires_ms {
                 Some(ms) if ms > 0 => writeln!(
                     out,
@@ -670,7 +677,11 @@ impl<N: Nft> NftablesProxier<N> {
                 _ => writeln!(out, "add element {t} {set} {{ {} }}", client.key),
             };
         }
-        // 4. What nobody wants any more: emptied first, as chains may jump to each other.
+        // 4. What nobody wants any more (incremental syncs): emptied first, as chains may
+        // jump to each other. After a full sync's last table, the tables beyond the
+        // wanted number (an agent that had more) go.
+        let last = scripts.len() - 1;
+        let out = &mut scripts[last];
         for (t, chain) in &stale_chains {
             let _ = writeln!(out, "flush chain {t} {chain}");
         }
@@ -680,12 +691,22 @@ impl<N: Nft> NftablesProxier<N> {
         for (t, set) in &stale_sets {
             let _ = writeln!(out, "delete set {t} {set}");
         }
+        if full {
+            for t in tables..MAX_TABLES {
+                let _ = writeln!(
+                    out,
+                    "add table {ip} {0}\ndelete table {ip} {0}",
+                    table_name(t)
+                );
+            }
+        }
         let written_count = written.len();
         drop(placed);
         drop(written);
         let state = &mut self.families[i];
         state.services = current;
-        match self.nft.apply(&out) {
+        let applied = scripts.iter().try_for_each(|script| self.nft.apply(script));
+        match applied {
             Ok(()) => {
                 let state = &mut self.families[i];
                 state.elements = elements;
@@ -699,7 +720,7 @@ impl<N: Nft> NftablesProxier<N> {
                 self.failures += 1;
                 Err(e).with_context(|| {
                     format!(
-                        "the {ip} {TABLE} transaction failed; the next sync rewrites the tables"
+                        "an {ip} nftables transaction failed; the next sync rewrites the tables"
                     )
                 })
             }

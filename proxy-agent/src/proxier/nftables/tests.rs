@@ -281,6 +281,14 @@ fn service_ports_spread_over_tables_and_a_change_touches_only_its_own() {
     let six = desired(&ports(6));
     p.sync(&six, &diff(&DesiredState::default(), &six)).unwrap();
     assert_eq!(p.tables(IpFamily::V4), 3);
+    // The full sync: a transaction per table, each writing only its own (the IPv6 family,
+    // without service ports, one more).
+    let scripts = &p.nft().scripts;
+    assert_eq!(scripts.len(), 3 + 1);
+    for (t, script) in scripts[..3].iter().enumerate() {
+        let written = tables_written(script);
+        assert_eq!(written, BTreeSet::from([table_name(t)]), "{script}");
+    }
     // Every table has the service lookups; only the first the filter hooks.
     for t in 0..3 {
         assert!(p.nft().chain("ip", &table_name(t), "nat-output").is_some());
