@@ -2,11 +2,12 @@
 //! family and sync, written in nft's language and sent to nf_tables as a netlink batch
 //! (see [`netlink`] for why not through `nft`).
 //!
-//! The first sync, the hourly one and the one after a failed transaction are full: the
-//! table is deleted and written whole in the same transaction, so the kernel swaps the old
-//! table for the new one at commit (no packet sees neither), nothing anybody left in it
+//! The first sync, the hourly one and the one after a failed transaction are full: each
+//! table is deleted and written whole in a transaction of its own, so the kernel swaps the
+//! old table for the new one at commit (no packet sees neither), nothing anybody left in it
 //! survives, and nothing has to be listed to find what is stale — a listing of 100 000
-//! services' chains takes the kernel minutes. The affinity sets' clients are read first
+//! services' chains takes the kernel minutes. (One transaction for all tables held a CPU
+//! 47 s at 100 000 services: the kernel does not reschedule inside a batch.) The affinity sets' clients are read first
 //! (one dump per wanted set) and written back with the time they had left. The other syncs
 //! are incremental: the changed service ports' chains are rewritten, and the verdict maps
 //! get only the elements that were added or removed.
