@@ -233,7 +233,7 @@ impl Metrics {
             .unwrap(),
             nftables_transactions: IntCounter::new(
                 "proxy_agent_nftables_transactions_total",
-                "nftables mode transactions sent to nf_tables (one per family and sync)",
+                "nftables mode transactions sent to nf_tables (per family and sync: one, or one per table for a full sync)",
             )
             .unwrap(),
             programmed_service_ports: IntGaugeVec::new(
