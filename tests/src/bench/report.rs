@@ -296,7 +296,8 @@ pub fn markdown(run: &Run) -> String {
         }
     }
     out.push_str(
-        "\nCold start: agent started until the ClusterIP serves. One change: manifests written with one more \
+        "\nCold start: agent started until the ClusterIP serves and the agent has recorded its first sync \
+         (nftables and iptables-nft write large datapaths in several transactions, serving some services first). One change: manifests written with one more \
          endpoint until a connection reaches it (the manifest source re-reads the file, parses the documents \
          that changed, and lets writes settle for `--manifests-settle`, 100 ms, first); its sync: the agent's own \
          sync of that change (its histogram; a datapath may serve before the sync returns).\n",
