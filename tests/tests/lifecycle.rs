@@ -617,6 +617,19 @@ fn switch_modes(lab: &mut Lab, manifests: &Path, modes: &[&str]) {
         std::thread::sleep(Duration::from_millis(300));
         lab.stop_agent().unwrap();
         lab.start_agent(manifests, &["--proxy-mode", next]).unwrap();
+        // The loop runs until the new mode serves (after the userspace proxy, whose
+        // listeners go with it, nothing serves while eBPF's programs are verified: seconds
+        // on a loaded machine), then half a second more.
+        let deadline = Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
+        while Instant::now() < deadline
+            && !lab
+                .client
+                .ns
+                .run(|| proxy_tests::lab::client::tcp_hello(WEB, Duration::from_secs(1)).is_ok())
+                .unwrap_or(false)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
         std::thread::sleep(Duration::from_millis(500));
         let ((ok, failed), gap) = connects.finish_with_gap().unwrap();
         // The figures the issue asks for; not a pass/fail threshold.

@@ -21,7 +21,10 @@ use crate::{
             ipset::{IpSets, IpsetCommand},
             netlink::{Ipvs, KernelIpvs},
         },
-        nftables::{self, netlink::NftNetlink, nft::NftCommand},
+        nftables::{
+            self,
+            netlink::{self, NftNetlink},
+        },
         ProxyMode,
     },
 };
@@ -142,7 +145,7 @@ fn iptables_tables_present() -> bool {
 /// Removes the `kube-proxy` nftables tables (ours and upstream kube-proxy's); `None` when
 /// this node has no nftables.
 fn remove_nftables_tables() -> Result<Option<usize>> {
-    if NftCommand.probe().is_err() {
+    if netlink::probe().is_err() {
         return Ok(None);
     }
     // Over netlink: nft would fetch the whole ruleset first (minutes behind a table of

@@ -27,8 +27,8 @@ use crate::{
         iptables::{tables::IptablesCommands, IptablesProxier},
         ipvs::{self as ipvs_mode, ipset::IpsetCommand, netlink::KernelIpvs, IpvsProxier},
         nftables::{
-            netlink::NftNetlink,
-            nft::{Nft, NftCommand},
+            netlink::{self, NftNetlink},
+            nft::Nft,
             NftablesProxier,
         },
         userspace::UserspaceProxier,
@@ -76,9 +76,7 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
             (ActiveProxier::Iptables(Box::new(proxier)), None)
         }
         ProxyMode::Nftables => {
-            NftCommand.probe().context(
-                "the nftables proxier needs the nft command and nf_tables in the kernel",
-            )?;
+            netlink::probe().context("the nftables proxier needs nf_tables in the kernel")?;
             let proxier = NftablesProxier::new(
                 NftNetlink::default(),
                 Box::new(ConntrackFlows),
@@ -127,9 +125,10 @@ pub fn choose(s: &Settings) -> Result<ProxyMode> {
         }
         Err(e) => reasons.push(format!("ebpf: {e:#}")),
     }
-    let nft = NftCommand.probe().and_then(|()| {
-        // A transaction, not just a listing: the kernel must accept a table.
-        NftCommand.apply("add table ip proxy-agent-probe\ndelete table ip proxy-agent-probe\n")
+    let nft = netlink::probe().and_then(|()| {
+        // A transaction, not just a lookup: the kernel must accept a table.
+        NftNetlink::default()
+            .apply("add table ip proxy-agent-probe\ndelete table ip proxy-agent-probe\n")
     });
     match nft {
         Ok(()) => {

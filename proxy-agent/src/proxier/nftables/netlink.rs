@@ -991,6 +991,14 @@ fn family_number(family: &str) -> Result<u8> {
     }
 }
 
+/// Whether the kernel has nf_tables and this process may use it (one request for a table
+/// by name). The agent needs no `nft` command: it speaks netlink itself.
+pub fn probe() -> Result<()> {
+    table_exists("ip", super::rules::TABLE)
+        .map(|_| ())
+        .context("asking the kernel's nf_tables over netlink")
+}
+
 /// Whether `family` (`ip` / `ip6`) has the table `table`: one request for that table,
 /// answered at once whatever else the ruleset holds (nft fetches the whole ruleset before
 /// listing even the table names: minutes behind 100 000 services' chains).

@@ -32,28 +32,6 @@ pub trait Nft {
 #[derive(Clone, Debug, Default)]
 pub struct NftCommand;
 
-impl NftCommand {
-    /// Whether `nft` runs and the kernel has nf_tables. Not `nft list tables`: nft fetches
-    /// the whole ruleset even for that, minutes behind 100 000 services' chains.
-    pub fn probe(&self) -> Result<()> {
-        let out = command::run(
-            Command::new("nft").arg("--version"),
-            None,
-            command::PROBE_TIMEOUT,
-        )
-        .context("running nft (install the nftables package)")?;
-        if !out.status.success() {
-            bail!(
-                "nft --version: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        super::netlink::table_exists("ip", super::rules::TABLE)
-            .map(|_| ())
-            .context("asking the kernel's nf_tables")
-    }
-}
-
 impl Nft for NftCommand {
     fn has_table(&mut self, family: &str, table: &str) -> Result<bool> {
         super::netlink::table_exists(family, table)
