@@ -580,53 +580,10 @@ impl<N: Nft> NftablesProxier<N> {
         // A service port is in one table, so each table is whole on its own; while they
         // are replaced one by one a port that changes table may be in two for a moment,
         // which translates it the same either way. An incremental sync is one transaction.
-        let mut scripts: Vec<String> = if full {
-            (0..tables)
-                .map(|t| {
-                    let name = table_name(t);
-                    let mut out = format!(
-                        "add table {ip} {name}\ndelete table {ip} {name}\nadd table {ip} {name}\n"
-                    );
-                    self.static_part(&ctx, t, &mut out);
-                    out
-                })
-                .collect()
-        } else {
-            vec![format!("add table {ip} {TABLE}\n")]
-        };
-        let slot = |t: usize| if full { t } else { 0 };
-        // 1. Every new object first, so rules and elements can name them.
-        for (name, rules) in &written {
-            let t = table(name);
-            let out = &mut scripts[slot(table_of(name, tables))];
-            for (set, timeout) in &rules.sets {
-                let _ = writeln!(
-                    out,
-                    "add set {t} {set} {{ type {} ; flags dynamic,timeout ; timeout {timeout}s ; }}",
-                    ctx.addr_type()
-                );
-            }
-            for (chain, _) in &rules.chains {
-                let _ = writeln!(out, "add chain {t} {chain}");
-            }
-        }
-        // 2. The rewritten chains.
-        for (name, rules) in &written {
-            let t = table(name);
-            let out = &mut scripts[slot(table_of(name, tables))];
-            for (chain, lines) in &rules.chains {
-                if !full {
-                    let _ = writeln!(out, "flush chain {t} {chain}");
-                }
-                for line in lines {
-                    let _ = writeln!(out, "add rule {t} {chain} {line}");
-                }
-            }
-        }
-        // 3. The maps: refilled (full) or changed element by element.
+        // The maps: refilled (full) or changed element by element.
         let state = &mut self.families[i];
         let mut elements = std::mem::take(&mut state.elements);
-        let map_changes = match &old_elements {
+        let map_changes: BTreeMap<(usize, &'static str), MapChanges> = match &old_elements {
             None => {
                 elements = wanted_elements(placed.iter().copied());
                 elements
@@ -650,55 +607,113 @@ impl<N: Nft> NftablesProxier<N> {
                 update_elements(&mut elements, old, &new, &placed, &written_rules)
             }
         };
-        for ((ti, map), change) in map_changes {
-            let t = format!("{ip} {}", table_name(ti));
-            let out = &mut scripts[slot(ti)];
-            if !change.removed.is_empty() {
-                let _ = writeln!(
-                    out,
-                    "delete element {t} {map} {{ {} }}",
-                    change.removed.join(", ")
+        // Each transaction's script is built just before it is sent (at 100 000 services
+        // the scripts of all tables together are ~550 MB).
+        let transactions = if full { tables } else { 1 };
+        let slot = |t: usize| if full { t } else { 0 };
+        let slots: Vec<usize> = written
+            .iter()
+            .map(|(name, _)| slot(table_of(name, tables)))
+            .collect();
+        let mut applied = Ok(());
+        for s in 0..transactions {
+            let mut out = if full {
+                let name = table_name(s);
+                let mut out = format!(
+                    "add table {ip} {name}\ndelete table {ip} {name}\nadd table {ip} {name}\n"
                 );
-            }
-            if !change.added.is_empty() {
-                let added: Vec<String> = change.added.iter().map(|(k, v)| element(k, v)).collect();
-                let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
-            }
-        }
-        // Affinity: each client keeps its endpoint for the time it had left.
-        for (ti, set, client) in &carried {
-            let t = format!("{ip} {}", table_name(*ti));
-            let out = &mut scripts[slot(*ti)];
-            let _ = match client.expires_ms {
-                Some(ms) if ms > 0 => writeln!(
-                    out,
-                    "add element {t} {set} {{ {} expires {ms}ms }}",
-                    client.key
-                ),
-                _ => writeln!(out, "add element {t} {set} {{ {} }}", client.key),
+                self.static_part(&ctx, s, &mut out);
+                out
+            } else {
+                format!("add table {ip} {TABLE}\n")
             };
-        }
-        // 4. What nobody wants any more (incremental syncs): emptied first, as chains may
-        // jump to each other. After a full sync's last table, the tables beyond the
-        // wanted number (an agent that had more) go.
-        let last = scripts.len() - 1;
-        let out = &mut scripts[last];
-        for (t, chain) in &stale_chains {
-            let _ = writeln!(out, "flush chain {t} {chain}");
-        }
-        for (t, chain) in &stale_chains {
-            let _ = writeln!(out, "delete chain {t} {chain}");
-        }
-        for (t, set) in &stale_sets {
-            let _ = writeln!(out, "delete set {t} {set}");
-        }
-        if full {
-            for t in tables..MAX_TABLES {
-                let _ = writeln!(
-                    out,
-                    "add table {ip} {0}\ndelete table {ip} {0}",
-                    table_name(t)
-                );
+            let mine = || {
+                written
+                    .iter()
+                    .zip(&slots)
+                    .filter(|(_, t)| **t == s)
+                    .map(|(w, _)| w)
+            };
+            // 1. Every new object first, so rules and elements can name them.
+            for (name, rules) in mine() {
+                let t = table(name);
+                for (set, timeout) in &rules.sets {
+                    let _ = writeln!(
+                        out,
+                        "add set {t} {set} {{ type {} ; flags dynamic,timeout ; timeout {timeout}s ; }}",
+                        ctx.addr_type()
+                    );
+                }
+                for (chain, _) in &rules.chains {
+                    let _ = writeln!(out, "add chain {t} {chain}");
+                }
+            }
+            // 2. The rewritten chains.
+            for (name, rules) in mine() {
+                let t = table(name);
+                for (chain, lines) in &rules.chains {
+                    if !full {
+                        let _ = writeln!(out, "flush chain {t} {chain}");
+                    }
+                    for line in lines {
+                        let _ = writeln!(out, "add rule {t} {chain} {line}");
+                    }
+                }
+            }
+            // 3. The maps.
+            for ((ti, map), change) in map_changes.iter().filter(|((t, _), _)| slot(*t) == s) {
+                let t = format!("{ip} {}", table_name(*ti));
+                if !change.removed.is_empty() {
+                    let _ = writeln!(
+                        out,
+                        "delete element {t} {map} {{ {} }}",
+                        change.removed.join(", ")
+                    );
+                }
+                if !change.added.is_empty() {
+                    let added: Vec<String> =
+                        change.added.iter().map(|(k, v)| element(k, v)).collect();
+                    let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
+                }
+            }
+            // Affinity: each client keeps its endpoint for the time it had left.
+            for (ti, set, client) in carried.iter().filter(|(t, _, _)| slot(*t) == s) {
+                let t = format!("{ip} {}", table_name(*ti));
+                let _ = match client.expires_ms {
+                    Some(ms) if ms > 0 => writeln!(
+                        out,
+                        "add element {t} {set} {{ {} expires {ms}ms }}",
+                        client.key
+                    ),
+                    _ => writeln!(out, "add element {t} {set} {{ {} }}", client.key),
+                };
+            }
+            // 4. What nobody wants any more (incremental syncs): emptied first, as chains
+            // may jump to each other. After a full sync's last table, the tables beyond the
+            // wanted number (an agent that had more) go.
+            if s + 1 == transactions {
+                for (t, chain) in &stale_chains {
+                    let _ = writeln!(out, "flush chain {t} {chain}");
+                }
+                for (t, chain) in &stale_chains {
+                    let _ = writeln!(out, "delete chain {t} {chain}");
+                }
+                for (t, set) in &stale_sets {
+                    let _ = writeln!(out, "delete set {t} {set}");
+                }
+                if full {
+                    for t in tables..MAX_TABLES {
+                        let _ = writeln!(
+                            out,
+                            "add table {ip} {0}\ndelete table {ip} {0}",
+                            table_name(t)
+                        );
+                    }
+                }
+            }
+            applied = self.nft.apply(&out);
+            if applied.is_err() {
+                break;
             }
         }
         let written_count = written.len();
@@ -706,7 +721,6 @@ impl<N: Nft> NftablesProxier<N> {
         drop(written);
         let state = &mut self.families[i];
         state.services = current;
-        let applied = scripts.iter().try_for_each(|script| self.nft.apply(script));
         match applied {
             Ok(()) => {
                 let state = &mut self.families[i];
