@@ -277,19 +277,25 @@ fn chains_input(
 ) -> String {
     let rules: Vec<&ServiceRules> = ports.iter().filter_map(|n| services.get(n)).collect();
     let mut out = String::from("*nat\n");
+    declare_chains(&mut out, &rules);
+    chain_rules(&mut out, &rules);
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// `:CHAIN` lines for the service ports' chains (declared: created or flushed).
+fn declare_chains(out: &mut String, rules: &[&ServiceRules]) {
     for (chain, _) in rules.iter().flat_map(|r| &r.chains) {
         let _ = writeln!(out, ":{chain} - [0:0]");
     }
-    for line in rules
-        .iter()
-        .flat_map(|r| &r.chains)
-        .flat_map(|(_, lines)| lines)
-    {
+}
+
+/// The rules of the service ports' chains.
+fn chain_rules(out: &mut String, rules: &[&ServiceRules]) {
+    for line in rules.iter().flat_map(|r| &r.chains).flat_map(|(_, l)| l) {
         out.push_str(line);
         out.push('\n');
     }
-    out.push_str("COMMIT\n");
-    out
 }
 
 /// The `iptables-restore --noflush` input of one family. `saved` (full syncs): the tables
@@ -308,11 +314,7 @@ fn restore_input(
         out.push_str(":KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n");
     }
     let written: Vec<&ServiceRules> = write.iter().filter_map(|n| services.get(n)).collect();
-    for rules in &written {
-        for (chain, _) in &rules.chains {
-            let _ = writeln!(out, ":{chain} - [0:0]");
-        }
-    }
+    declare_chains(&mut out, &written);
     for chain in stale {
         let _ = writeln!(out, ":{chain} - [0:0]");
     }
@@ -344,14 +346,7 @@ fn restore_input(
             out.push('\n');
         }
     }
-    for rules in &written {
-        for (_, lines) in &rules.chains {
-            for line in lines {
-                out.push_str(line);
-                out.push('\n');
-            }
-        }
-    }
+    chain_rules(&mut out, &written);
     for chain in stale {
         let _ = writeln!(out, "-X {chain}");
     }

@@ -7,8 +7,9 @@
 //! old table for the new one at commit (no packet sees neither), nothing anybody left in it
 //! survives, and nothing has to be listed to find what is stale — a listing of 100 000
 //! services' chains takes the kernel minutes. (One transaction for all tables held a CPU
-//! 47 s at 100 000 services: the kernel does not reschedule inside a batch.) The affinity sets' clients are read first
-//! (one dump per wanted set) and written back with the time they had left. The other syncs
+//! 47 s at 100 000 services: the kernel does not reschedule inside a batch.) The affinity
+//! sets' clients are read first (one dump per wanted set) and written back with the time
+//! they had left. The other syncs
 //! are incremental: the changed service ports' chains are rewritten, and the verdict maps
 //! get only the elements that were added or removed.
 //!
@@ -138,6 +139,18 @@ impl std::fmt::Write for Fnv {
             self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
         }
         Ok(())
+    }
+}
+
+/// Deletes `family`'s tables from the `from`th on (adding each first makes the delete
+/// succeed whether or not it was there).
+fn delete_tables(out: &mut String, family: &str, from: usize) {
+    for t in from..MAX_TABLES {
+        let _ = writeln!(
+            out,
+            "add table {family} {0}\ndelete table {family} {0}",
+            table_name(t)
+        );
     }
 }
 
@@ -525,9 +538,11 @@ impl<N: Nft> NftablesProxier<N> {
             .iter()
             .map(|(n, r)| (table_of(n, tables), r))
             .collect();
-        let written: Vec<(&ServicePortName, &ServiceRules)> = write
+        // The written ports, each with its table.
+        let written: Vec<(&ServicePortName, &ServiceRules, usize)> = write
             .iter()
             .filter_map(|n| current.get_key_value(n))
+            .map(|(n, r)| (n, r, table_of(n, tables)))
             .collect();
         // What the rewritten service ports had in the maps (an incremental sync changes
         // only that).
@@ -547,7 +562,7 @@ impl<N: Nft> NftablesProxier<N> {
             }
             let mut wanted_chains = BTreeSet::new();
             let mut wanted_sets = BTreeSet::new();
-            for (name, r) in &written {
+            for (name, r, _) in &written {
                 let t = table(name);
                 wanted_chains.extend(r.chains.iter().map(|(c, _)| (t.clone(), c.clone())));
                 wanted_sets.extend(r.sets.iter().map(|(s, _)| (t.clone(), s.clone())));
@@ -573,6 +588,22 @@ impl<N: Nft> NftablesProxier<N> {
             }
         }
 
+        // The maps: refilled (full: every element of `elements` is written) or changed
+        // element by element.
+        let state = &mut self.families[i];
+        let mut elements = std::mem::take(&mut state.elements);
+        let map_changes = match &old_elements {
+            None => {
+                elements = wanted_elements(placed.iter().copied());
+                BTreeMap::new()
+            }
+            Some(old) => {
+                let new = wanted_elements(written.iter().map(|(_, r, t)| (*t, *r)));
+                let written_rules: BTreeSet<*const ServiceRules> =
+                    written.iter().map(|(_, r, _)| *r as *const _).collect();
+                update_elements(&mut elements, old, &new, &placed, &written_rules)
+            }
+        };
         // A full sync is a transaction per table, each table deleted and written again
         // in its own: packets see the old table or the new one, never neither (the kernel
         // swaps them at commit), and no transaction holds the kernel for the whole
@@ -580,41 +611,10 @@ impl<N: Nft> NftablesProxier<N> {
         // A service port is in one table, so each table is whole on its own; while they
         // are replaced one by one a port that changes table may be in two for a moment,
         // which translates it the same either way. An incremental sync is one transaction.
-        // The maps: refilled (full) or changed element by element.
-        let state = &mut self.families[i];
-        let mut elements = std::mem::take(&mut state.elements);
-        let map_changes: BTreeMap<(usize, &'static str), MapChanges> = match &old_elements {
-            None => {
-                elements = wanted_elements(placed.iter().copied());
-                elements
-                    .iter()
-                    .map(|(at, all)| {
-                        let added = all.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                        (
-                            *at,
-                            MapChanges {
-                                removed: Vec::new(),
-                                added,
-                            },
-                        )
-                    })
-                    .collect()
-            }
-            Some(old) => {
-                let new = wanted_elements(written.iter().map(|(n, r)| (table_of(n, tables), *r)));
-                let written_rules: BTreeSet<*const ServiceRules> =
-                    written.iter().map(|(_, r)| *r as *const _).collect();
-                update_elements(&mut elements, old, &new, &placed, &written_rules)
-            }
-        };
         // Each transaction's script is built just before it is sent (at 100 000 services
         // the scripts of all tables together are ~550 MB).
         let transactions = if full { tables } else { 1 };
         let slot = |t: usize| if full { t } else { 0 };
-        let slots: Vec<usize> = written
-            .iter()
-            .map(|(name, _)| slot(table_of(name, tables)))
-            .collect();
         let mut applied = Ok(());
         for s in 0..transactions {
             let mut out = if full {
@@ -627,15 +627,9 @@ impl<N: Nft> NftablesProxier<N> {
             } else {
                 format!("add table {ip} {TABLE}\n")
             };
-            let mine = || {
-                written
-                    .iter()
-                    .zip(&slots)
-                    .filter(|(_, t)| **t == s)
-                    .map(|(w, _)| w)
-            };
+            let mine = || written.iter().filter(|(_, _, t)| slot(*t) == s);
             // 1. Every new object first, so rules and elements can name them.
-            for (name, rules) in mine() {
+            for (name, rules, _) in mine() {
                 let t = table(name);
                 for (set, timeout) in &rules.sets {
                     let _ = writeln!(
@@ -649,7 +643,7 @@ impl<N: Nft> NftablesProxier<N> {
                 }
             }
             // 2. The rewritten chains.
-            for (name, rules) in mine() {
+            for (name, rules, _) in mine() {
                 let t = table(name);
                 for (chain, lines) in &rules.chains {
                     if !full {
@@ -661,20 +655,32 @@ impl<N: Nft> NftablesProxier<N> {
                 }
             }
             // 3. The maps.
+            let add = |out: &mut String, (ti, map): (usize, &str), added: Vec<String>| {
+                if !added.is_empty() {
+                    let t = format!("{ip} {}", table_name(ti));
+                    let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
+                }
+            };
+            if full {
+                for (at, all) in elements.iter().filter(|((t, _), _)| *t == s) {
+                    add(
+                        &mut out,
+                        *at,
+                        all.iter().map(|(k, v)| element(k, v)).collect(),
+                    );
+                }
+            }
             for ((ti, map), change) in map_changes.iter().filter(|((t, _), _)| slot(*t) == s) {
-                let t = format!("{ip} {}", table_name(*ti));
                 if !change.removed.is_empty() {
                     let _ = writeln!(
                         out,
-                        "delete element {t} {map} {{ {} }}",
+                        "delete element {ip} {} {map} {{ {} }}",
+                        table_name(*ti),
                         change.removed.join(", ")
                     );
                 }
-                if !change.added.is_empty() {
-                    let added: Vec<String> =
-                        change.added.iter().map(|(k, v)| element(k, v)).collect();
-                    let _ = writeln!(out, "add element {t} {map} {{ {} }}", added.join(", "));
-                }
+                let added = change.added.iter().map(|(k, v)| element(k, v)).collect();
+                add(&mut out, (*ti, map), added);
             }
             // Affinity: each client keeps its endpoint for the time it had left.
             for (ti, set, client) in carried.iter().filter(|(t, _, _)| slot(*t) == s) {
@@ -702,13 +708,7 @@ impl<N: Nft> NftablesProxier<N> {
                     let _ = writeln!(out, "delete set {t} {set}");
                 }
                 if full {
-                    for t in tables..MAX_TABLES {
-                        let _ = writeln!(
-                            out,
-                            "add table {ip} {0}\ndelete table {ip} {0}",
-                            table_name(t)
-                        );
-                    }
+                    delete_tables(&mut out, ip, tables);
                 }
             }
             applied = self.nft.apply(&out);
@@ -750,15 +750,8 @@ pub fn remove_all(nft: &mut impl Nft) -> Result<usize> {
     let mut removed = 0;
     for ip in ["ip", "ip6"] {
         let had = nft.has_table(ip, TABLE)?;
-        // Adding first makes each delete succeed whether or not the table was there.
         let mut script = String::new();
-        for t in 0..MAX_TABLES {
-            let _ = writeln!(
-                script,
-                "add table {ip} {0}\ndelete table {ip} {0}",
-                table_name(t)
-            );
-        }
+        delete_tables(&mut script, ip, 0);
         nft.apply(&script)?;
         removed += had as usize;
     }

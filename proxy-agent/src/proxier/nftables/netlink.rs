@@ -984,11 +984,9 @@ fn set_buffer(socket: &netlink_sys::Socket, option: libc::c_int, bytes: usize) {
 }
 
 fn family_number(family: &str) -> Result<u8> {
-    match family {
-        "ip" => Ok(NFPROTO_IPV4),
-        "ip6" => Ok(NFPROTO_IPV6),
-        other => bail!("no nf_tables family {other:?}"),
-    }
+    Family::parse(family)
+        .map(Family::nfproto)
+        .with_context(|| format!("no nf_tables family {family:?}"))
 }
 
 /// Whether the kernel has nf_tables and this process may use it (one request for a table
@@ -1243,31 +1241,27 @@ mod tests {
         }
     }
 
-    #[test]
-    fn large_element_lists_are_split_across_messages() {
+    /// One `add element` of 1 000 ClusterIPs, each going to `chain`.
+    fn thousand_elements(chain: &str) -> String {
         let elements: Vec<String> = (0..1000)
-            .map(|i| format!("10.96.{}.{} . tcp . 80 : goto s", i / 256, i % 256))
+            .map(|i| format!("10.96.{}.{} . tcp . 80 : goto {chain}", i / 256, i % 256))
             .collect();
-        let script = format!(
+        format!(
             "add element ip kube-proxy service-ips {{ {} }}\n",
             elements.join(", ")
-        );
-        let batch = encode_script(&script).unwrap();
+        )
+    }
+
+    #[test]
+    fn large_element_lists_are_split_across_messages() {
+        let batch = encode_script(&thousand_elements("s")).unwrap();
         assert_eq!(batch.len(), 1000usize.div_ceil(ELEMENTS_PER_MESSAGE));
         // Every message fits its 16-bit attribute lengths.
         for (_, _, body) in nlattr::messages(&batch.bytes) {
             assert!(body.len() < usize::from(u16::MAX));
         }
         // Elements naming long chains: split by their bytes before their count.
-        let long = "s".repeat(200);
-        let elements: Vec<String> = (0..1000)
-            .map(|i| format!("10.96.{}.{} . tcp . 80 : goto {long}", i / 256, i % 256))
-            .collect();
-        let script = format!(
-            "add element ip kube-proxy service-ips {{ {} }}\n",
-            elements.join(", ")
-        );
-        let batch = encode_script(&script).unwrap();
+        let batch = encode_script(&thousand_elements(&"s".repeat(200))).unwrap();
         assert!(batch.len() > 1000usize.div_ceil(ELEMENTS_PER_MESSAGE));
         for (_, _, body) in nlattr::messages(&batch.bytes) {
             assert!(body.len() <= ELEMENT_BYTES + 1024);
