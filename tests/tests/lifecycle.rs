@@ -630,6 +630,11 @@ fn switch_modes(lab: &mut Lab, manifests: &Path, modes: &[&str]) {
         {
             std::thread::sleep(Duration::from_millis(50));
         }
+        // And until the old mode's state is gone (the userspace proxy's local routes
+        // still refuse some connections until then).
+        while Instant::now() < deadline && !leftovers_after_switch(lab, current, next).is_empty() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
         std::thread::sleep(Duration::from_millis(500));
         let ((ok, failed), gap) = connects.finish_with_gap().unwrap();
         // The figures the issue asks for; not a pass/fail threshold.
