@@ -27,6 +27,7 @@
 //! | ClientIP affinity | [`model`] (timeout); eBPF: the `AFFINITY` map in `proxy-ebpf`; iptables: `recent`; nftables: per-endpoint sets; ipvs: persistence; userspace: [`proxier::userspace`] balancer |
 //! | the socket hooks | [`datapath::cgroup`] attaches `proxy-ebpf`'s connect/sendmsg/recvmsg/getpeername/release programs (`proxy-ebpf/src/sock.rs` decides); `--socket-lb` |
 //! | what the kernel's BPF offers (probed once, logged) | [`datapath::features`] |
+//! | restarts: adopting pinned maps; reusing the same build's verified programs | [`datapath::pins`]; [`datapath::reuse`] |
 //! | batch map writes (the sync) and reads (the conntrack sweep), which aya lacks | [`datapath::batch`] |
 //! | nftables over netlink; its tables of 1 000 service ports | [`proxier::nftables::netlink`] (`encode_script`); `table_of`, [`proxier::nftables::SERVICES_PER_TABLE`] |
 //! | iptables-nft full syncs in chunks | `RuleTables::chunked_full_syncs` in [`proxier::iptables::tables`]; `write_family` in [`proxier::iptables`] |

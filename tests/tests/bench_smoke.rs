@@ -49,6 +49,7 @@ mod scale {
                     "{mode}: {c:?}"
                 );
                 assert!(c.peak_rss_kib.unwrap() > 1024, "{mode}: an agent's RSS");
+                assert!(c.restart_ms.unwrap() > 0.0, "{mode}: {c:?}");
                 assert!(
                     c.datapath_objects.as_ref().unwrap().1 > 0.0,
                     "{mode}: {c:?}"

@@ -100,11 +100,35 @@ fn restart_keeps_open_connections_and_new_ones_working() {
         log.contains("how=Replaced"),
         "the new agent must reuse the attachments: {log}"
     );
-    assert_ne!(
+    // The same build on the same maps: the verified programs are taken over, not loaded
+    // again (the verifier is most of a start).
+    assert!(log.contains(REUSED), "{log}");
+    assert_eq!(
         tcx_program_on_lxc0(&lab),
         before,
-        "the new agent's program runs"
+        "the pinned program keeps running"
     );
+}
+
+const REUSED: &str = "datapath programs reused from the pins of this build";
+const VERIFIED: &str = "datapath programs loaded and verified";
+
+#[test]
+fn a_restart_with_other_datapath_settings_verifies_its_own_programs() {
+    require_kernel!();
+    // Backend counters are compiled in or out of the programs when they load.
+    let (mut lab, manifests) = started_lab(&[]);
+    let before = tcx_program_on_lxc0(&lab);
+    let log = replace_agent_under_load(&mut lab, &manifests, &["--backend-metrics"]);
+    assert!(log.contains(VERIFIED) && !log.contains(REUSED), "{log}");
+    let with_counters = tcx_program_on_lxc0(&lab);
+    assert_ne!(with_counters, before, "the new settings' program runs");
+    // Back to the first settings: their programs went when the second build pinned its own.
+    lab.stop_agent().unwrap();
+    lab.start_agent(&manifests, &["--backend-metrics"]).unwrap();
+    let log = lab.agent().unwrap().log_text();
+    assert!(log.contains(REUSED), "{log}");
+    assert_eq!(tcx_program_on_lxc0(&lab), with_counters);
 }
 
 #[test]
@@ -118,11 +142,17 @@ fn upgrade_to_a_different_program_keeps_connections() {
     );
     let (mut lab, manifests) = started_lab(&[]);
     let variant = variant.to_str().unwrap().to_string();
+    let before = tcx_program_on_lxc0(&lab);
     let log = replace_agent_under_load(&mut lab, &manifests, &["--ebpf-object", &variant]);
     assert!(log.contains("how=Replaced"), "{log}");
+    assert!(log.contains(VERIFIED) && !log.contains(REUSED), "{log}");
+    let upgraded = tcx_program_on_lxc0(&lab);
+    assert_ne!(upgraded, before, "the upgrade's program runs");
     // And back again, the way a rollback would go.
     let log = replace_agent_under_load(&mut lab, &manifests, &[]);
     assert!(log.contains("how=Replaced"), "{log}");
+    assert!(log.contains(VERIFIED) && !log.contains(REUSED), "{log}");
+    assert_ne!(tcx_program_on_lxc0(&lab), upgraded);
 }
 
 #[test]
@@ -171,6 +201,8 @@ fn a_map_layout_change_is_detected_and_the_maps_rebuilt() {
         old_id,
         "new maps were created"
     );
+    // The pinned programs use the old maps: verified again for the new ones.
+    assert!(log.contains(VERIFIED) && !log.contains(REUSED), "{log}");
     let answer = lab
         .client
         .ns

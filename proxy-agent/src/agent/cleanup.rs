@@ -97,8 +97,8 @@ async fn remove_mode(
             let r = remove_datapath(&s.bpffs_root).await?;
             (r != Default::default()).then(|| {
                 format!(
-                    "the eBPF datapath ({} links unpinned, {} tc filters, {} qdiscs, {} maps unpinned)",
-                    r.links_unpinned, r.filters_removed, r.qdiscs_removed, r.maps_unpinned
+                    "the eBPF datapath ({} links unpinned, {} tc filters, {} qdiscs, {} maps and {} programs unpinned)",
+                    r.links_unpinned, r.filters_removed, r.qdiscs_removed, r.maps_unpinned, r.programs_unpinned
                 )
             })
         }

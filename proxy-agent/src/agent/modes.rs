@@ -201,10 +201,15 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
         Some(object) => Datapath::load_file(object, sizes, Some(&root), options)?,
         None => Datapath::load_with(sizes, Some(&root), options)?,
     };
-    info!(
-        took_ms = loading.elapsed().as_millis() as u64,
-        "datapath programs loaded and verified"
-    );
+    let took_ms = loading.elapsed().as_millis() as u64;
+    if datapath.programs_reused {
+        info!(
+            took_ms,
+            "datapath programs reused from the pins of this build (verification skipped)"
+        );
+    } else {
+        info!(took_ms, "datapath programs loaded and verified");
+    }
     let flow_logger = if flow_log {
         let logger = aya_log::EbpfLogger::init(&mut datapath.ebpf)
             .context("reading the datapath's log buffer")?;

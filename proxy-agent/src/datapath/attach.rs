@@ -242,11 +242,7 @@ impl Attacher {
             TcAttachType::Egress => (program_names::TC_EGRESS, "egress"),
             _ => (program_names::TC_INGRESS, "ingress"),
         };
-        let prog: &mut SchedClassifier = datapath
-            .ebpf
-            .program_mut(program)
-            .with_context(|| format!("eBPF object has no {direction} program"))?
-            .try_into()?;
+        let prog: &mut SchedClassifier = datapath.program_mut(program)?.try_into()?;
         match self.mode {
             AttachMode::Tcx => {
                 let pin = self

@@ -46,11 +46,7 @@ pub fn attach(datapath: &mut Datapath, path: &Path, root: Option<&BpffsRoot>) ->
     macro_rules! attach_hook {
         ($program:ty, $name:expr) => {{
             let name = $name;
-            let prog: &mut $program = datapath
-                .ebpf
-                .program_mut(name)
-                .with_context(|| format!("eBPF object has no program {name}"))?
-                .try_into()?;
+            let prog: &mut $program = datapath.program_mut(name)?.try_into()?;
             let id = prog
                 .attach(&cgroup, CgroupAttachMode::Single)
                 .with_context(|| format!("attaching {name} to cgroup {}", path.display()))?;

@@ -20,10 +20,12 @@ pub struct CleanupReport {
     pub filters_removed: usize,
     pub qdiscs_removed: usize,
     pub maps_unpinned: usize,
+    /// Programs kept for the next start (`reuse`).
+    pub programs_unpinned: usize,
 }
 
 /// Removes TCX links (by unpinning them), our netlink filters on every interface, the clsact
-/// qdiscs the agent added (if nothing else uses them), and the pinned maps.
+/// qdiscs the agent added (if nothing else uses them), the pinned maps and programs.
 pub async fn remove_datapath(root: &Path) -> Result<CleanupReport> {
     let mut report = CleanupReport::default();
 
@@ -114,7 +116,9 @@ pub async fn remove_datapath(root: &Path) -> Result<CleanupReport> {
 
     // Maps: unpinning drops them once no program holds them any more.
     report.maps_unpinned = crate::datapath::pins::remove_files(&root.join("maps"))?;
-    for dir in ["links", "maps", "qdiscs"] {
+    let programs = root.join("programs");
+    report.programs_unpinned = crate::datapath::reuse::remove_all_but(&programs, None)?;
+    for dir in ["links", "maps", "qdiscs", "programs"] {
         let _ = std::fs::remove_dir(root.join(dir));
     }
     let _ = std::fs::remove_dir(root);

@@ -8,6 +8,7 @@ pub mod cleanup;
 pub mod features;
 pub mod owner;
 pub mod pins;
+pub mod reuse;
 pub mod runtime;
 pub mod sockets;
 
@@ -120,6 +121,11 @@ fn privilege_hint(err: &dyn std::fmt::Display) -> Option<&'static str> {
 /// The loaded datapath: programs verified and loaded (not attached), maps created.
 pub struct Datapath {
     pub ebpf: Ebpf,
+    /// Programs taken from a previous agent's pins (`reuse`); the object's copies of them
+    /// are not loaded.
+    reused: HashMap<String, Program>,
+    /// Whether the programs were reused rather than verified.
+    pub programs_reused: bool,
     pub sizes: DatapathSizes,
     /// What was last written to `CONFIG`.
     pub config: DatapathConfig,
@@ -278,6 +284,16 @@ impl Datapath {
         let set_retval = features.sock_set_retval as u8;
         let release = features.sock_release_cookie as u8;
         let host_only = options.sock_host_only as u8;
+        // What a program is made of besides the object, for reusing pinned ones (`reuse`).
+        let cookie = options.host_netns_cookie.to_le_bytes();
+        let globals: [(&str, &[u8]); 6] = [
+            (aya_log::LEVEL, &[log_level]),
+            (proxy_common::BACKEND_STATS_ENABLED, &[backend_stats]),
+            (proxy_common::SOCK_SET_RETVAL, &[set_retval]),
+            (proxy_common::SOCK_RELEASE_ATTACHED, &[release]),
+            (proxy_common::SOCK_HOST_ONLY, &[host_only]),
+            (proxy_common::HOST_NETNS_COOKIE, &cookie),
+        ];
         let mut loader = EbpfLoader::new();
         loader.override_global(aya_log::LEVEL, &log_level, false);
         loader.override_global(proxy_common::BACKEND_STATS_ENABLED, &backend_stats, true);
@@ -372,7 +388,8 @@ impl Datapath {
                 None => err,
             }
         })?;
-        // Every program the datapath needs, verified at once (see `verify_all`).
+        // Every program the datapath needs, verified at once (see `verify_all`), or taken
+        // from a previous agent of the same build.
         let ipv6_wanted = !options.without_ipv6;
         let mut names: Vec<&str> = vec![
             program_names::TC_INGRESS,
@@ -380,39 +397,54 @@ impl Datapath {
             program_names::REFUSE,
             program_names::NEW_FLOW,
         ];
-        if ipv6_wanted {
-            names.extend([program_names::TC_INGRESS6, program_names::TC_EGRESS6]);
-        }
         names.extend(program_names::SOCKET_HOOKS);
         if features.sock_release_cookie {
             names.push(program_names::SOCK_RELEASE);
         }
-        let mut ipv6 = ipv6_wanted;
-        for (name, result) in verify_all(&mut ebpf, &names)? {
-            let Err(e) = result else { continue };
-            let hint = privilege_hint(&e);
-            // The IPv6 programs are tail-called: without them IPv6 packets pass
-            // untranslated, and IPv4 is still served. Older verifiers (Debian's 6.1) give
-            // up on them as too complex; that is a warning, not a failure to start.
-            if name == program_names::TC_INGRESS6 || name == program_names::TC_EGRESS6 {
-                if ipv6 {
-                    let e = anyhow::Error::new(e)
-                        .context(format!("the kernel refused eBPF program {name}"));
+        let ipv6_names: &[&str] = if ipv6_wanted {
+            &[program_names::TC_INGRESS6, program_names::TC_EGRESS6]
+        } else {
+            &[]
+        };
+        // The flow log reads the log buffer of the programs it loads: never reused.
+        let build = (!options.flow_log).then(|| reuse::build_id(object, &globals));
+        let reused = match (pins, &build) {
+            (Some(root), Some(build)) => match reuse::find(root, build, &names, ipv6_names) {
+                Ok(programs) => Some(programs),
+                Err(e) => {
+                    tracing::debug!("verifying the programs: pinned ones not reused: {e:#}");
+                    None
+                }
+            },
+            _ => None,
+        };
+        let ipv6 = match &reused {
+            Some(programs) => {
+                let ipv6 = ipv6_names.iter().all(|n| programs.contains_key(*n));
+                if ipv6_wanted && !ipv6 {
                     tracing::warn!(
-                        "the IPv6 datapath is not loaded, IPv6 services are not served by this node: {}; kernels from 6.6 load it, and --ebpf-ipv6=false skips the attempt",
-                        verifier_summary(&e)
+                        "the IPv6 datapath is not loaded, IPv6 services are not served by this node: this kernel's verifier refused its programs when this build first loaded; kernels from 6.6 load it, and --ebpf-ipv6=false skips the attempt"
                     );
                 }
-                ipv6 = false;
-                continue;
+                ipv6
             }
-            let err =
-                anyhow::Error::new(e).context(format!("the kernel refused eBPF program {name}"));
-            return Err(match hint {
-                Some(h) => err.context(h),
-                None => err,
-            });
-        }
+            None => {
+                let all: Vec<&str> = names.iter().chain(ipv6_names).copied().collect();
+                let ipv6 = check_verified(verify_all(&mut ebpf, &all)?, ipv6_wanted)?;
+                if let (Some(root), Some(build)) = (pins, &build) {
+                    let mut loaded = names.clone();
+                    if ipv6 {
+                        loaded.extend(ipv6_names);
+                    }
+                    // Only a slower next start if this fails.
+                    if let Err(e) = reuse::keep(root, build, &mut ebpf, &loaded) {
+                        tracing::warn!("keeping the verified programs for the next start: {e:#}");
+                    }
+                }
+                ipv6
+            }
+        };
+        let reused = reused.unwrap_or_default();
         // The tc programs tail-call these (IPv6 packets, refusals, new IPv4 flows).
         let mut slots = Vec::new();
         let mut tail_called = vec![
@@ -424,8 +456,9 @@ impl Datapath {
             tail_called.push((tail_calls::EGRESS6, program_names::TC_EGRESS6));
         }
         for (index, name) in tail_called {
-            let prog: &SchedClassifier = ebpf
-                .program(name)
+            let prog: &SchedClassifier = reused
+                .get(name)
+                .or_else(|| ebpf.program(name))
                 .with_context(|| format!("eBPF object has no program {name}"))?
                 .try_into()?;
             slots.push((index, prog.fd()?.try_clone()?));
@@ -440,6 +473,8 @@ impl Datapath {
         }
         let mut datapath = Datapath {
             ebpf,
+            programs_reused: !reused.is_empty(),
+            reused,
             sizes,
             config: DatapathConfig::DEFAULT,
             config6: DatapathConfig6::default(),
@@ -451,11 +486,23 @@ impl Datapath {
     }
 
     pub fn program(&self, name: &str) -> Result<&SchedClassifier> {
-        self.ebpf
-            .program(name)
+        self.reused
+            .get(name)
+            .or_else(|| self.ebpf.program(name))
             .with_context(|| format!("eBPF object has no program {name}"))?
             .try_into()
             .with_context(|| format!("program {name} is not a tc classifier"))
+    }
+
+    /// Program `name`, loaded or reused.
+    pub fn program_mut(&mut self, name: &str) -> Result<&mut Program> {
+        match self.reused.get_mut(name) {
+            Some(program) => Ok(program),
+            None => self
+                .ebpf
+                .program_mut(name)
+                .with_context(|| format!("eBPF object has no program {name}")),
+        }
     }
 
     /// Writes the datapath settings (conntrack timeouts).
@@ -542,7 +589,10 @@ impl Datapath {
             .ebpf
             .programs()
             .map(|(name, program)| {
-                let count = program
+                let count = self
+                    .reused
+                    .get(name)
+                    .unwrap_or(program)
                     .info()
                     .ok()
                     .and_then(|info| info.verified_instruction_count());
@@ -777,6 +827,37 @@ fn verify_all<'a>(
             })
             .collect()
     }))
+}
+
+/// What the verifier said, as the agent acts on it: the first refusal of a program it
+/// needs fails the start; the IPv6 programs' refusal is a warning and returns false (IPv6
+/// packets then pass untranslated, IPv4 is still served: older verifiers, Debian's 6.1,
+/// give up on them as too complex). Returns whether the IPv6 programs loaded.
+fn check_verified(
+    results: Vec<(&str, Result<(), ProgramError>)>,
+    ipv6_wanted: bool,
+) -> Result<bool> {
+    let mut ipv6 = ipv6_wanted;
+    for (name, result) in results {
+        let Err(e) = result else { continue };
+        let hint = privilege_hint(&e);
+        let err = anyhow::Error::new(e).context(format!("the kernel refused eBPF program {name}"));
+        if name == program_names::TC_INGRESS6 || name == program_names::TC_EGRESS6 {
+            if ipv6 {
+                tracing::warn!(
+                    "the IPv6 datapath is not loaded, IPv6 services are not served by this node: {}; kernels from 6.6 load it, and --ebpf-ipv6=false skips the attempt",
+                    verifier_summary(&err)
+                );
+            }
+            ipv6 = false;
+            continue;
+        }
+        return Err(match hint {
+            Some(h) => err.context(h),
+            None => err,
+        });
+    }
+    Ok(ipv6)
 }
 
 #[cfg(test)]

@@ -79,6 +79,10 @@ pub struct ControlSample {
     /// without the manifest source's reading of the whole file and its settle window.
     #[serde(default)]
     pub one_change_sync_ms: Option<f64>,
+    /// From starting the agent again on the state its predecessor left until its first
+    /// sync was recorded (the datapath serves throughout).
+    #[serde(default)]
+    pub restart_ms: Option<f64>,
     /// The agent's peak resident set (VmHWM), KiB.
     pub peak_rss_kib: Option<u64>,
     /// What the mode programmed, by its own metric: (metric, value).
@@ -226,8 +230,9 @@ fn column(
     )
 }
 
-/// A control record's cells: cold start, one change, its sync (ms), peak RSS (MiB), programmed.
-fn control_figures(control: Option<&ControlSample>) -> [String; 5] {
+/// A control record's cells: cold start, one change, its sync, restart (ms), peak RSS (MiB),
+/// programmed.
+fn control_figures(control: Option<&ControlSample>) -> [String; 6] {
     let ms = |x: Option<f64>| {
         x.map_or("—".to_string(), |x| {
             figure(x, if x < 1.0 { 3 } else { 1 })
@@ -237,6 +242,7 @@ fn control_figures(control: Option<&ControlSample>) -> [String; 5] {
         ms(control.and_then(|c| c.cold_start_ms)),
         ms(control.and_then(|c| c.one_change_ms)),
         ms(control.and_then(|c| c.one_change_sync_ms)),
+        ms(control.and_then(|c| c.restart_ms)),
         control
             .and_then(|c| c.peak_rss_kib)
             .map_or("—".to_string(), |k| format!("{:.1}", k as f64 / 1024.0)),
@@ -264,8 +270,8 @@ pub fn markdown(run: &Run) -> String {
     );
     let _ = writeln!(out, "`{}`\n", run.command);
     out.push_str(
-        "| mode | services | new connections/s | transactions/s | bulk MB/s | connect p50 µs | connect p99 µs | cold start ms | one change ms | its sync ms | peak RSS MiB | programmed |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| mode | services | new connections/s | transactions/s | bulk MB/s | connect p50 µs | connect p99 µs | cold start ms | one change ms | its sync ms | restart ms | peak RSS MiB | programmed |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for n in run.service_counts() {
         for target in run.targets() {
@@ -277,10 +283,10 @@ pub fn markdown(run: &Run) -> String {
             {
                 continue;
             }
-            let [cold, change, sync, rss, objects] = control_figures(control);
+            let [cold, change, sync, restart, rss, objects] = control_figures(control);
             let col = |w, scale, digits, ratio| column(run, n, &target, w, scale, digits, ratio);
             let mut row = format!(
-                "| {} | {n} | {} | {} | {} | {} | {} | {cold} | {change} | {sync} | {rss} | {objects} |",
+                "| {} | {n} | {} | {} | {} | {} | {} | {cold} | {change} | {sync} | {restart} | {rss} | {objects} |",
                 label(&target),
                 col(Workload::ConnectionsPerSecond, 1.0, 0, true),
                 col(Workload::TransactionsPerSecond, 1.0, 0, true),
@@ -300,7 +306,9 @@ pub fn markdown(run: &Run) -> String {
          (nftables and iptables-nft write large datapaths in several transactions, serving some services first). One change: manifests written with one more \
          endpoint until a connection reaches it (the manifest source re-reads the file, parses the documents \
          that changed, and lets writes settle for `--manifests-settle`, 100 ms, first); its sync: the agent's own \
-         sync of that change (its histogram; a datapath may serve before the sync returns).\n",
+         sync of that change (its histogram; a datapath may serve before the sync returns). Restart: the agent \
+         stopped and started again on what it left (pinned maps and programs, rules) until its first sync is \
+         recorded; the datapath serves throughout.\n",
     );
     saturated_table(run, &mut out);
     if !run.api.is_empty() {
@@ -315,7 +323,7 @@ pub fn markdown(run: &Run) -> String {
             let _ = write!(
                 out,
                 "| {} | {} | {} | {} | {} | {} | {} |",
-                c.mode, c.services, f[0], f[1], f[2], f[3], f[4]
+                c.mode, c.services, f[0], f[1], f[2], f[4], f[5]
             );
             if let Some(note) = &c.note {
                 let _ = write!(out, " {note}");

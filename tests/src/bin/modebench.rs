@@ -448,19 +448,40 @@ fn cold_start(lab: &mut Lab, args: &Args) -> Result<Duration> {
         let tail: Vec<&str> = log.lines().rev().take(3).collect();
         anyhow::anyhow!("{e:#} (agent log ends: {})", tail.join(" | "))
     })?;
+    first_sync_recorded(lab, args)?;
+    Ok(started.elapsed())
+}
+
+/// Waits until the agent's metrics count a sync.
+fn first_sync_recorded(lab: &Lab, args: &Args) -> Result<()> {
     let deadline = Instant::now() + args.serve_timeout;
     loop {
         if metrics_text(lab)
             .and_then(|t| sync_totals(&t))
             .is_some_and(|(_, count)| count >= 1.0)
         {
-            return Ok(started.elapsed());
+            return Ok(());
         }
         if Instant::now() > deadline {
             bail!("the agent recorded no sync within {:?}", args.serve_timeout);
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// From starting the agent again (same settings, the state its predecessor left: pinned
+/// maps and programs, rules) until it recorded its first sync. The datapath serves
+/// throughout; this is how long a restarted agent takes to be in charge again.
+fn restart(lab: &mut Lab, mode: &str, n: usize, args: &Args) -> Result<Duration> {
+    // What the one change left.
+    let path = lab.write_manifests(&manifests(lab, n, 4))?;
+    lab.stop_agent()?;
+    let extra = agent_args(mode, n);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let started = Instant::now();
+    lab.spawn_agent(&path, &extra)?;
+    first_sync_recorded(lab, args)?;
+    Ok(started.elapsed())
 }
 
 /// What one more endpoint for the measured service cost.
@@ -873,6 +894,22 @@ fn main() -> Result<()> {
             }
             control.peak_rss_kib = pid.and_then(peak_rss_kib);
             control.datapath_objects = objects;
+            bar.set_message(format!("{n} services: restart, {}", target.name));
+            match restart(&mut target.lab, &target.name, n, &args) {
+                Ok(took) => control.restart_ms = Some(took.as_secs_f64() * 1e3),
+                Err(e) => {
+                    let why = format!("restart: {e:#}");
+                    control.note = Some(match control.note.take() {
+                        Some(earlier) => format!("{earlier}; {why}"),
+                        None => why,
+                    });
+                }
+            }
+            keep_log(
+                &mut target.lab,
+                &args,
+                &format!("agent-{}-{n}-restart.log", target.name),
+            );
             bar.inc(1);
         }
         bar.inc((modes.len() + 1 - targets.len()) as u64);
