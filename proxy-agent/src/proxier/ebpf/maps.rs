@@ -19,7 +19,10 @@ use proxy_common::{
     SourceRangeKey, SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
 };
 
-use crate::datapath::{batch::update_batch, Datapath};
+use crate::datapath::{
+    batch::{self, update_batch},
+    Datapath,
+};
 
 /// A key of `SERVICES` (IPv4 frontends) or `SERVICES6` (IPv6 frontends): the two maps share
 /// their values, service ids and backend ids, so the sync logic writes them alike.
@@ -587,20 +590,47 @@ impl ServiceMaps for KernelMaps {
                 message: e.to_string(),
             }
         };
+        use aya::maps::IterableMap;
         let mut contents = MapContents::default();
-        for entry in self.services.iter() {
-            let (k, v) = entry.map_err(other("SERVICES"))?;
-            contents.services.push((ServiceMapKey::V4(k), v));
-        }
-        for entry in self.services6.iter() {
-            let (k, v) = entry.map_err(other("SERVICES6"))?;
-            contents.services.push((ServiceMapKey::V6(k), v));
-        }
-        for (slot, b) in self.backends.iter().enumerate() {
-            let b = b.map_err(other("BACKENDS"))?;
+        // In batches where the kernel has them (5.6+): an adopting restart reads every
+        // entry, 120 000 at 10 000 services (364 ms one by one).
+        let services = match batch::lookup_all::<ServiceKey, ServiceValue>(self.services.map()) {
+            Some(all) => all,
+            None => self
+                .services
+                .iter()
+                .collect::<Result<_, _>>()
+                .map_err(other("SERVICES"))?,
+        };
+        contents
+            .services
+            .extend(services.into_iter().map(|(k, v)| (ServiceMapKey::V4(k), v)));
+        let services6 = match batch::lookup_all::<ServiceKey6, ServiceValue>(self.services6.map()) {
+            Some(all) => all,
+            None => self
+                .services6
+                .iter()
+                .collect::<Result<_, _>>()
+                .map_err(other("SERVICES6"))?,
+        };
+        contents.services.extend(
+            services6
+                .into_iter()
+                .map(|(k, v)| (ServiceMapKey::V6(k), v)),
+        );
+        let backends: Vec<(u32, Backend)> =
+            match batch::lookup_all::<u32, Backend>(self.backends.map()) {
+                Some(all) => all,
+                None => (0..)
+                    .zip(self.backends.iter())
+                    .map(|(slot, b)| b.map(|b| (slot, b)))
+                    .collect::<Result<_, _>>()
+                    .map_err(other("BACKENDS"))?,
+            };
+        for (slot, b) in backends {
             if !b.in_use() {
                 if b.id != 0 {
-                    contents.retired.push((slot as u32, b.id | slot as u32));
+                    contents.retired.push((slot, b.id | slot));
                 }
                 continue;
             }
