@@ -32,9 +32,15 @@ pub struct Cli {
     #[arg(long)]
     pub config: Option<PathBuf>,
 
-    /// Which proxy mode to use: ebpf (default), iptables, nftables, userspace, or auto (the
-    /// first of those the kernel supports).
-    #[arg(long = "proxy-mode", default_value = "ebpf", value_parser = parse_mode)]
+    /// Which proxy mode to use: ebpf (default), iptables, ipvs, nftables, userspace, or auto
+    /// (the first the kernel and node support, in the order ebpf, nftables, iptables, ipvs,
+    /// userspace). `--mode` is the same flag.
+    #[arg(
+        long = "proxy-mode",
+        visible_alias = "mode",
+        default_value = "ebpf",
+        value_parser = parse_mode
+    )]
     pub proxy_mode: ProxyMode,
 
     /// Read Services, EndpointSlices and Nodes from this YAML/JSON file or directory

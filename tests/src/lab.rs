@@ -1047,13 +1047,16 @@ pub type LoopOutcome = (usize, Vec<String>);
 /// Opens connections from a pod in a loop until stopped; counts what failed.
 pub struct ConnectLoop {
     stop: Arc<AtomicBool>,
+    served: Arc<std::sync::atomic::AtomicUsize>,
     thread: Option<JoinHandle<Result<(LoopOutcome, Duration)>>>,
 }
 
 impl ConnectLoop {
     pub fn start(ns: &Netns, to: SocketAddrV4) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let flag = stop.clone();
+        let count = served.clone();
         let thread = ns.spawn(move || {
             let mut ok = 0;
             let mut failures = Vec::new();
@@ -1063,6 +1066,7 @@ impl ConnectLoop {
                 match client::tcp_hello(to, Duration::from_secs(1)) {
                     Ok(_) => {
                         ok += 1;
+                        count.store(ok, Ordering::Relaxed);
                         longest_gap = longest_gap.max(last_ok.elapsed());
                         last_ok = Instant::now();
                     }
@@ -1073,8 +1077,14 @@ impl ConnectLoop {
         });
         ConnectLoop {
             stop,
+            served,
             thread: Some(thread),
         }
+    }
+
+    /// Connections that worked so far.
+    pub fn served(&self) -> usize {
+        self.served.load(Ordering::Relaxed)
     }
 
     /// Stops the loop; returns (connections that worked, errors of those that failed).

@@ -667,7 +667,13 @@ fn switch_modes(lab: &mut Lab, manifests: &Path, modes: &[&str]) {
         while Instant::now() < deadline && !leftovers_after_switch(lab, current, next).is_empty() {
             std::thread::sleep(Duration::from_millis(50));
         }
-        std::thread::sleep(Duration::from_millis(500));
+        // Then until the loop itself has been served a few more times: a connection caught
+        // by the switch (translated by one datapath, answered through the next) takes the
+        // loop's whole 1 s timeout, which a fixed wait here did not always outlast.
+        let before = connects.served();
+        while Instant::now() < deadline && connects.served() < before + 25 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let ((ok, failed), gap) = connects.finish_with_gap().unwrap();
         // The figures the issue asks for; not a pass/fail threshold.
         eprintln!(

@@ -306,3 +306,26 @@ fn external_ip_cidrs_come_from_the_flag_over_the_file() {
     let e = format!("{:#}", bad.err().expect("an invalid CIDR is an error"));
     assert!(e.contains("--external-ip-cidrs"), "{e}");
 }
+
+/// `--mode` is the design card's spelling of `--proxy-mode`; `--help` shows both and every
+/// mode.
+#[test]
+fn mode_is_an_alias_of_proxy_mode_and_help_lists_every_mode() {
+    // The file says `mode: ebpf`; the command line wins under either spelling.
+    for (args, want) in [
+        (&["--mode", "ipvs"][..], ProxyMode::Ipvs),
+        (&["--proxy-mode", "nftables"][..], ProxyMode::Nftables),
+        (&["--mode=auto"][..], ProxyMode::Auto),
+        (&[][..], ProxyMode::Ebpf),
+    ] {
+        assert_eq!(with_config(FILE, args).mode, want, "{args:?}");
+    }
+    let help = Cli::command().render_long_help().to_string();
+    assert!(
+        help.contains("--proxy-mode") && help.contains("--mode"),
+        "{help}"
+    );
+    for mode in ["ebpf", "iptables", "ipvs", "nftables", "userspace", "auto"] {
+        assert!(help.contains(mode), "{mode} missing from --help");
+    }
+}
