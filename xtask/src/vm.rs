@@ -1,9 +1,10 @@
 //! `cargo xtask vm-test --kernel debian-6.1`: the conformance suite on a kernel this machine
 //! does not run (IPVS, SCTP, the dummy driver, and tc attachment without TCX).
 //!
-//! The kernel is Debian's, resolved through the `linux-image-amd64` metapackage of this
-//! host's apt sources (never a pinned ABI name), fetched with `apt-get download` and
-//! unpacked under `target/vm/<kernel>/`. It boots under `qemu-system-x86_64` with a small
+//! The kernel is Debian's, resolved through the `linux-image-amd64` metapackage (never a
+//! pinned ABI name) of this host's apt sources, or, for another release's kernel (5.10:
+//! bullseye), of a private apt configuration under `target/vm/apt/`; fetched with
+//! `apt-get download` and unpacked under `target/vm/<kernel>/`. It boots under `qemu-system-x86_64` with a small
 //! initramfs (busybox and the virtio/9p modules); the init mounts this host's root read-only
 //! over 9p, chroots into it — so iproute2, iptables with its run-time extensions, nft,
 //! ipvsadm, the agent and the test binaries are the host's own — and loads every other
@@ -148,8 +149,8 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
         .with_context(|| format!("--kernel {}: expected debian-<major>.<minor>", opts.kernel))?;
     let dir = root().join("target/vm").join(&opts.kernel);
     std::fs::create_dir_all(&dir)?;
-    let release = resolve_kernel(series)?;
-    let unpacked = fetch_kernel(&dir, &release)?;
+    let (release, apt) = resolve_kernel(series)?;
+    let unpacked = fetch_kernel(&dir, &release, &apt)?;
     let initramfs = build_initramfs(&dir, &unpacked, &release)?;
     let vmlinuz = unpacked.join(format!("boot/vmlinuz-{release}"));
 
@@ -285,32 +286,138 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
     }
 }
 
-/// The kernel release `linux-image-amd64` depends on, which must be of `series`.
-fn resolve_kernel(series: &str) -> Result<String> {
-    let out = Command::new("apt-cache")
-        .args(["depends", "linux-image-amd64"])
-        .output()
-        .context("apt-cache (this runner needs Debian's apt)")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let release = text
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("Depends: linux-image-"))
-        .map(str::to_string)
-        .next()
-        .context(
-            "apt-cache depends linux-image-amd64 names no kernel: run `apt-get update` first",
-        )?;
-    if !release.starts_with(&format!("{series}.")) {
-        bail!(
-            "this host's apt sources resolve linux-image-amd64 to {release}, not a {series} kernel \
-             (Debian's {series} comes with the release whose sources are configured)"
-        );
+/// Debian's release whose `linux-image-amd64` is kernel series `series`.
+fn debian_suite(series: &str) -> Option<&'static str> {
+    match series {
+        "4.19" => Some("buster"),
+        "5.10" => Some("bullseye"),
+        "6.1" => Some("bookworm"),
+        "6.12" => Some("trixie"),
+        _ => None,
     }
-    Ok(release)
+}
+
+/// Where apt finds a kernel series: this host's own sources when they resolve
+/// `linux-image-amd64` to it, else a private configuration for the Debian release that
+/// ships it (its own sources list, package lists and cache under `target/vm/apt/<suite>`;
+/// the host's apt state is untouched). The options go before every apt command.
+struct Apt {
+    options: Vec<String>,
+}
+
+impl Apt {
+    fn command(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.args(&self.options);
+        c
+    }
+
+    /// `linux-image-amd64`'s kernel, if these sources have it.
+    fn kernel(&self) -> Result<Option<String>> {
+        let out = self
+            .command("apt-cache")
+            .args(["depends", "linux-image-amd64"])
+            .output()
+            .context("apt-cache (this runner needs Debian's apt)")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        Ok(text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("Depends: linux-image-"))
+            .map(str::to_string)
+            .next())
+    }
+
+    /// A private configuration for Debian `suite` (and its security updates), its package
+    /// lists fetched once a day.
+    fn private(suite: &str) -> Result<Apt> {
+        let dir = root().join("target/vm/apt").join(suite);
+        for sub in ["lists/partial", "cache/archives/partial", "parts"] {
+            std::fs::create_dir_all(dir.join(sub))?;
+        }
+        let list = dir.join("sources.list");
+        let keyring = "/usr/share/keyrings/debian-archive-keyring.gpg";
+        std::fs::write(
+            &list,
+            format!(
+                "deb [signed-by={keyring}] http://deb.debian.org/debian {suite} main\n\
+                 deb [signed-by={keyring}] http://deb.debian.org/debian-security {suite}-security main\n"
+            ),
+        )?;
+        let path = |p: &Path| p.display().to_string();
+        let apt = Apt {
+            options: vec![
+                "-o".into(),
+                format!("Dir::Etc::SourceList={}", path(&list)),
+                "-o".into(),
+                format!("Dir::Etc::SourceParts={}", path(&dir.join("parts"))),
+                "-o".into(),
+                format!("Dir::State::Lists={}", path(&dir.join("lists"))),
+                "-o".into(),
+                format!("Dir::Cache={}", path(&dir.join("cache"))),
+                // The host's installed packages are not this release's business.
+                "-o".into(),
+                "Dir::State::status=/dev/null".into(),
+            ],
+        };
+        let stamp = dir.join("lists/updated");
+        let fresh = std::fs::metadata(&stamp)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().unwrap_or_default() < Duration::from_secs(86_400));
+        if !fresh {
+            step(&format!(
+                "vm-test: apt-get update for Debian {suite} (private lists)"
+            ));
+            let out = apt
+                .command("apt-get")
+                .args(["update", "-qq"])
+                .output()
+                .context("apt-get")?;
+            let err = String::from_utf8_lossy(&out.stderr);
+            if !out.status.success()
+                || err.contains("does not have a Release file")
+                || err.contains("404")
+            {
+                bail!(
+                    "Debian {suite}'s package lists could not be fetched from deb.debian.org (is the release still served there, or only by archive.debian.org?): {}",
+                    err.trim()
+                );
+            }
+            std::fs::write(&stamp, b"")?;
+        }
+        Ok(apt)
+    }
+}
+
+/// The Debian kernel of `series` (`major.minor`) and the apt that fetches it.
+fn resolve_kernel(series: &str) -> Result<(String, Apt)> {
+    let host = Apt {
+        options: Vec::new(),
+    };
+    let on_host = host.kernel()?;
+    if let Some(release) = on_host
+        .as_ref()
+        .filter(|r| r.starts_with(&format!("{series}.")))
+    {
+        return Ok((release.clone(), host));
+    }
+    let Some(suite) = debian_suite(series) else {
+        bail!(
+            "no Debian release is known to ship a {series} kernel (known: 4.19 buster, 5.10 bullseye, 6.1 bookworm, 6.12 trixie){}",
+            on_host.map(|r| format!("; this host's sources have {r}")).unwrap_or_default()
+        );
+    };
+    let apt = Apt::private(suite)?;
+    let release = apt
+        .kernel()?
+        .with_context(|| format!("Debian {suite}'s lists name no linux-image-amd64 kernel"))?;
+    if !release.starts_with(&format!("{series}.")) {
+        bail!("Debian {suite}'s linux-image-amd64 is {release}, not a {series} kernel");
+    }
+    Ok((release, apt))
 }
 
 /// Downloads and unpacks the kernel package once; returns the unpacked tree.
-fn fetch_kernel(dir: &Path, release: &str) -> Result<PathBuf> {
+fn fetch_kernel(dir: &Path, release: &str, apt: &Apt) -> Result<PathBuf> {
     let unpacked = dir.join("root");
     let vmlinuz = unpacked.join(format!("boot/vmlinuz-{release}"));
     if vmlinuz.exists() {
@@ -318,7 +425,8 @@ fn fetch_kernel(dir: &Path, release: &str) -> Result<PathBuf> {
     } else {
         step(&format!("vm-test: apt-get download linux-image-{release}"));
         let package = format!("linux-image-{release}");
-        run(Command::new("apt-get")
+        run(apt
+            .command("apt-get")
             .args(["download", "-qq", &package])
             .current_dir(dir))?;
         let deb = std::fs::read_dir(dir)?
