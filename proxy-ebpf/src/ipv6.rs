@@ -537,7 +537,7 @@ fn schedule_slot(pkt: &Packet6, header: &ServiceValue) -> u16 {
     }
     let frontend = pkt.frontend(crate::scope_of(header));
     let (client, destination) = (fold_address(&pkt.key.saddr), fold_address(&pkt.key.daddr));
-    crate::schedule(frontend, client, destination, header)
+    crate::schedule::<_, true>(frontend, client, destination, header)
 }
 
 /// The backend in `slot` (or in slot 1, when a shrinking service just lost `slot`),

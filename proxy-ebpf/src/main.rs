@@ -41,7 +41,7 @@ use aya_ebpf::{
         BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, TC_ACT_SHOT,
         TC_ACT_UNSPEC,
     },
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop, bpf_redirect},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect},
     macros::{cgroup_sock, cgroup_sock_addr, classifier, map},
     maps::{
         lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray,
@@ -188,7 +188,79 @@ const SNAT_PORT_SPAN: u32 = 32768;
 const SNAT_PORT_TRIES: u32 = 8;
 /// Backends a least-connection scheduler compares per new flow (bpf_loop, so the cost is
 /// per backend scanned, not per verification).
+#[cfg(not(feature = "no-bpf-loop"))]
 const LC_SCAN: u32 = 1024;
+/// Whether the socket hooks run the least-connection family's scans (see [`schedule`]).
+pub(crate) const SOCKET_SCANS: bool = !cfg!(feature = "no-bpf-loop");
+/// Without bpf_loop (kernels before 5.17: the `no-bpf-loop` build) the scan is a bounded
+/// loop the verifier walks step by step, so it compares fewer backends (from a random start,
+/// as the longer scan does).
+#[cfg(feature = "no-bpf-loop")]
+const LC_SCAN: u32 = 16;
+
+/// One step of a scan over backends (see [`scan_steps`]): non-zero ends the scan.
+trait ScanStep {
+    fn step(&mut self, index: u64) -> i64;
+}
+
+/// A scan step as a `bpf_loop` callback.
+#[cfg(not(feature = "no-bpf-loop"))]
+extern "C" fn step_callback<S: ScanStep>(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: bpf_loop passes back the pointer scan_steps gave it, to the caller's stack.
+    let scan = unsafe { &mut *(ctx as *mut S) };
+    scan.step(index)
+}
+
+/// Runs `scan.step(i)` for i in 0..steps until it returns non-zero: `bpf_loop` (5.17),
+/// whose callback is verified once.
+#[cfg(not(feature = "no-bpf-loop"))]
+#[inline(always)]
+fn scan_steps<S: ScanStep>(steps: u32, scan: &mut S) {
+    // SAFETY: the callback gets back `scan`, which outlives the call.
+    unsafe {
+        aya_ebpf::helpers::bpf_loop(
+            steps,
+            step_callback::<S> as *mut core::ffi::c_void,
+            scan as *mut S as *mut core::ffi::c_void,
+            0,
+        );
+    }
+}
+
+/// The same as a bounded loop of at most [`LC_SCAN`] steps, in the caller's frame
+/// (kernels before 5.17, whose verifiers also reject a callback's function pointer).
+#[cfg(feature = "no-bpf-loop")]
+#[inline(always)]
+fn scan_steps<S: ScanStep>(steps: u32, scan: &mut S) {
+    let mut i = 0u32;
+    while i < LC_SCAN && i < steps {
+        if scan.step(i as u64) != 0 {
+            break;
+        }
+        i += 1;
+    }
+}
+
+/// A scan's state in the `no-bpf-loop` build: a per-CPU value instead of the stack, whose
+/// 512 bytes the packet program and a bounded scan in its frame chain do not both fit.
+#[cfg(feature = "no-bpf-loop")]
+#[map]
+static SCAN_SCRATCH: PerCpuArray<[u64; 16]> = PerCpuArray::with_max_entries(1, 0);
+
+/// `state`, moved to where its scan runs: the per-CPU scratch value (`no-bpf-loop`).
+#[cfg(feature = "no-bpf-loop")]
+#[inline(always)]
+fn scan_state<'a, S>(state: S) -> Option<&'a mut S> {
+    const { assert!(core::mem::size_of::<S>() <= core::mem::size_of::<[u64; 16]>()) };
+    let place = SCAN_SCRATCH.get_ptr_mut(0)? as *mut S;
+    // SAFETY: a map value pointer, valid for this run, large and aligned enough (above);
+    // one program runs per CPU at a time, and each scan initialises it before use.
+    unsafe {
+        place.write(state);
+        Some(&mut *place)
+    }
+}
+
 /// IPVS's default lblcr expiration (net.ipv4.vs.lblcr_expiration): 24 hours.
 const LBLCR_EXPIRATION_NS: u64 = 24 * 3600 * 1_000_000_000;
 
@@ -923,7 +995,7 @@ fn new_flow(
     let (backend_id, backend) = match sticky_backend(&affinity_key, affinity_ns, now) {
         Some(found) => found,
         None => {
-            let slot = schedule(frontend, pkt.key.saddr, pkt.key.daddr, header);
+            let slot = schedule::<_, true>(frontend, pkt.key.saddr, pkt.key.daddr, header);
             match pick(frontend, slot) {
                 Some(found) => found,
                 // The agent shrinks a service by lowering the header's count before it
@@ -1037,8 +1109,11 @@ fn new_flow(
 /// The slot (1..=count) a new flow goes to, by the frontend's scheduler.
 /// `client` and `destination` are the addresses the hashing schedulers hash (an IPv6
 /// address folded to 32 bits); `frontend` is where the slots are.
+/// `SCANS`: whether the least-connection family scans (else a random slot: the socket
+/// hooks of the `no-bpf-loop` build, whose verifiers cannot afford the bounded scan in
+/// them; pods' sockets to such frontends are left to the tc path there).
 #[inline(always)]
-fn schedule<F: SlotTable>(
+fn schedule<F: SlotTable, const SCANS: bool>(
     frontend: F,
     client: u32,
     destination: u32,
@@ -1048,7 +1123,11 @@ fn schedule<F: SlotTable>(
     // (the socket hooks call helpers in between, after which the header is read again), and
     // a division by a possible zero is a panic path the verifier rejects.
     let count = (header.count as u32).max(1);
-    let slot = match scheduler_of(header) {
+    let id = scheduler_of(header);
+    if !SCANS && scheduler::counts_connections(id) {
+        return random_below(count) as u16 + 1;
+    }
+    let slot = match id {
         id @ (scheduler::LC | scheduler::WLC | scheduler::SED | scheduler::NQ) => {
             return least_loaded(frontend, header, id)
         }
@@ -1059,7 +1138,10 @@ fn schedule<F: SlotTable>(
         scheduler::MH => return maglev(client, header),
         scheduler::LBLC => return locality(frontend, header),
         scheduler::LBLCR => {
-            return replicated_locality(frontend, header, unsafe { bpf_ktime_get_ns() })
+            // The weighted-least-connection choice first: its scan is done (and its stack,
+            // or scratch value, free again) before the set's scan needs its own.
+            let candidate = least_loaded(frontend, header, scheduler::WLC);
+            return replicated_locality(frontend, header, unsafe { bpf_ktime_get_ns() }, candidate);
         }
         _ => random_below(count),
     };
@@ -1176,7 +1258,10 @@ fn active_connections(backend_id: u32) -> u64 {
 /// random start (a service with more backends is judged on that many):
 /// lc: fewest active; wlc: fewest active per weight; sed: fewest (active + 1) per weight;
 /// nq: an idle backend if any, else as sed. Weights come from the slots' cumulative weights.
-#[inline(always)]
+// Without bpf_loop the scan runs here, in a frame of its own: inlined, it would not fit the
+// packet program's.
+#[cfg_attr(not(feature = "no-bpf-loop"), inline(always))]
+#[cfg_attr(feature = "no-bpf-loop", inline(never))]
 fn least_loaded<F: SlotTable>(frontend: F, header: &ServiceValue, id: u16) -> u16 {
     let count = header.count as u32;
     // "No best yet" is a slot past the end, and the best's cost and weight start as values
@@ -1184,7 +1269,7 @@ fn least_loaded<F: SlotTable>(frontend: F, header: &ServiceValue, id: u16) -> u1
     // state of its first call, and would judge a branch that only later steps take (the
     // comparison with a best found earlier) dead and wire it away.
     let none = count + 1;
-    let mut scan = LcScan {
+    let state = LcScan {
         frontend,
         start: random_below(count),
         count,
@@ -1197,16 +1282,17 @@ fn least_loaded<F: SlotTable>(frontend: F, header: &ServiceValue, id: u16) -> u1
         },
         idle: 0,
     };
+    #[cfg(not(feature = "no-bpf-loop"))]
+    let mut state = state;
+    #[cfg(not(feature = "no-bpf-loop"))]
+    let scan = &mut state;
+    #[cfg(feature = "no-bpf-loop")]
+    let Some(scan) = scan_state(state) else {
+        return random_below(count) as u16 + 1;
+    };
     // bpf_loop: the step is verified once, whatever the number of backends scanned.
     let steps = if count < LC_SCAN { count } else { LC_SCAN };
-    unsafe {
-        bpf_loop(
-            steps,
-            lc_step::<F> as *mut core::ffi::c_void,
-            &mut scan as *mut LcScan<F> as *mut core::ffi::c_void,
-            0,
-        );
-    }
+    scan_steps(steps, scan);
     let chosen = if scan.idle != 0 {
         scan.idle
     } else {
@@ -1231,12 +1317,17 @@ struct LcScan<F> {
     idle: u32,
 }
 
-/// One step of the least-connection scan (a bpf_loop callback): records slot
-/// `start + index` in the scan's best if it is better; ends the scan at an idle backend
-/// under nq.
-extern "C" fn lc_step<F: SlotTable>(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: bpf_loop passes back the pointer least_loaded gave it, to its stack.
-    let scan = unsafe { &mut *(ctx as *mut LcScan<F>) };
+/// One step of the least-connection scan: records slot `start + index` in the scan's best
+/// if it is better; ends the scan at an idle backend under nq.
+impl<F: SlotTable> ScanStep for LcScan<F> {
+    #[inline(always)]
+    fn step(&mut self, index: u64) -> i64 {
+        lc_step(self, index)
+    }
+}
+
+#[inline(always)]
+fn lc_step<F: SlotTable>(scan: &mut LcScan<F>, index: u64) -> i64 {
     if scan.count == 0 {
         return 1;
     }
@@ -1353,9 +1444,15 @@ struct SetScan<F> {
 
 /// One member of an lblcr set: dropped if its slot no longer holds its backend, else
 /// compared (active per weight) with the least and most loaded so far.
-extern "C" fn set_step<F: SlotTable>(index: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: bpf_loop passes back the pointer replicated_locality gave it, to its stack.
-    let scan = unsafe { &mut *(ctx as *mut SetScan<F>) };
+impl<F: SlotTable> ScanStep for SetScan<F> {
+    #[inline(always)]
+    fn step(&mut self, index: u64) -> i64 {
+        set_step(self, index)
+    }
+}
+
+#[inline(always)]
+fn set_step<F: SlotTable>(scan: &mut SetScan<F>, index: u64) -> i64 {
     let i = index as usize;
     if i >= LBLCR_SET_SIZE {
         return 1;
@@ -1411,15 +1508,17 @@ fn member_load<F: SlotTable>(scan: &mut SetScan<F>, i: usize) -> bool {
 /// a set of several drops its most loaded member. Sets hold [`LBLCR_SET_SIZE`] members; a
 /// full set gives up its most loaded one.
 #[inline(always)]
-fn replicated_locality<F: SlotTable>(frontend: F, header: &ServiceValue, now: u64) -> u16 {
+fn replicated_locality<F: SlotTable>(
+    frontend: F,
+    header: &ServiceValue,
+    now: u64,
+    candidate: u16,
+) -> u16 {
     let count = header.count;
     let Some(set) = LBLCR_SETS.get_ptr_mut(header.service_id) else {
         return random_below(count as u32) as u16 + 1;
     };
-    // The weighted-least-connection choice first: its scan's stack is then free again
-    // before the set's scan needs its own (BPF's 512 bytes are tight).
-    let candidate = least_loaded(frontend, header, scheduler::WLC);
-    let mut scan = SetScan {
+    let state = SetScan {
         frontend,
         count: count as u32,
         // SAFETY: a map value pointer, valid for this run.
@@ -1437,14 +1536,15 @@ fn replicated_locality<F: SlotTable>(frontend: F, header: &ServiceValue, now: u6
         live: 0,
         _pad0: 0,
     };
-    unsafe {
-        bpf_loop(
-            LBLCR_SET_SIZE as u32,
-            set_step::<F> as *mut core::ffi::c_void,
-            &mut scan as *mut SetScan<F> as *mut core::ffi::c_void,
-            0,
-        );
-    }
+    #[cfg(not(feature = "no-bpf-loop"))]
+    let mut state = state;
+    #[cfg(not(feature = "no-bpf-loop"))]
+    let scan = &mut state;
+    #[cfg(feature = "no-bpf-loop")]
+    let Some(scan) = scan_state(state) else {
+        return candidate;
+    };
+    scan_steps(LBLCR_SET_SIZE as u32, scan);
     if scan.live > 1 && scan.max != 0 && now.wrapping_sub(scan.set.changed_ns) > LBLCR_EXPIRATION_NS
     {
         // Masked, not just compared: the verifier must see the bound on the register

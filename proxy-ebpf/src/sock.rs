@@ -16,6 +16,7 @@
 //! | `masqueradeAll`: a pod                                 | leaves it to tc (4)         |
 //! | source ranges: the node                                | judged by the node's address |
 //! | least-connection scheduler, no release hook: a pod     | leaves it to tc (3)         |
+//! | least-connection scheduler, no bpf_loop: a pod / the node | leaves it to tc / random (5) |
 //! | otherwise                                              | affinity, scheduler, counts |
 //!
 //! (1) tc moves the flow to a live backend when its backend leaves the Service, packet by
@@ -23,7 +24,9 @@
 //! by routing after connect; the tc path sees it in the packet. (3) A count that no close
 //! takes back would skew the scheduler for good. (4) The operator asked for every service
 //! flow to reach its backend from the node's address; a socket connected straight to the
-//! backend would not.
+//! backend would not. (5) The `no-bpf-loop` build (kernels before 5.17): the scan's bounded
+//! loop in these hooks is more than those verifiers can walk in reasonable time; the tc path
+//! scans.
 //!
 //! A pod connecting to its own Service and given itself reaches itself directly, with its
 //! own address as the source, as with Cilium's socket LB (the tc path would source-NAT it
@@ -51,8 +54,8 @@ use proxy_common::{
 use crate::{
     affinity_timeout_again, backend, bump, config, count_connection, remembered, schedule,
     scheduler_again, scheduler_of, scope_of, scoped_header, Frontend4, SlotTable, BACKEND_STATS,
-    BACKEND_STATS_ENABLED, HOST_NETNS_COOKIE, SERVICE_STATS, SOCK_AFFINITY, SOCK_HOST_ONLY,
-    SOCK_LB, SOCK_RELEASE_ATTACHED, SOCK_REVNAT, SOCK_SET_RETVAL, SOURCE_RANGES,
+    BACKEND_STATS_ENABLED, HOST_NETNS_COOKIE, SERVICE_STATS, SOCKET_SCANS, SOCK_AFFINITY,
+    SOCK_HOST_ONLY, SOCK_LB, SOCK_RELEASE_ATTACHED, SOCK_REVNAT, SOCK_SET_RETVAL, SOURCE_RANGES,
 };
 
 /// cgroup sock_addr verdicts.
@@ -121,7 +124,7 @@ pub fn choose<F: SlotTable>(
     }
     if !from_node
         && scheduler::counts_connections(scheduler_of(header))
-        && SOCK_RELEASE_ATTACHED.load() == 0
+        && (SOCK_RELEASE_ATTACHED.load() == 0 || !SOCKET_SCANS)
     {
         return leave();
     }
@@ -163,7 +166,7 @@ fn pick<F: SlotTable>(
         Some(found) => found,
         None => {
             let client = (netns as u32) ^ ((netns >> 32) as u32);
-            let slot = schedule(frontend, client, destination, header);
+            let slot = schedule::<_, SOCKET_SCANS>(frontend, client, destination, header);
             // As on the tc path: slot 1 exists while count > 0, a shrinking service's
             // last slots may not.
             slot_backend(frontend, slot).or_else(|| slot_backend(frontend, 1))?

@@ -294,35 +294,37 @@ fn ensure_setup() -> Result<()> {
 fn build_ebpf() -> Result<()> {
     ensure_setup()?;
     step("build-ebpf: proxy-ebpf for bpfel-unknown-none (Debian rustc + bpf-linker)");
-    let mut cmd = Command::new("cargo");
-    cmd.current_dir(root().join("proxy-ebpf"))
-        .args(["build", "--release", "--locked"])
-        .env("RUSTC", DEBIAN_RUSTC)
-        // aya-ebpf uses asm_experimental_arch; allowed for this build only.
-        .env("RUSTC_BOOTSTRAP", "1");
-    for var in [
-        "RUSTFLAGS",
-        "CARGO_ENCODED_RUSTFLAGS",
-        "CARGO_TARGET_DIR",
-        "CARGO_BUILD_TARGET",
-        "RUSTC_WRAPPER",
-        "RUSTC_WORKSPACE_WRAPPER",
-    ] {
-        cmd.env_remove(var);
+    let build = || {
+        let mut cmd = Command::new("cargo");
+        cmd.current_dir(root().join("proxy-ebpf"))
+            .args(["build", "--release", "--locked"])
+            .env("RUSTC", DEBIAN_RUSTC)
+            // aya-ebpf uses asm_experimental_arch; allowed for this build only.
+            .env("RUSTC_BOOTSTRAP", "1");
+        for var in [
+            "RUSTFLAGS",
+            "CARGO_ENCODED_RUSTFLAGS",
+            "CARGO_TARGET_DIR",
+            "CARGO_BUILD_TARGET",
+            "RUSTC_WRAPPER",
+            "RUSTC_WORKSPACE_WRAPPER",
+        ] {
+            cmd.env_remove(var);
+        }
+        if let Some(home) = bpf_linker().and_then(|p| p.parent().map(Path::to_path_buf)) {
+            let path = std::env::var("PATH").unwrap_or_default();
+            cmd.env("PATH", format!("{}:{path}", home.display()));
+        }
+        cmd
+    };
+    run(&mut build())?;
+    // The datapath for kernels without bpf_loop (the agent embeds both), and a
+    // deliberately different build for the upgrade test.
+    for feature in ["no-bpf-loop", "upgrade-test-variant"] {
+        run(build()
+            .args(["--features", feature, "--target-dir"])
+            .arg(format!("target/{feature}")))?;
     }
-    if let Some(home) = bpf_linker().and_then(|p| p.parent().map(Path::to_path_buf)) {
-        let path = std::env::var("PATH").unwrap_or_default();
-        cmd.env("PATH", format!("{}:{path}", home.display()));
-    }
-    run(&mut cmd)?;
-    // A second, deliberately different build for the upgrade test.
-    cmd.args([
-        "--features",
-        "upgrade-test-variant",
-        "--target-dir",
-        "target/upgrade-test-variant",
-    ]);
-    run(&mut cmd)?;
     let object = ebpf_object();
     if !object.exists() {
         bail!("build-ebpf finished but {} is missing", object.display());

@@ -106,7 +106,7 @@ fn skipped_rows(kernel: &str) -> Vec<(&'static str, &'static str)> {
 /// Agent flags per kernel.
 fn agent_args(kernel: &str) -> &'static str {
     match kernel {
-        "debian-6.1" => "--ebpf-ipv6=false",
+        "debian-6.1" | "debian-5.10" => "--ebpf-ipv6=false",
         _ => "",
     }
 }

@@ -22,6 +22,10 @@ pub struct KernelFeatures {
     /// socket it counted for a least-connection scheduler. Without it, pods' sockets to
     /// such frontends are left to the tc path.
     pub sock_release_cookie: bool,
+    /// `bpf_loop` in tc programs (5.17): least-connection scans verified once, over up to
+    /// 1 024 backends. Without it the agent loads the datapath's `no-bpf-loop` build, whose
+    /// scans compare 16 backends.
+    pub bpf_loop: bool,
 }
 
 impl KernelFeatures {
@@ -42,10 +46,16 @@ impl KernelFeatures {
                 ProgramType::CgroupSock,
                 BpfHelper::BPF_FUNC_get_socket_cookie,
             ),
+            bpf_loop: helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_loop),
         }
     }
 
     fn report(&self) {
+        if !self.bpf_loop {
+            warn!(
+                "this kernel has no bpf_loop (5.17+): the datapath's build without it is loaded; least-connection schedulers (lc, wlc, sed, nq, lblcr) compare 16 backends per new flow, from a random start, instead of up to 1 024"
+            );
+        }
         if !self.sock_release_cookie {
             warn!(
                 "this kernel's cgroup/sock programs cannot read a socket's cookie: pods' connections to Services with a least-connection scheduler (lc, wlc, sed, nq, lblc, lblcr) are translated by the tc path, not at connect time"

@@ -29,6 +29,9 @@ use pins::BpffsRoot;
 
 /// The object `cargo xtask build-ebpf` produced, or empty when the agent was built first.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+/// Its build for kernels without `bpf_loop` (before 5.17), chosen by [`features`].
+static EBPF_OBJECT_NO_BPF_LOOP: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf-no-bpf-loop.o"));
 
 /// Map sizes (entries). Hash maps are preallocated by the kernel, so these are also the
 /// datapath's memory budget.
@@ -213,9 +216,22 @@ impl Datapath {
         !EBPF_OBJECT.is_empty()
     }
 
-    /// The eBPF object built into this agent (empty without one), for checks of what ships.
+    /// Every build of the datapath this agent carries: (name, object), empty when not built.
+    pub fn embedded_builds() -> [(&'static str, &'static [u8]); 2] {
+        [
+            ("bpf_loop", EBPF_OBJECT),
+            ("no-bpf-loop", EBPF_OBJECT_NO_BPF_LOOP),
+        ]
+    }
+
+    /// The eBPF object built into this agent for this kernel (empty without one), for
+    /// checks of what ships.
     pub fn embedded_object() -> &'static [u8] {
-        EBPF_OBJECT
+        if features::KernelFeatures::get().bpf_loop || EBPF_OBJECT_NO_BPF_LOOP.is_empty() {
+            EBPF_OBJECT
+        } else {
+            EBPF_OBJECT_NO_BPF_LOOP
+        }
     }
 
     /// Loads the programs and creates the maps; with `pins`, maps are pinned there, or
@@ -242,7 +258,7 @@ impl Datapath {
         options: LoadOptions,
     ) -> Result<Self> {
         Self::ensure_object()?;
-        Self::load_object(EBPF_OBJECT, sizes, pins, options)
+        Self::load_object(Self::embedded_object(), sizes, pins, options)
     }
 
     /// Like [`Datapath::load`], with an object from a file (a different build of the
