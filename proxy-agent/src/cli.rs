@@ -138,6 +138,12 @@ pub struct Cli {
     #[arg(long = "ipvs-exclude-cidrs")]
     pub ipvs_exclude_cidrs: Option<String>,
 
+    /// nftables mode: run on a kernel before 5.13, which kube-proxy refuses (older nf_tables
+    /// can break other nftables users on the node); `nftables.skipKernelVersionCheck` in
+    /// the file.
+    #[arg(long = "nftables-skip-kernel-version-check")]
+    pub nftables_skip_kernel_version_check: bool,
+
     /// ipvs mode: arp_ignore=1 and arp_announce=2, so the node answers ARP only for
     /// addresses of the interface asked (kube-ipvs0's stay unannounced; MetalLB L2 needs it).
     #[arg(long = "ipvs-strict-arp")]

@@ -198,6 +198,7 @@ pub struct NftablesConfig {
     pub masquerade_all: Option<bool>,
     pub sync_period: Option<GoDuration>,
     pub min_sync_period: Option<GoDuration>,
+    pub skip_kernel_version_check: Option<bool>,
 }
 
 /// kube-proxy's `detectLocalMode` values (ClusterCIDR is the default).
@@ -330,6 +331,8 @@ pub struct IptablesSettings {
     pub masquerade_all: Option<bool>,
     pub sync_period: Option<Duration>,
     pub min_sync_period: Option<Duration>,
+    /// `nftables.skipKernelVersionCheck` (the nftables section only).
+    pub skip_kernel_version_check: Option<bool>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -598,6 +601,7 @@ fn settings(
         masquerade_all: ipt.masquerade_all,
         sync_period: duration("iptables.syncPeriod", ipt.sync_period)?,
         min_sync_period: duration("iptables.minSyncPeriod", ipt.min_sync_period)?,
+        skip_kernel_version_check: None,
     };
     let ip = k.ipvs.unwrap_or_default();
     if let Some(s) = &ip.scheduler {
@@ -640,6 +644,7 @@ fn settings(
         masquerade_all: nft.masquerade_all,
         sync_period: duration("nftables.syncPeriod", nft.sync_period)?,
         min_sync_period: duration("nftables.minSyncPeriod", nft.min_sync_period)?,
+        skip_kernel_version_check: nft.skip_kernel_version_check,
     };
     let ct = k.conntrack.unwrap_or_default();
     let conntrack = ConntrackSettings {

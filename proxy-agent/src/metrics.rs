@@ -57,6 +57,8 @@ pub struct Metrics {
     pub http_connections_shed: IntCounterVec,
     pub map_entries: IntGaugeVec,
     pub map_capacity: IntGaugeVec,
+    /// What the kernel's BPF offers the datapath, by feature (1 or 0).
+    pub ebpf_feature: IntGaugeVec,
     pub datapath_events: GaugeVec,
     /// Traffic counter series not exported (`--traffic-metrics-limit`), by kind.
     pub traffic_series_omitted: IntGaugeVec,
@@ -327,6 +329,14 @@ impl Metrics {
                 &["map"],
             )
             .unwrap(),
+            ebpf_feature: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_agent_ebpf_feature",
+                    "What this kernel's BPF offers the eBPF datapath (1) or not (0), by feature; each missing one is logged at start with what it costs",
+                ),
+                &["feature"],
+            )
+            .unwrap(),
             datapath_events: GaugeVec::new(
                 Opts::new(
                     "proxy_agent_ebpf_datapath_events",
@@ -407,6 +417,7 @@ impl Metrics {
         reg(Box::new(m.http_connections_shed.clone()));
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
+        reg(Box::new(m.ebpf_feature.clone()));
         reg(Box::new(m.datapath_events.clone()));
         reg(Box::new(m.traffic_series_omitted.clone()));
         reg(Box::new(m.loop_work.clone()));

@@ -62,8 +62,13 @@ enum Task {
     /// Build the eBPF object (proxy-ebpf) with Debian's rustc and bpf-linker.
     BuildEbpf,
     /// Everything CI checks: formatting, clippy, unit, in-kernel and lab tests, and the
-    /// conformance suite on Debian's 6.1 in a VM (left out when a filter is given).
+    /// conformance suite in VMs running Debian's 6.1 and 5.10 (left out when a filter is
+    /// given).
     Test {
+        /// Every conformance and lifecycle row on each VM kernel, not the per-kernel choice
+        /// CI runs (hours under emulation).
+        #[arg(long)]
+        full_matrix: bool,
         /// Extra arguments for `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
@@ -124,7 +129,7 @@ fn main() {
     let result = match cli.task {
         Task::Setup => setup(),
         Task::BuildEbpf => build_ebpf(),
-        Task::Test { args } => test(&args),
+        Task::Test { full_matrix, args } => test(&args, full_matrix),
         Task::Demo => demo(),
         Task::Links => {
             links::check(&root()).map(|n| step(&format!("links: {n} relative links resolve")))
@@ -355,7 +360,7 @@ const PLACEMENT_TESTS: &str = "_the_tc_path";
 /// How long `test` runs each fuzz target (`cargo xtask fuzz` runs them longer).
 const FUZZ_SECONDS_IN_TEST: u64 = 5;
 
-fn test(extra: &[String]) -> Result<()> {
+fn test(extra: &[String], full_matrix: bool) -> Result<()> {
     let mut parts = parts::Parts::default();
     parts.start("test: build the eBPF object");
     build_ebpf()?;
@@ -448,14 +453,25 @@ fn test(extra: &[String]) -> Result<()> {
         parts.report();
         return Ok(());
     }
-    parts.start("test: the conformance suite on Debian's 6.1 kernel, in a VM");
     vm_setup()?;
-    vm::vm_test(&vm::VmTest {
-        kernel: "debian-6.1".into(),
-        payload: vm::Payload::Tests(vm::DEFAULT_FILTERS.iter().map(|f| f.to_string()).collect()),
-        memory_mb: 2048,
-        cpus: 2,
-    })?;
+    for (kernel, filters) in vm::ci_runs(full_matrix) {
+        parts.start(&format!(
+            "test: the conformance suite on {kernel}, in a VM ({})",
+            if full_matrix {
+                "every row"
+            } else if kernel == "debian-6.1" {
+                "the rows this host cannot run"
+            } else {
+                "every mode's essentials"
+            }
+        ));
+        vm::vm_test(&vm::VmTest {
+            kernel: kernel.into(),
+            payload: vm::Payload::Tests(filters),
+            memory_mb: 2048,
+            cpus: 2,
+        })?;
+    }
     parts.start(
         "test: the benchmark in the VM, small (ipvs beside the baseline, drawn on this host)",
     );

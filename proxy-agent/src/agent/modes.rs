@@ -8,7 +8,7 @@ use super::sync_loop::ModeProxier;
 use crate::{
     cli::Settings,
     datapath::{
-        attach::Attacher,
+        attach::{AttachMode, Attacher},
         cgroup,
         pins::{self, Adoption, BpffsRoot},
         runtime::{Counters, EbpfRuntime},
@@ -76,6 +76,7 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
             (ActiveProxier::Iptables(Box::new(proxier)), None)
         }
         ProxyMode::Nftables => {
+            nftables_kernel_check(s)?;
             netlink::probe().context("the nftables proxier needs nf_tables in the kernel")?;
             let proxier = NftablesProxier::new(
                 NftNetlink::default(),
@@ -125,11 +126,13 @@ pub fn choose(s: &Settings) -> Result<ProxyMode> {
         }
         Err(e) => reasons.push(format!("ebpf: {e:#}")),
     }
-    let nft = netlink::probe().and_then(|()| {
-        // A transaction, not just a lookup: the kernel must accept a table.
-        NftNetlink::default()
-            .apply("add table ip proxy-agent-probe\ndelete table ip proxy-agent-probe\n")
-    });
+    let nft = nftables_kernel_check(s)
+        .and_then(|()| netlink::probe())
+        .and_then(|()| {
+            // A transaction, not just a lookup: the kernel must accept a table.
+            NftNetlink::default()
+                .apply("add table ip proxy-agent-probe\ndelete table ip proxy-agent-probe\n")
+        });
     match nft {
         Ok(()) => {
             info!(not_chosen = ?reasons, "auto: choosing nftables");
@@ -165,6 +168,52 @@ pub fn choose(s: &Settings) -> Result<ProxyMode> {
             reasons.push(format!("userspace: {e:#}"));
             bail!("auto: no proxy mode can run here: {}", reasons.join("; "))
         }
+    }
+}
+
+/// kube-proxy's kernel requirement of the nftables mode: 5.13 (older kernels' nf_tables
+/// can break other nftables users on the node), unless `nftables.skipKernelVersionCheck`
+/// says otherwise; that is logged as a warning.
+fn nftables_kernel_check(s: &Settings) -> Result<()> {
+    let skip = s.cli.nftables_skip_kernel_version_check
+        || s.file
+            .as_ref()
+            .and_then(|f| f.nftables.skip_kernel_version_check)
+            .unwrap_or(false);
+    // What uname says, e.g. "5.10.0-46-amd64"; unreadable counts as new enough.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut numbers = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().ok());
+    let version = match (numbers.next().flatten(), numbers.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor),
+        _ => (u32::MAX, 0),
+    };
+    match nftables_kernel(version, skip) {
+        Ok(Some(warning)) => {
+            warn!("{warning}");
+            Ok(())
+        }
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The decision of [`nftables_kernel_check`] for kernel `version` (major, minor).
+fn nftables_kernel(version: (u32, u32), skip: bool) -> Result<Option<String>> {
+    if version >= (5, 13) {
+        return Ok(None);
+    }
+    let (major, minor) = version;
+    if skip {
+        Ok(Some(format!(
+            "the nftables mode runs on kernel {major}.{minor} because nftables.skipKernelVersionCheck is set; kube-proxy requires 5.13 (older kernels' nf_tables can break other nftables users on the node)"
+        )))
+    } else {
+        bail!(
+            "the nftables mode needs kernel 5.13 or later (this node runs {major}.{minor}), as kube-proxy's does; nftables.skipKernelVersionCheck: true in the configuration file runs it anyway (not recommended in production: it can break other nftables users on the node)"
+        )
     }
 }
 
@@ -241,6 +290,17 @@ fn start_ebpf(s: &Settings, metrics: &Metrics) -> Result<(EbpfProxier<KernelMaps
             .map_capacity
             .with_label_values(&[map])
             .set(size as i64);
+    }
+    let features = crate::datapath::features::KernelFeatures::get();
+    for (feature, on) in features.flags().into_iter().chain([
+        ("tcx", s.tc_attach.resolve() == AttachMode::Tcx),
+        ("netns_cookie", options.host_netns_cookie != 0),
+        ("ipv6_datapath", datapath.ipv6),
+    ]) {
+        metrics
+            .ebpf_feature
+            .with_label_values(&[feature])
+            .set(on as i64);
     }
     if let Some(path) = &s.cli.cgroup_path {
         cgroup::attach(&mut datapath, path, Some(&root))?;
@@ -482,5 +542,28 @@ impl Proxier for ActiveProxier {
 
     fn set_local_traffic(&mut self, local: &crate::model::local::LocalTraffic) {
         self.inner().set_local_traffic(local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// kube-proxy's rule: 5.13 and later run the nftables mode; older kernels only with
+    /// `nftables.skipKernelVersionCheck`, and then with a warning.
+    #[test]
+    fn the_nftables_mode_needs_5_13_unless_the_check_is_skipped() {
+        use super::nftables_kernel;
+        assert_eq!(nftables_kernel((5, 13), false).unwrap(), None);
+        assert_eq!(nftables_kernel((6, 1), false).unwrap(), None);
+        let refused = nftables_kernel((5, 10), false).unwrap_err().to_string();
+        assert!(
+            refused.contains("needs kernel 5.13") && refused.contains("runs 5.10"),
+            "{refused}"
+        );
+        assert!(
+            refused.contains("nftables.skipKernelVersionCheck"),
+            "{refused}"
+        );
+        let warned = nftables_kernel((5, 10), true).unwrap().unwrap();
+        assert!(warned.contains("kernel 5.10"), "{warned}");
     }
 }

@@ -50,23 +50,46 @@ impl KernelFeatures {
         }
     }
 
-    fn report(&self) {
+    /// Each probed feature by its metric label (`proxy_agent_ebpf_feature{feature}`).
+    pub fn flags(&self) -> [(&'static str, bool); 3] {
+        [
+            ("bpf_loop", self.bpf_loop),
+            ("sock_set_retval", self.sock_set_retval),
+            ("sock_release_cookie", self.sock_release_cookie),
+        ]
+    }
+
+    /// The datapath build this kernel loads (see [`crate::datapath::Datapath::embedded_builds`]).
+    pub fn datapath_build(&self) -> &'static str {
+        if self.bpf_loop {
+            "bpf_loop"
+        } else {
+            "no-bpf-loop"
+        }
+    }
+
+    /// What each missing feature costs the node, one line each (logged as warnings).
+    pub fn consequences(&self) -> Vec<&'static str> {
+        let mut lines = Vec::new();
         if !self.bpf_loop {
-            warn!(
-                "this kernel has no bpf_loop (5.17+): the datapath's build without it is loaded; least-connection schedulers (lc, wlc, sed, nq, lblcr) compare 16 backends per new flow, from a random start, instead of up to 1 024"
-            );
+            lines.push("this kernel has no bpf_loop (5.17+): the datapath's build without it is loaded; least-connection schedulers (lc, wlc, sed, nq, lblc, lblcr) compare 16 backends per new flow, from a random start, instead of up to 1 024, and the socket hooks leave them to the tc path (the node's own sockets get a random backend)");
         }
         if !self.sock_release_cookie {
-            warn!(
-                "this kernel's cgroup/sock programs cannot read a socket's cookie: pods' connections to Services with a least-connection scheduler (lc, wlc, sed, nq, lblc, lblcr) are translated by the tc path, not at connect time"
-            );
+            lines.push("this kernel's cgroup/sock programs cannot read a socket's cookie: pods' connections to Services with a least-connection scheduler (lc, wlc, sed, nq, lblc, lblcr) are translated by the tc path, not at connect time");
         }
-        if self.sock_set_retval {
-            info!("kernel BPF features: socket hooks can set their error (bpf_set_retval)");
-        } else {
-            warn!(
-                "this kernel's socket hooks cannot set their error (no bpf_set_retval, 5.18+): pods' connects to a Service without endpoints are refused by the tc path (a TCP reset), the node's own fail with EPERM (\"Operation not permitted\") instead of ECONNREFUSED"
-            );
+        if !self.sock_set_retval {
+            lines.push("this kernel's socket hooks cannot set their error (no bpf_set_retval, 5.18+): pods' connects to a Service without endpoints are refused by the tc path (a TCP reset), the node's own fail with EPERM (\"Operation not permitted\") instead of ECONNREFUSED");
+        }
+        lines
+    }
+
+    fn report(&self) {
+        let lines = self.consequences();
+        for line in &lines {
+            warn!("{line}");
+        }
+        if lines.is_empty() {
+            info!("kernel BPF features: everything the datapath can use (bpf_loop, bpf_set_retval, socket cookies in cgroup/sock)");
         }
     }
 }
@@ -82,5 +105,44 @@ fn helper(program_type: ProgramType, helper: BpfHelper) -> bool {
             );
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: KernelFeatures = KernelFeatures {
+        sock_set_retval: true,
+        sock_release_cookie: true,
+        bpf_loop: true,
+    };
+
+    /// A kernel with everything (6.18) loses nothing; Debian 11's 5.10 (no bpf_loop, no
+    /// bpf_set_retval) loads the build without bpf_loop and is told what each costs.
+    #[test]
+    fn each_missing_feature_picks_the_build_and_says_what_it_costs() {
+        assert_eq!(ALL.datapath_build(), "bpf_loop");
+        assert!(ALL.consequences().is_empty());
+        assert!(ALL.flags().iter().all(|(_, on)| *on));
+
+        let debian_11 = KernelFeatures {
+            bpf_loop: false,
+            sock_set_retval: false,
+            ..ALL
+        };
+        assert_eq!(debian_11.datapath_build(), "no-bpf-loop");
+        let said = debian_11.consequences();
+        assert_eq!(said.len(), 2, "{said:?}");
+        assert!(said[0].contains("no bpf_loop (5.17+)") && said[0].contains("16 backends"));
+        assert!(said[1].contains("bpf_set_retval") && said[1].contains("EPERM"));
+        assert_eq!(
+            debian_11.flags(),
+            [
+                ("bpf_loop", false),
+                ("sock_set_retval", false),
+                ("sock_release_cookie", true)
+            ]
+        );
     }
 }

@@ -227,11 +227,11 @@ impl Datapath {
     /// The eBPF object built into this agent for this kernel (empty without one), for
     /// checks of what ships.
     pub fn embedded_object() -> &'static [u8] {
-        if features::KernelFeatures::get().bpf_loop || EBPF_OBJECT_NO_BPF_LOOP.is_empty() {
-            EBPF_OBJECT
-        } else {
-            EBPF_OBJECT_NO_BPF_LOOP
-        }
+        let build = features::KernelFeatures::get().datapath_build();
+        Self::embedded_builds()
+            .into_iter()
+            .find(|(name, object)| *name == build && !object.is_empty())
+            .map_or(EBPF_OBJECT, |(_, object)| object)
     }
 
     /// Loads the programs and creates the maps; with `pins`, maps are pinned there, or
