@@ -391,6 +391,8 @@ pub struct Lab {
     /// Searched before `PATH` for the node's tools by the agents started next: a test puts a
     /// wrapper there to inject a fault (a tool that hangs).
     pub tools_first: Option<PathBuf>,
+    /// A command the agent runs under (e.g. `setpriv` with the DaemonSet's capabilities).
+    pub agent_prefix: Vec<String>,
     // Dropped last: deleting it removes every veth of the lab.
     pub node: Netns,
 }
@@ -484,6 +486,7 @@ impl Lab {
             servers: Vec::new(),
             agent: None,
             tools_first: None,
+            agent_prefix: Vec::new(),
             node,
         };
         for i in 0..lab.backends.len() {
@@ -638,12 +641,13 @@ impl Lab {
         let mut args = vec!["--bpffs-root", root.to_str().unwrap()];
         args.extend_from_slice(extra);
         let log = self.next_log();
-        Ok(self.agent.insert(Agent::start_with_tools(
+        Ok(self.agent.insert(Agent::start_under(
             &self.node,
             manifests,
             &log,
             &args,
             self.tools_first.as_deref(),
+            &self.agent_prefix,
         )?))
     }
 
@@ -850,10 +854,25 @@ impl Agent {
         extra: &[&str],
         tools_first: Option<&Path>,
     ) -> Result<Self> {
+        Self::start_under(node, manifests, log, extra, tools_first, &[])
+    }
+
+    /// Like [`Agent::start_with_tools`], the agent run by `prefix` (a command and its
+    /// arguments, e.g. `setpriv`), if any.
+    pub fn start_under(
+        node: &Netns,
+        manifests: Option<&Path>,
+        log: &Path,
+        extra: &[&str],
+        tools_first: Option<&Path>,
+        prefix: &[String],
+    ) -> Result<Self> {
         let bin = agent_binary()?;
         let logfile = File::create(log)?;
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &node.name]).arg(&bin);
+        cmd.args(["netns", "exec", &node.name])
+            .args(prefix)
+            .arg(&bin);
         if let Some(m) = manifests {
             cmd.arg("--manifests").arg(m);
         }

@@ -341,7 +341,6 @@ pub fn vm_test(opts: &VmTest) -> Result<()> {
 /// Debian's release whose `linux-image-amd64` is kernel series `series`.
 fn debian_suite(series: &str) -> Option<&'static str> {
     match series {
-        "4.19" => Some("buster"),
         "5.10" => Some("bullseye"),
         "6.1" => Some("bookworm"),
         "6.12" => Some("trixie"),
@@ -425,10 +424,7 @@ impl Apt {
                 .output()
                 .context("apt-get")?;
             let err = String::from_utf8_lossy(&out.stderr);
-            if !out.status.success()
-                || err.contains("does not have a Release file")
-                || err.contains("404")
-            {
+            if !out.status.success() || err.contains("does not have a Release file") {
                 bail!(
                     "Debian {suite}'s package lists could not be fetched from deb.debian.org (is the release still served there, or only by archive.debian.org?): {}",
                     err.trim()
@@ -454,7 +450,7 @@ fn resolve_kernel(series: &str) -> Result<(String, Apt)> {
     }
     let Some(suite) = debian_suite(series) else {
         bail!(
-            "no Debian release is known to ship a {series} kernel (known: 4.19 buster, 5.10 bullseye, 6.1 bookworm, 6.12 trixie){}",
+            "no Debian release is known to ship a {series} kernel (known: 5.10 bullseye, 6.1 bookworm, 6.12 trixie; older releases are only on archive.debian.org){}",
             on_host.map(|r| format!("; this host's sources have {r}")).unwrap_or_default()
         );
     };

@@ -115,7 +115,7 @@ fn verifier_summary(e: &anyhow::Error) -> String {
 fn privilege_hint(err: &dyn std::fmt::Display) -> Option<&'static str> {
     let text = err.to_string();
     if text.contains("Operation not permitted") || text.contains("EPERM") {
-        Some("the agent needs CAP_BPF and CAP_NET_ADMIN (run it as root, or grant them: setcap cap_bpf,cap_net_admin+ep)")
+        Some("the agent needs CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN (run it as root, or grant them: setcap cap_bpf,cap_perfmon,cap_net_admin+ep)")
     } else {
         None
     }
@@ -198,6 +198,18 @@ fn sweep<K: aya::Pod, V: aya::Pod>(
         }
     }
     (seen, deleted)
+}
+
+/// Another handle on `map`: its descriptor duplicated. (Opening a map by id would need
+/// `CAP_SYS_ADMIN`, which the DaemonSet does not grant.)
+pub fn duplicate(map: &MapData) -> Result<MapData> {
+    use std::os::fd::AsFd;
+    let fd = map
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("duplicating a map's descriptor")?;
+    Ok(MapData::from_fd(fd)?)
 }
 
 /// `CLOCK_MONOTONIC` in ns: the clock of `bpf_ktime_get_ns`, which stamps conntrack entries.
@@ -422,11 +434,36 @@ impl Datapath {
         } else {
             &[]
         };
-        // The flow log reads the log buffer of the programs it loads: never reused.
-        let build = (!options.flow_log).then(|| reuse::build_id(object, &globals));
+        // What the programs are made of and bound to (see `reuse`); the flow log reads the
+        // log buffer of the programs it loads, so those are never kept.
+        let build = match pins {
+            Some(root) if !options.flow_log => match reuse::pinned_map_ids(root) {
+                Ok(maps) => {
+                    let maps: Vec<u8> = maps
+                        .iter()
+                        .flat_map(|(name, id)| name.bytes().chain([0]).chain(id.to_le_bytes()))
+                        .collect();
+                    let ipv6 = [ipv6_wanted as u8];
+                    let mut parts = globals.to_vec();
+                    parts.extend([("ipv6 wanted", &ipv6[..]), ("pinned maps", &maps[..])]);
+                    Some(reuse::build_id(object, &parts))
+                }
+                Err(e) => {
+                    tracing::warn!("reading the pinned maps' ids: {e:#}; programs are not kept");
+                    None
+                }
+            },
+            Some(root) => {
+                // Nothing kept for the next start: what earlier builds kept goes (their
+                // programs hold maps that may be no longer pinned).
+                let _ = reuse::remove_all_but(&reuse::programs_dir(root), None);
+                None
+            }
+            None => None,
+        };
         let reused = match (pins, &build) {
             (Some(root), Some(build)) => match reuse::find(root, build, &names, ipv6_names) {
-                Ok(programs) => Some(programs),
+                Ok(found) => Some(found),
                 Err(e) => {
                     tracing::debug!("verifying the programs: pinned ones not reused: {e:#}");
                     None
@@ -434,30 +471,32 @@ impl Datapath {
             },
             _ => None,
         };
-        let ipv6 = match &reused {
-            Some(programs) => {
-                let ipv6 = ipv6_names.iter().all(|n| programs.contains_key(*n));
+        let (reused, ipv6) = match reused {
+            Some((programs, ipv6)) => {
                 if ipv6_wanted && !ipv6 {
                     tracing::warn!(
                         "the IPv6 datapath is not loaded, IPv6 services are not served by this node: this kernel's verifier refused its programs when this build first loaded; kernels from 6.6 load it, and --ebpf-ipv6=false skips the attempt"
                     );
                 }
-                ipv6
+                (Some(programs), ipv6)
             }
             None => {
                 let all: Vec<&str> = names.iter().chain(ipv6_names).copied().collect();
-                let ipv6 = check_verified(verify_all(&mut ebpf, &all)?, ipv6_wanted)?;
-                if let (Some(root), Some(build)) = (pins, &build) {
+                let (ipv6, refused) = check_verified(verify_all(&mut ebpf, &all)?, ipv6_wanted)?;
+                // IPv6 missing for another reason than the verifier: nothing kept, the next
+                // start tries again.
+                let complete = ipv6 || !ipv6_wanted || refused;
+                if let (Some(root), Some(build), true) = (pins, &build, complete) {
                     let mut loaded = names.clone();
                     if ipv6 {
                         loaded.extend(ipv6_names);
                     }
                     // Only a slower next start if this fails.
-                    if let Err(e) = reuse::keep(root, build, &mut ebpf, &loaded) {
+                    if let Err(e) = reuse::keep(root, build, &mut ebpf, &loaded, refused) {
                         tracing::warn!("keeping the verified programs for the next start: {e:#}");
                     }
                 }
-                ipv6
+                (None, ipv6)
             }
         };
         let reused = reused.unwrap_or_default();
@@ -590,11 +629,10 @@ impl Datapath {
             .ebpf
             .map(name)
             .with_context(|| format!("eBPF object has no {name} map"))?;
-        let id = match map {
-            aya::maps::Map::Array(data) => data.info()?.id(),
+        match map {
+            aya::maps::Map::Array(data) => Ok(aya::maps::Map::Array(duplicate(data)?)),
             _ => bail!("map {name} is not an array"),
-        };
-        Ok(aya::maps::Map::Array(MapData::from_id(id)?))
+        }
     }
 
     /// Per program, the instructions the verifier processed to accept it (the kernel's
@@ -848,15 +886,20 @@ fn verify_all<'a>(
 /// What the verifier said, as the agent acts on it: the first refusal of a program it
 /// needs fails the start; the IPv6 programs' refusal is a warning and returns false (IPv6
 /// packets then pass untranslated, IPv4 is still served: older verifiers, Debian's 6.1,
-/// give up on them as too complex). Returns whether the IPv6 programs loaded.
+/// give up on them as too complex). Returns whether the IPv6 programs loaded, and whether
+/// a refusal of theirs was the verifier's (not memory or privileges, which another start may
+/// not meet).
 fn check_verified(
     results: Vec<(&str, Result<(), ProgramError>)>,
     ipv6_wanted: bool,
-) -> Result<bool> {
+) -> Result<(bool, bool)> {
     let mut ipv6 = ipv6_wanted;
+    let mut verifier_refused = false;
     for (name, result) in results {
         let Err(e) = result else { continue };
         let hint = privilege_hint(&e);
+        let by_verifier = matches!(&e, ProgramError::LoadError { io_error, .. }
+            if !matches!(io_error.raw_os_error(), Some(libc::ENOMEM | libc::EPERM | libc::EAGAIN)));
         let err = anyhow::Error::new(e).context(format!("the kernel refused eBPF program {name}"));
         if name == program_names::TC_INGRESS6 || name == program_names::TC_EGRESS6 {
             if ipv6 {
@@ -866,6 +909,7 @@ fn check_verified(
                 );
             }
             ipv6 = false;
+            verifier_refused |= by_verifier;
             continue;
         }
         return Err(match hint {
@@ -873,7 +917,7 @@ fn check_verified(
             None => err,
         });
     }
-    Ok(ipv6)
+    Ok((ipv6, verifier_refused))
 }
 
 #[cfg(test)]

@@ -3,17 +3,21 @@
 //! DaemonSet, a crash or an OOM kill loads exactly what is already running.
 //!
 //! After verifying, the agent pins its programs under `<root>/programs/<build>`, where
-//! `<build>` is a digest of everything that makes a program: the eBPF object's bytes and
-//! the read-only globals the loader sets (features, switches, the node's namespace cookie).
-//! The next agent computes the same digest and takes the pinned programs when, besides, each
-//! of them still uses the very maps pinned under `<root>/maps` (map ids from the kernel):
-//! maps rebuilt for a new layout or size, or removed by hand, make the programs stale. One
-//! build's directory is kept; pinning a new one removes the others (the programs they held
-//! stay loaded while an attachment runs them, until this agent replaces it).
+//! `<build>` is a digest of everything that makes them: the eBPF object's bytes, the
+//! read-only globals the loader sets (features, switches, the node's namespace cookie,
+//! whether IPv6 is wanted) and the ids of the maps pinned under `<root>/maps` (a program is
+//! bound to the maps it was loaded with: maps rebuilt for a new layout or size, or removed
+//! by hand, change the ids and so the digest). The next agent computes the same digest and
+//! takes the programs it finds there. Map ids are read through the pins (`BPF_OBJ_GET`, then
+//! the map's info by its descriptor), not opened by id, which would need `CAP_SYS_ADMIN`
+//! (the DaemonSet grants `CAP_BPF` and `CAP_NET_ADMIN`). One build's directory is kept;
+//! pinning a new one removes the others (the programs they held stay loaded while an
+//! attachment runs them, until this agent replaces it).
 //!
 //! A directory is written under a temporary name and renamed when complete, so a crash
-//! while pinning leaves nothing that looks reusable. Programs the verifier refused (the
-//! IPv6 ones on older kernels) are absent from it: they would be refused again.
+//! while pinning leaves nothing that looks reusable. IPv6 programs the verifier refused
+//! (older kernels) are absent and the directory holds an `ipv6-refused` mark, so the next
+//! agent neither retries them nor mistakes a missing pin for a refusal.
 
 use std::{
     collections::HashMap,
@@ -84,76 +88,61 @@ fn from_pin(name: &str, path: &Path) -> Result<Program> {
     }
 }
 
-/// The kernel's name for a map (16 bytes with the terminating zero).
-fn kernel_name(name: &str) -> &str {
-    &name[..name.len().min(15)]
-}
-
-/// Checks that `program` uses, of the maps named like a pinned one, only the pinned one
-/// (`pinned`: kernel name -> id). Its other maps (read-only data) are its own.
-fn uses_pinned_maps(program: &Program, pinned: &HashMap<String, u32>) -> Result<()> {
-    let ids = program
-        .info()?
-        .map_ids()?
-        .context("this kernel does not list a program's maps")?;
-    for id in ids {
-        let info = MapInfo::from_id(id)?;
-        let Some(name) = info.name_as_str() else {
-            continue;
-        };
-        if let Some(&want) = pinned.get(name) {
-            if want != id {
-                bail!("it uses an earlier {name} map (id {id}, pinned: {want})");
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The programs a previous agent of build `build` pinned, if each of `required` is there
-/// and every one found uses the maps pinned now; `optional` ones are taken when present.
-/// `Err` says why they are not reused (logged by the caller; the agent then verifies).
-pub fn find(
-    root: &BpffsRoot,
-    build: &str,
-    required: &[&str],
-    optional: &[&str],
-) -> Result<HashMap<String, Program>> {
-    let dir = programs_dir(root).join(build);
-    if !dir.is_dir() {
-        bail!("no programs pinned for this build");
-    }
-    let mut pinned = HashMap::new();
+/// The (name, id) of every map pinned under the root's `maps`, sorted: what the programs
+/// of this start are bound to, as part of the build digest.
+pub fn pinned_map_ids(root: &BpffsRoot) -> Result<Vec<(String, u32)>> {
+    let mut ids = Vec::new();
     for entry in fs::read_dir(root.maps_dir())? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let info = MapInfo::from_pin(entry.path())
             .with_context(|| format!("reading pinned map {name}"))?;
-        pinned.insert(kernel_name(&name).to_string(), info.id());
+        ids.push((name, info.id()));
     }
+    ids.sort();
+    Ok(ids)
+}
+
+/// A directory entry marking that this build's IPv6 programs were refused by the verifier.
+const IPV6_REFUSED: &str = "ipv6-refused";
+
+/// The programs a previous agent of build `build` pinned, if each of `required` is there,
+/// and of `ipv6` (wanted by this start) either all or the mark that the verifier refused
+/// them. Returns the programs and whether the IPv6 ones are among them. `Err` says why
+/// nothing is reused (logged by the caller; the agent then verifies).
+pub fn find(
+    root: &BpffsRoot,
+    build: &str,
+    required: &[&str],
+    ipv6: &[&str],
+) -> Result<(HashMap<String, Program>, bool)> {
+    let dir = programs_dir(root).join(build);
+    if !dir.is_dir() {
+        bail!("no programs pinned for this build");
+    }
+    let ipv6_refused = dir.join(IPV6_REFUSED).is_dir();
     let mut programs = HashMap::new();
-    for (name, needed) in required
-        .iter()
-        .map(|n| (n, true))
-        .chain(optional.iter().map(|n| (n, false)))
-    {
+    let wanted = required.iter().chain(ipv6.iter().filter(|_| !ipv6_refused));
+    for name in wanted {
         let path = dir.join(name);
         if !path.exists() {
-            if needed {
-                bail!("program {name} is not pinned");
-            }
-            continue;
+            bail!("program {name} is not pinned");
         }
         let program = from_pin(name, &path).with_context(|| format!("opening {name}'s pin"))?;
-        uses_pinned_maps(&program, &pinned).with_context(|| format!("program {name}"))?;
         programs.insert(name.to_string(), program);
     }
-    Ok(programs)
+    Ok((programs, !ipv6.is_empty() && !ipv6_refused))
 }
 
 /// Pins `names` (loaded in `ebpf`) as build `build`'s programs, replacing what other builds
-/// left.
-pub fn keep(root: &BpffsRoot, build: &str, ebpf: &mut Ebpf, names: &[&str]) -> Result<()> {
+/// left; `ipv6_refused`: the IPv6 programs were wanted and the verifier refused them.
+pub fn keep(
+    root: &BpffsRoot,
+    build: &str,
+    ebpf: &mut Ebpf,
+    names: &[&str],
+    ipv6_refused: bool,
+) -> Result<()> {
     let dir = programs_dir(root);
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let target = dir.join(build);
@@ -168,6 +157,9 @@ pub fn keep(root: &BpffsRoot, build: &str, ebpf: &mut Ebpf, names: &[&str]) -> R
         program
             .pin(partial.join(name))
             .with_context(|| format!("pinning program {name}"))?;
+    }
+    if ipv6_refused {
+        fs::create_dir(partial.join(IPV6_REFUSED))?;
     }
     fs::rename(&partial, &target).with_context(|| format!("renaming {}", partial.display()))?;
     Ok(())
@@ -187,7 +179,18 @@ pub fn remove_all_but(dir: &Path, keep: Option<&str>) -> Result<usize> {
             continue;
         }
         let path = entry.path();
-        removed += fs::read_dir(&path).map(|d| d.count()).unwrap_or(0);
+        if !entry.file_type()?.is_dir() {
+            // Not ours, but in our directory: gone with it.
+            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+            continue;
+        }
+        removed += fs::read_dir(&path)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+                    .count()
+            })
+            .unwrap_or(0);
         fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
     }
     Ok(removed)
@@ -210,11 +213,5 @@ mod tests {
             base,
             build_id(b"object", &[("A", &[0, b'B']), ("", &[1, 2])])
         );
-    }
-
-    #[test]
-    fn kernel_names_are_cut_at_fifteen_bytes() {
-        assert_eq!(kernel_name("BACKEND_RELEASED"), "BACKEND_RELEASE");
-        assert_eq!(kernel_name("SERVICES"), "SERVICES");
     }
 }

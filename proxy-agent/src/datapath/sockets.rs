@@ -47,11 +47,10 @@ pub struct SocketCleaner {
 impl SocketCleaner {
     pub fn new(datapath: &Datapath) -> Result<Self> {
         let handle = |name: &str| -> Result<Map> {
-            let id = match datapath.ebpf.map(name) {
-                Some(Map::LruHashMap(data)) => data.info()?.id(),
+            match datapath.ebpf.map(name) {
+                Some(Map::LruHashMap(data)) => Ok(Map::LruHashMap(super::duplicate(data)?)),
                 _ => bail!("eBPF object has no LRU hash map {name}"),
-            };
-            Ok(Map::LruHashMap(MapData::from_id(id)?))
+            }
         };
         Ok(SocketCleaner {
             revnat: HashMap::try_from(handle(map_names::SOCK_REVNAT)?)?,

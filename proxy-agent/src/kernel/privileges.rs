@@ -6,6 +6,7 @@ use std::fmt;
 pub const CAP_NET_BIND_SERVICE: u32 = 10;
 pub const CAP_NET_ADMIN: u32 = 12;
 pub const CAP_SYS_ADMIN: u32 = 21;
+pub const CAP_PERFMON: u32 = 38;
 pub const CAP_BPF: u32 = 39;
 
 /// The effective capability set of this process.
@@ -47,8 +48,10 @@ impl Capabilities {
     }
 }
 
-/// What the datapath needs: CAP_NET_ADMIN (attach to interfaces) and CAP_BPF (load programs
-/// and maps; CAP_SYS_ADMIN also grants it, as on kernels before 5.8).
+/// What the datapath needs: CAP_NET_ADMIN (attach to interfaces), CAP_BPF (load programs
+/// and maps) and CAP_PERFMON (without it the verifier holds the programs to the rules for
+/// unprivileged ones and refuses the classifier); CAP_SYS_ADMIN grants both, as on kernels
+/// before 5.8.
 #[derive(Debug, PartialEq, Eq)]
 pub struct MissingCapabilities(pub Vec<&'static str>);
 
@@ -59,10 +62,13 @@ impl fmt::Display for MissingCapabilities {
             .iter()
             .map(|c| c.trim_start_matches("CAP_"))
             .collect();
+        let names = match self.0.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => self.0.join(""),
+        };
         write!(
             f,
-            "missing {}: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [{}]; a binary: setcap {}+ep)",
-            self.0.join(" and "),
+            "missing {names}: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [{}]; a binary: setcap {}+ep)",
             short.join(", "),
             self.0.join(",").to_lowercase()
         )
@@ -85,6 +91,9 @@ pub fn check_datapath(
     if needs_bpf && !caps.has(CAP_BPF) && !caps.has(CAP_SYS_ADMIN) {
         missing.push("CAP_BPF");
     }
+    if needs_bpf && !caps.has(CAP_PERFMON) && !caps.has(CAP_SYS_ADMIN) {
+        missing.push("CAP_PERFMON");
+    }
     if !caps.has(CAP_NET_ADMIN) {
         missing.push("CAP_NET_ADMIN");
     }
@@ -106,23 +115,28 @@ mod tests {
     fn names_exactly_what_is_missing() {
         let none = Capabilities(0);
         let err = check_datapath(none, true, false).unwrap_err();
-        assert_eq!(err.0, vec!["CAP_BPF", "CAP_NET_ADMIN"]);
+        assert_eq!(err.0, vec!["CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"]);
         assert_eq!(
             err.to_string(),
-            "missing CAP_BPF and CAP_NET_ADMIN: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [BPF, NET_ADMIN]; a binary: setcap cap_bpf,cap_net_admin+ep)"
+            "missing CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [BPF, PERFMON, NET_ADMIN]; a binary: setcap cap_bpf,cap_perfmon,cap_net_admin+ep)"
         );
         let net_only = Capabilities(1 << CAP_NET_ADMIN);
         assert_eq!(
             check_datapath(net_only, true, false).unwrap_err().0,
-            vec!["CAP_BPF"]
+            vec!["CAP_BPF", "CAP_PERFMON"]
+        );
+        let without_perfmon = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_BPF);
+        assert_eq!(
+            check_datapath(without_perfmon, true, false).unwrap_err().to_string(),
+            "missing CAP_PERFMON: run proxy-agent as root, or grant them (Kubernetes: securityContext.capabilities.add: [PERFMON]; a binary: setcap cap_perfmon+ep)"
         );
         let sys_admin = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_SYS_ADMIN);
         assert!(
             check_datapath(sys_admin, true, false).is_ok(),
             "CAP_SYS_ADMIN implies BPF"
         );
-        let both = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_BPF);
-        assert!(check_datapath(both, true, false).is_ok());
+        let all = Capabilities(1 << CAP_NET_ADMIN | 1 << CAP_BPF | 1 << CAP_PERFMON);
+        assert!(check_datapath(all, true, false).is_ok());
         // The netfilter modes need CAP_NET_ADMIN only.
         assert!(check_datapath(net_only, false, false).is_ok());
         assert_eq!(
