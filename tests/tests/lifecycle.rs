@@ -50,9 +50,29 @@ fn tcx_link_on_lxc0(lab: &Lab) -> aya::programs::links::LinkInfo {
     link.info().unwrap()
 }
 
-/// Program id behind the TCX link pinned for `lxc0`.
+/// Id of the program on `lxc0`'s ingress: behind its pinned TCX link, or, on kernels
+/// without TCX (before 6.6), in its netlink filter.
 fn tcx_program_on_lxc0(lab: &Lab) -> u32 {
-    tcx_link_on_lxc0(lab).program_id()
+    let links = lab.bpffs.root().join("links");
+    let tcx = std::fs::read_dir(&links)
+        .map(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("lxc0@"))
+        })
+        .unwrap_or(false);
+    if tcx {
+        return tcx_link_on_lxc0(lab).program_id();
+    }
+    let filters = lab
+        .node
+        .exec("tc", &["filter", "show", "dev", "lxc0", "ingress"])
+        .unwrap();
+    filters
+        .split_whitespace()
+        .skip_while(|w| *w != "id")
+        .nth(1)
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("no program on lxc0: {filters}"))
 }
 
 /// Stops the agent and starts another while a connection stays open and a client keeps
