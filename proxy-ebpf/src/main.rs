@@ -1322,43 +1322,39 @@ struct LcScan<F> {
 impl<F: SlotTable> ScanStep for LcScan<F> {
     #[inline(always)]
     fn step(&mut self, index: u64) -> i64 {
-        lc_step(self, index)
-    }
-}
-
-#[inline(always)]
-fn lc_step<F: SlotTable>(scan: &mut LcScan<F>, index: u64) -> i64 {
-    if scan.count == 0 {
-        return 1;
-    }
-    let slot = ((scan.start as u64 + index) % scan.count as u64 + 1) as u16;
-    let Some((backend_id, weight)) = slot_backend(scan.frontend, slot) else {
-        return 0;
-    };
-    if weight == 0 {
-        return 0;
-    }
-    let active = active_connections(backend_id);
-    let id = scan.id as u16;
-    if id == scheduler::NQ && active == 0 {
-        scan.idle = slot as u32;
-        return 1;
-    }
-    let (cost, w) = match id {
-        scheduler::LC => (active, 1),
-        scheduler::WLC => (active, weight),
-        _ => (active + 1, weight),
-    };
-    // cost / w < best cost / best weight, without division.
-    if scan.best.slot > scan.count || cost * scan.best.weight < scan.best.cost * w {
-        scan.best = LcScratch {
-            cost,
-            weight: w,
-            slot: slot as u32,
-            _pad0: 0,
+        let scan = self;
+        if scan.count == 0 {
+            return 1;
+        }
+        let slot = ((scan.start as u64 + index) % scan.count as u64 + 1) as u16;
+        let Some((backend_id, weight)) = slot_backend(scan.frontend, slot) else {
+            return 0;
         };
+        if weight == 0 {
+            return 0;
+        }
+        let active = active_connections(backend_id);
+        let id = scan.id as u16;
+        if id == scheduler::NQ && active == 0 {
+            scan.idle = slot as u32;
+            return 1;
+        }
+        let (cost, w) = match id {
+            scheduler::LC => (active, 1),
+            scheduler::WLC => (active, weight),
+            _ => (active + 1, weight),
+        };
+        // cost / w < best cost / best weight, without division.
+        if scan.best.slot > scan.count || cost * scan.best.weight < scan.best.cost * w {
+            scan.best = LcScratch {
+                cost,
+                weight: w,
+                slot: slot as u32,
+                _pad0: 0,
+            };
+        }
+        0
     }
-    0
 }
 
 /// A slot's backend id and weight, if the slot exists.
@@ -1447,36 +1443,32 @@ struct SetScan<F> {
 impl<F: SlotTable> ScanStep for SetScan<F> {
     #[inline(always)]
     fn step(&mut self, index: u64) -> i64 {
-        set_step(self, index)
+        let scan = self;
+        let i = index as usize;
+        if i >= LBLCR_SET_SIZE {
+            return 1;
+        }
+        // The member's weight and load go through the scan (the caller's memory), not this
+        // callback's stack: on kernels before 6.6 the verifier rounds each frame up to 32
+        // bytes and the packet program and this step must share 512.
+        if !member_load(scan, i) {
+            scan.set.members[i] = 0;
+            return 0;
+        }
+        if scan.cur_weight == 0 {
+            return 0;
+        }
+        scan.live += 1;
+        let (active, weight) = (scan.cur_active, scan.cur_weight);
+        if scan.min == 0 || active * scan.min_weight < scan.min_active * weight {
+            (scan.min, scan.min_slot, scan.min_active, scan.min_weight) =
+                (i as u8 + 1, scan.cur_slot, active, weight);
+        }
+        if scan.max == 0 || active * scan.max_weight > scan.max_active * weight {
+            (scan.max, scan.max_active, scan.max_weight) = (i as u8 + 1, active, weight);
+        }
+        0
     }
-}
-
-#[inline(always)]
-fn set_step<F: SlotTable>(scan: &mut SetScan<F>, index: u64) -> i64 {
-    let i = index as usize;
-    if i >= LBLCR_SET_SIZE {
-        return 1;
-    }
-    // The member's weight and load go through the scan (the caller's memory), not this
-    // callback's stack: on kernels before 6.6 the verifier rounds each frame up to 32
-    // bytes and the packet program and this step must share 512.
-    if !member_load(scan, i) {
-        scan.set.members[i] = 0;
-        return 0;
-    }
-    if scan.cur_weight == 0 {
-        return 0;
-    }
-    scan.live += 1;
-    let (active, weight) = (scan.cur_active, scan.cur_weight);
-    if scan.min == 0 || active * scan.min_weight < scan.min_active * weight {
-        (scan.min, scan.min_slot, scan.min_active, scan.min_weight) =
-            (i as u8 + 1, scan.cur_slot, active, weight);
-    }
-    if scan.max == 0 || active * scan.max_weight > scan.max_active * weight {
-        (scan.max, scan.max_active, scan.max_weight) = (i as u8 + 1, active, weight);
-    }
-    0
 }
 
 /// Reads member `i` into the scan's `cur_*` fields; false if the member is gone (its slot

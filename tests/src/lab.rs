@@ -843,22 +843,11 @@ impl Agent {
         log: &Path,
         extra: &[&str],
     ) -> Result<Self> {
-        Self::start_with_tools(node, manifests, log, extra, None)
+        Self::start_under(node, manifests, log, extra, None, &[])
     }
 
-    /// Like [`Agent::start`], with `tools_first` searched before `PATH` for its tools.
-    pub fn start_with_tools(
-        node: &Netns,
-        manifests: Option<&Path>,
-        log: &Path,
-        extra: &[&str],
-        tools_first: Option<&Path>,
-    ) -> Result<Self> {
-        Self::start_under(node, manifests, log, extra, tools_first, &[])
-    }
-
-    /// Like [`Agent::start_with_tools`], the agent run by `prefix` (a command and its
-    /// arguments, e.g. `setpriv`), if any.
+    /// Like [`Agent::start`], with `tools_first` searched before `PATH` for its tools and
+    /// the agent run by `prefix` (a command and its arguments, e.g. `setpriv`), if any.
     pub fn start_under(
         node: &Netns,
         manifests: Option<&Path>,

@@ -52,7 +52,7 @@ fn tcx_link_on_lxc0(lab: &Lab) -> aya::programs::links::LinkInfo {
 
 /// Id of the program on `lxc0`'s ingress: behind its pinned TCX link, or, on kernels
 /// without TCX (before 6.6), in its netlink filter.
-fn tcx_program_on_lxc0(lab: &Lab) -> u32 {
+fn program_on_lxc0(lab: &Lab) -> u32 {
     let links = lab.bpffs.root().join("links");
     let tcx = std::fs::read_dir(&links)
         .map(|d| {
@@ -109,7 +109,7 @@ fn replace_agent_under_load(lab: &mut Lab, manifests: &Path, extra: &[&str]) -> 
 fn restart_keeps_open_connections_and_new_ones_working() {
     require_kernel!();
     let (mut lab, manifests) = started_lab(&[]);
-    let before = tcx_program_on_lxc0(&lab);
+    let before = program_on_lxc0(&lab);
     let log = replace_agent_under_load(&mut lab, &manifests, &[]);
     assert!(log.contains("adopting the pinned datapath"), "{log}");
     assert!(
@@ -124,7 +124,7 @@ fn restart_keeps_open_connections_and_new_ones_working() {
     // again (the verifier is most of a start).
     assert!(log.contains(REUSED), "{log}");
     assert_eq!(
-        tcx_program_on_lxc0(&lab),
+        program_on_lxc0(&lab),
         before,
         "the pinned program keeps running"
     );
@@ -136,10 +136,10 @@ fn restart_keeps_open_connections_and_new_ones_working() {
 fn a_restart_without_the_ipv6_datapath_reuses_the_ipv4_programs() {
     require_kernel!();
     let (mut lab, manifests) = started_lab(&["--ebpf-ipv6=false"]);
-    let before = tcx_program_on_lxc0(&lab);
+    let before = program_on_lxc0(&lab);
     let log = replace_agent_under_load(&mut lab, &manifests, &["--ebpf-ipv6=false"]);
     assert!(log.contains(REUSED), "{log}");
-    assert_eq!(tcx_program_on_lxc0(&lab), before);
+    assert_eq!(program_on_lxc0(&lab), before);
     if std::env::var("PROXY_AGENT_ARGS").is_ok_and(|a| a.contains("--ebpf-ipv6=false")) {
         eprintln!("SKIP wanting IPv6 again: every agent here runs with --ebpf-ipv6=false (PROXY_AGENT_ARGS: this kernel's verifier refuses the IPv6 programs)");
         return;
@@ -237,17 +237,17 @@ fn a_restart_with_other_datapath_settings_verifies_its_own_programs() {
     require_kernel!();
     // Backend counters are compiled in or out of the programs when they load.
     let (mut lab, manifests) = started_lab(&[]);
-    let before = tcx_program_on_lxc0(&lab);
+    let before = program_on_lxc0(&lab);
     let log = replace_agent_under_load(&mut lab, &manifests, &["--backend-metrics"]);
     assert!(log.contains(VERIFIED) && !log.contains(REUSED), "{log}");
-    let with_counters = tcx_program_on_lxc0(&lab);
+    let with_counters = program_on_lxc0(&lab);
     assert_ne!(with_counters, before, "the new settings' program runs");
     // Back to the first settings: their programs went when the second build pinned its own.
     lab.stop_agent().unwrap();
     lab.start_agent(&manifests, &["--backend-metrics"]).unwrap();
     let log = lab.agent().unwrap().log_text();
     assert!(log.contains(REUSED), "{log}");
-    assert_eq!(tcx_program_on_lxc0(&lab), with_counters);
+    assert_eq!(program_on_lxc0(&lab), with_counters);
 }
 
 #[test]
@@ -261,17 +261,17 @@ fn upgrade_to_a_different_program_keeps_connections() {
     );
     let (mut lab, manifests) = started_lab(&[]);
     let variant = variant.to_str().unwrap().to_string();
-    let before = tcx_program_on_lxc0(&lab);
+    let before = program_on_lxc0(&lab);
     let log = replace_agent_under_load(&mut lab, &manifests, &["--ebpf-object", &variant]);
     assert!(log.contains("how=Replaced"), "{log}");
     assert!(log.contains(VERIFIED) && !log.contains(REUSED), "{log}");
-    let upgraded = tcx_program_on_lxc0(&lab);
+    let upgraded = program_on_lxc0(&lab);
     assert_ne!(upgraded, before, "the upgrade's program runs");
     // And back again, the way a rollback would go.
     let log = replace_agent_under_load(&mut lab, &manifests, &[]);
     assert!(log.contains("how=Replaced"), "{log}");
     assert!(log.contains(VERIFIED) && !log.contains(REUSED), "{log}");
-    assert_ne!(tcx_program_on_lxc0(&lab), upgraded);
+    assert_ne!(program_on_lxc0(&lab), upgraded);
 }
 
 #[test]
@@ -373,20 +373,7 @@ fn cleanup_removes_everything(mode: &str) {
         .collect();
     assert_eq!(map_ids.len(), 30, "every map of the datapath is pinned");
     let link_id = (mode == "tcx").then(|| tcx_link_on_lxc0(&lab).id());
-    let prog_id = if mode == "tcx" {
-        tcx_program_on_lxc0(&lab)
-    } else {
-        let filters = lab
-            .node
-            .exec("tc", &["filter", "show", "dev", "lxc0", "ingress"])
-            .unwrap();
-        filters
-            .split_whitespace()
-            .skip_while(|w| *w != "id")
-            .nth(1)
-            .and_then(|id| id.parse().ok())
-            .unwrap_or_else(|| panic!("no program id in {filters}"))
-    };
+    let prog_id = program_on_lxc0(&lab);
     lab.stop_agent().unwrap();
     assert!(
         program_exists(prog_id),

@@ -76,7 +76,9 @@ pub fn start(s: &Settings, metrics: &Metrics) -> Result<(ActiveProxier, Option<E
             (ActiveProxier::Iptables(Box::new(proxier)), None)
         }
         ProxyMode::Nftables => {
-            nftables_kernel_check(s)?;
+            if let Some(warning) = nftables_kernel_check(s)? {
+                warn!("{warning}");
+            }
             netlink::probe().context("the nftables proxier needs nf_tables in the kernel")?;
             let proxier = NftablesProxier::new(
                 NftNetlink::default(),
@@ -126,8 +128,9 @@ pub fn choose(s: &Settings) -> Result<ProxyMode> {
         }
         Err(e) => reasons.push(format!("ebpf: {e:#}")),
     }
+    // The skipped check's warning is logged once, when the mode starts.
     let nft = nftables_kernel_check(s)
-        .and_then(|()| netlink::probe())
+        .and_then(|_| netlink::probe())
         .and_then(|()| {
             // A transaction, not just a lookup: the kernel must accept a table.
             NftNetlink::default()
@@ -173,8 +176,8 @@ pub fn choose(s: &Settings) -> Result<ProxyMode> {
 
 /// kube-proxy's kernel requirement of the nftables mode: 5.13 (older kernels' nf_tables
 /// can break other nftables users on the node), unless `nftables.skipKernelVersionCheck`
-/// says otherwise; that is logged as a warning.
-fn nftables_kernel_check(s: &Settings) -> Result<()> {
+/// says otherwise; then the warning to log is returned.
+fn nftables_kernel_check(s: &Settings) -> Result<Option<String>> {
     let skip = s.cli.nftables_skip_kernel_version_check
         || s.file
             .as_ref()
@@ -190,14 +193,7 @@ fn nftables_kernel_check(s: &Settings) -> Result<()> {
         (Some(major), Some(minor)) => (major, minor),
         _ => (u32::MAX, 0),
     };
-    match nftables_kernel(version, skip) {
-        Ok(Some(warning)) => {
-            warn!("{warning}");
-            Ok(())
-        }
-        Ok(None) => Ok(()),
-        Err(e) => Err(e),
-    }
+    nftables_kernel(version, skip)
 }
 
 /// The decision of [`nftables_kernel_check`] for kernel `version` (major, minor).
