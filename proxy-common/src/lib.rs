@@ -128,6 +128,11 @@ pub mod program_names {
     /// The first packet of an IPv4 flow to a frontend: tail-called by the ingress program,
     /// so the new-flow path has the BPF stack to itself.
     pub const NEW_FLOW: &str = "proxy_new_flow";
+    /// The first packet of an IPv6 flow to a frontend, tail-called by [`TC_INGRESS6`]: apart
+    /// from the tracked-flow path, each half stays inside Debian 6.1's verifier budget.
+    pub const NEW_FLOW6: &str = "proxy_new_flow6";
+    /// The IPv6 tc programs, loaded (and refused) together.
+    pub const IPV6_TC: [&str; 3] = [TC_INGRESS6, TC_EGRESS6, NEW_FLOW6];
     pub const SOCKET_HOOKS: [&str; 8] = [
         SOCK_CONNECT4,
         SOCK_SENDMSG4,
@@ -194,7 +199,9 @@ pub mod tail_calls {
     pub const REFUSE: u32 = 2;
     /// New IPv4 flows at tc ingress ([`super::program_names::NEW_FLOW`]).
     pub const NEW_FLOW: u32 = 3;
-    pub const COUNT: u32 = 4;
+    /// New IPv6 flows at tc ingress ([`super::program_names::NEW_FLOW6`]).
+    pub const NEW_FLOW6: u32 = 4;
+    pub const COUNT: u32 = 5;
 }
 
 /// Key of the `SERVICES6` hash map: [`ServiceKey`] with an IPv6 frontend address. The values

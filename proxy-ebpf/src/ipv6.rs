@@ -11,8 +11,12 @@
 //! 32 bits for hashing), hairpin (from `HAIRPIN_SOURCE6`), fragments (a Fragment header
 //! right after the fixed header). Other extension headers pass untranslated.
 //!
-//! Each step is a subprogram called from the entry, one level deep: their stack frames are
-//! then never stacked on each other, only on the entry's.
+//! Two programs, as for IPv4: `proxy_ingress6`/`proxy_egress6` ([`run`]) translate tracked
+//! flows and replies, and tail-call `proxy_new_flow6` ([`run_new_flow`]) for the first
+//! packet of a flow to a frontend; together, Debian 6.1's verifier gave up on them (over
+//! 1M instructions), apart they take 29 000 and 66 000 there. Each step is a subprogram
+//! called from an entry, one level deep: their stack frames are then never stacked on each
+//! other, only on the entry's.
 
 use aya_ebpf::{
     bindings::{
@@ -26,7 +30,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use proxy_common::{
-    scheduler, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
+    scheduler, tail_calls, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
     DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey6, ServiceValue, SockRevNatKey,
     SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
     BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
@@ -114,14 +118,42 @@ fn try_run(ctx: &TcContext, hook: Hook) -> Result<i32, Stat> {
     if pkt.later_fragment {
         return translate_fragment(ctx, &pkt, hook);
     }
-    let mut verdict = translate(ctx, hook, &pkt)?;
-    if hook == Hook::Ingress && verdict == TC_ACT_UNSPEC && goes_back(ctx, &pkt) {
+    let verdict = translate(ctx, hook, &pkt)?;
+    Ok(finish(ctx, hook, &pkt, verdict))
+}
+
+/// As `crate::finish`: a hairpin flow's packet goes back out; a first fragment tells the
+/// datagram's others what it got.
+#[inline(always)]
+fn finish(ctx: &TcContext, hook: Hook, pkt: &Packet6, mut verdict: i32) -> i32 {
+    if hook == Hook::Ingress && verdict == TC_ACT_UNSPEC && goes_back(ctx, pkt) {
         verdict = crate::SEND_BACK;
     }
     if pkt.more_fragments && (verdict == TC_ACT_UNSPEC || verdict == crate::SEND_BACK) {
-        remember_fragment(ctx, &pkt, hook.fragment_hook(verdict));
+        remember_fragment(ctx, pkt, hook.fragment_hook(verdict));
     }
-    Ok(verdict)
+    verdict
+}
+
+/// The first packet of a flow to an IPv6 frontend, tail-called by [`translate`]
+/// (`tail_calls::NEW_FLOW6`), as `crate::proxy_new_flow` for IPv4: with the tracked-flow
+/// path in the same program, Debian 6.1's verifier walked both paths' states together and
+/// passed its million instructions. It parses the packet again and learns from `cb[1]`
+/// whether the flow had an entry.
+#[inline(always)]
+pub fn run_new_flow(ctx: &TcContext) -> i32 {
+    let outcome = match parse(ctx) {
+        Some(pkt) if !pkt.later_fragment => {
+            // SAFETY: `cb` is the tc program's scratch space, kept across the tail call.
+            let known = unsafe { (*ctx.skb.skb).cb[1] } != 0;
+            match open_flow(ctx, &pkt, known) {
+                Ok(verdict) => Ok(finish(ctx, Hook::Ingress, &pkt, verdict)),
+                Err(stat) => Err(stat),
+            }
+        }
+        _ => Ok(TC_ACT_UNSPEC),
+    };
+    crate::settle(ctx, outcome)
 }
 
 /// As `crate::goes_back`: a hairpin flow's packet, translated at ingress (from the hairpin
@@ -180,14 +212,28 @@ fn translate(ctx: &TcContext, hook: Hook, pkt: &Packet6) -> Result<i32, Stat> {
     if hook == Hook::Egress {
         return Ok(TC_ACT_UNSPEC);
     }
+    if pkt.frontend(SCOPE_ALL).slot(0).is_none() {
+        forget_clashing_flow(pkt);
+        return Ok(TC_ACT_UNSPEC);
+    }
+    // SAFETY: `cb` is the tc program's scratch space, kept across the tail call.
+    unsafe { (*ctx.skb.skb).cb[1] = known as u32 };
+    // SAFETY: the slot holds a tc classifier of this object or nothing.
+    unsafe { crate::TAIL_CALLS.tail_call(ctx, tail_calls::NEW_FLOW6) };
+    Err(Stat::NewFlowFailed)
+}
+
+/// A new flow (or a tracked one that needs a new backend: `known`) to a frontend, in
+/// `proxy_new_flow6`.
+#[inline(always)]
+fn open_flow(ctx: &TcContext, pkt: &Packet6, known: bool) -> Result<i32, Stat> {
     let mut header = ServiceValue {
         backend_id: 0,
         service_id: 0,
         count: 0,
         flags: 0,
     };
-    if !frontend_header(ctx, &pkt, &mut header) {
-        forget_clashing_flow(&pkt);
+    if !frontend_header(ctx, pkt, &mut header) {
         return Ok(TC_ACT_UNSPEC);
     }
     if header.count == 0 {

@@ -115,7 +115,7 @@ static SOCK_AFFINITY: LruHashMap<SockAffinityKey, AffinityValue> =
 #[map]
 static SOCK_LB: HashMap<u64, SockLbValue> = HashMap::with_max_entries(65536, 0);
 #[map]
-static TAIL_CALLS: ProgramArray = ProgramArray::with_max_entries(tail_calls::COUNT, 0);
+pub(crate) static TAIL_CALLS: ProgramArray = ProgramArray::with_max_entries(tail_calls::COUNT, 0);
 #[map]
 static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(65536, 0);
 /// The node's pod interfaces, when `detectLocalMode` tells pods by interface.
@@ -415,6 +415,13 @@ pub fn proxy_new_flow(ctx: TcContext) -> i32 {
         _ => Ok(TC_ACT_UNSPEC),
     };
     settle(&ctx, outcome)
+}
+
+/// The first packet of a flow to an IPv6 frontend (`tail_calls::NEW_FLOW6`), tail-called by
+/// [`proxy_ingress6`]; see `ipv6::run_new_flow`.
+#[classifier]
+pub fn proxy_new_flow6(ctx: TcContext) -> i32 {
+    ipv6::run_new_flow(&ctx)
 }
 
 /// The fields of a packet the translation needs, read once up front.
@@ -1623,20 +1630,57 @@ fn weighted_turn<F: SlotTable>(frontend: F, header: &ServiceValue) -> u16 {
         return 1;
     }
     let t = next_turn(header.service_id) % total;
+    // The search's bounds live in a per-CPU value, which the verifier knows nothing of: in
+    // registers or on the stack, Debian 6.1's verifier kept the bounds of each of the 2^17
+    // ways through the search apart (with an IPv6 frontend it passed a million
+    // instructions); read back from the map, every way looks the same to it.
+    let Some(bounds) = WRR_SEARCH.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: a map value pointer, valid for this run; one program runs per CPU at a time.
+    let bounds = unsafe { &mut *bounds };
+    bounds.lo = 1;
+    bounds.hi = count as u32;
     // Binary search for the first slot with cumulative weight > t (count < 2^16: 16 steps).
-    let (mut lo, mut hi) = (1u16, count);
-    let mut steps = 0;
-    while lo < hi && steps < 17 {
-        let mid = lo + (hi - lo) / 2;
-        if cumulative_weight_at(frontend, mid) > t {
-            hi = mid;
-        } else {
-            lo = mid + 1;
+    for _ in 0..17 {
+        // SAFETY: fields of the map value above.
+        let (lo, hi) = unsafe {
+            (
+                core::ptr::read_volatile(&bounds.lo),
+                core::ptr::read_volatile(&bounds.hi),
+            )
+        };
+        if lo >= hi {
+            break;
         }
-        steps += 1;
+        let mid = lo + (hi - lo) / 2;
+        // SAFETY: as above.
+        unsafe {
+            if cumulative_weight_at(frontend, mid as u16) > t {
+                core::ptr::write_volatile(&mut bounds.hi, mid);
+            } else {
+                core::ptr::write_volatile(&mut bounds.lo, mid + 1);
+            }
+        }
     }
-    lo
+    // SAFETY: as above.
+    let lo = unsafe { core::ptr::read_volatile(&bounds.lo) };
+    if lo == 0 || lo > count as u32 {
+        1
+    } else {
+        lo as u16
+    }
 }
+
+/// [`weighted_turn`]'s search bounds (see there why in a map).
+#[repr(C)]
+struct SearchBounds {
+    lo: u32,
+    hi: u32,
+}
+
+#[map]
+static WRR_SEARCH: PerCpuArray<SearchBounds> = PerCpuArray::with_max_entries(1, 0);
 
 /// Maglev: the client's entry in the frontend's lookup table, which the agent fills so each
 /// backend owns an equal share and a change of backends moves few entries.

@@ -865,8 +865,8 @@ impl Agent {
         if let Some(m) = manifests {
             cmd.arg("--manifests").arg(m);
         }
-        // PROXY_AGENT_ARGS: flags for every agent a test starts (the VM runner's kernel
-        // needs `--ebpf-ipv6=false`).
+        // PROXY_AGENT_ARGS: flags for every agent a test starts (the VM runner's, per
+        // kernel: `--nftables-skip-kernel-version-check` on 5.10).
         let from_env = std::env::var("PROXY_AGENT_ARGS").unwrap_or_default();
         if let Some(dir) = tools_first {
             let mut path = std::ffi::OsString::from(dir);

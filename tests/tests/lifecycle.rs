@@ -130,8 +130,8 @@ fn restart_keeps_open_connections_and_new_ones_working() {
     );
 }
 
-/// The VM runner's flags on kernels whose verifier refuses the IPv6 programs: their
-/// absence is part of what is reused.
+/// An agent run with `--ebpf-ipv6=false` (the operator's choice, or a kernel whose verifier
+/// refuses the IPv6 programs): their absence is part of what is reused.
 #[test]
 fn a_restart_without_the_ipv6_datapath_reuses_the_ipv4_programs() {
     require_kernel!();
@@ -141,7 +141,7 @@ fn a_restart_without_the_ipv6_datapath_reuses_the_ipv4_programs() {
     assert!(log.contains(REUSED), "{log}");
     assert_eq!(program_on_lxc0(&lab), before);
     if std::env::var("PROXY_AGENT_ARGS").is_ok_and(|a| a.contains("--ebpf-ipv6=false")) {
-        eprintln!("SKIP wanting IPv6 again: every agent here runs with --ebpf-ipv6=false (PROXY_AGENT_ARGS: this kernel's verifier refuses the IPv6 programs)");
+        eprintln!("SKIP wanting IPv6 again: every agent here runs with --ebpf-ipv6=false (PROXY_AGENT_ARGS)");
         return;
     }
     // Wanting IPv6 again is another build: verified, with its IPv6 programs.

@@ -233,9 +233,7 @@ fn over_the_limit(object: &[u8]) -> Vec<String> {
         let (old, old_chain) = chain(&functions, *at, before_6_6, 0);
         let old = old + BEFORE_6_6_MARGIN;
         deepest_chain = deepest_chain.max(new_chain.len());
-        // The IPv6 tc programs do not load before 6.6 (too complex for that verifier); the
-        // IPv6 socket hooks do.
-        let old_kernels = !matches!(name.as_str(), "proxy_ingress6" | "proxy_egress6");
+        let old_kernels = true;
         eprintln!(
             "{name}: {new} bytes (6.6+), {old} bytes (before 6.6, margin included{}): {}",
             if old_kernels {

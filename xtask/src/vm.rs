@@ -125,15 +125,7 @@ fn filters_by_suite(filters: &[String]) -> Vec<(&'static str, Vec<String>)> {
 /// Rows skipped per kernel, with the reason (printed, never silent).
 fn skipped_rows(kernel: &str) -> Vec<(&'static str, &'static str)> {
     match kernel {
-        "debian-6.1" => vec![
-            ("ebpf::ipv6", IPV6_BEFORE_6_6),
-            ("ebpf::dual_stack", IPV6_BEFORE_6_6),
-            ("ebpf::the_node_itself_reaches_ipv6", IPV6_BEFORE_6_6),
-        ],
         "debian-5.10" => vec![
-            ("ebpf::ipv6", IPV6_BEFORE_6_6),
-            ("ebpf::dual_stack", IPV6_BEFORE_6_6),
-            ("ebpf::the_node_itself_reaches_ipv6", IPV6_BEFORE_6_6),
             (
                 "ebpf::the_node_itself_reaches_cluster_ips",
                 NODE_COOKIE_BEFORE_5_14,
@@ -155,9 +147,8 @@ fn skipped_rows(kernel: &str) -> Vec<(&'static str, &'static str)> {
 /// Agent flags per kernel.
 fn agent_args(kernel: &str) -> &'static str {
     match kernel {
-        "debian-6.1" => "--ebpf-ipv6=false",
         // kube-proxy's nftables mode needs 5.13; the VM runs it anyway, as its check allows.
-        "debian-5.10" => "--ebpf-ipv6=false --nftables-skip-kernel-version-check",
+        "debian-5.10" => "--nftables-skip-kernel-version-check",
         _ => "",
     }
 }
@@ -170,7 +161,6 @@ const TEST_MAP_SIZES: &str =
     "--services-map-size 16384 --backends-map-size 16384 --conntrack-map-size 65536";
 
 const NODE_COOKIE_BEFORE_5_14: &str = "before 5.14 the agent cannot read its network namespace's cookie (SO_NETNS_COOKIE), so the socket hooks take the initial namespace as the node's: right on a real node, where the agent runs in the host's, not in the lab, whose nodes are namespaces, so these rows' node processes count as pods";
-const IPV6_BEFORE_6_6: &str = "verifiers before 6.6 give up on the eBPF IPv6 programs (6.1: over 1M instructions processed; 6.6 and later load them): the agent serves IPv4 only there, and runs with --ebpf-ipv6=false";
 
 /// What the VM runs.
 pub enum Payload {

@@ -430,7 +430,7 @@ impl Datapath {
             names.push(program_names::SOCK_RELEASE);
         }
         let ipv6_names: &[&str] = if ipv6_wanted {
-            &[program_names::TC_INGRESS6, program_names::TC_EGRESS6]
+            &program_names::IPV6_TC
         } else {
             &[]
         };
@@ -475,7 +475,7 @@ impl Datapath {
             Some((programs, ipv6)) => {
                 if ipv6_wanted && !ipv6 {
                     tracing::warn!(
-                        "the IPv6 datapath is not loaded, IPv6 services are not served by this node: this kernel's verifier refused its programs when this build first loaded; kernels from 6.6 load it, and --ebpf-ipv6=false skips the attempt"
+                        "the IPv6 datapath is not loaded, IPv6 services are not served by this node: this kernel's verifier refused its programs when this build first loaded; the kernels this build is tested on (5.10, 6.1, 6.18) load it, and --ebpf-ipv6=false skips the attempt"
                     );
                 }
                 (Some(programs), ipv6)
@@ -509,6 +509,7 @@ impl Datapath {
         if ipv6 {
             tail_called.push((tail_calls::INGRESS6, program_names::TC_INGRESS6));
             tail_called.push((tail_calls::EGRESS6, program_names::TC_EGRESS6));
+            tail_called.push((tail_calls::NEW_FLOW6, program_names::NEW_FLOW6));
         }
         for (index, name) in tail_called {
             let prog: &SchedClassifier = reused
@@ -901,10 +902,10 @@ fn check_verified(
         let by_verifier = matches!(&e, ProgramError::LoadError { io_error, .. }
             if !matches!(io_error.raw_os_error(), Some(libc::ENOMEM | libc::EPERM | libc::EAGAIN)));
         let err = anyhow::Error::new(e).context(format!("the kernel refused eBPF program {name}"));
-        if name == program_names::TC_INGRESS6 || name == program_names::TC_EGRESS6 {
+        if program_names::IPV6_TC.contains(&name) {
             if ipv6 {
                 tracing::warn!(
-                    "the IPv6 datapath is not loaded, IPv6 services are not served by this node: {}; kernels from 6.6 load it, and --ebpf-ipv6=false skips the attempt",
+                    "the IPv6 datapath is not loaded, IPv6 services are not served by this node: {}; the kernels this build is tested on (5.10, 6.1, 6.18) load it, and --ebpf-ipv6=false skips the attempt",
                     verifier_summary(&err)
                 );
             }

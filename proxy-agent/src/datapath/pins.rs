@@ -10,9 +10,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::maps::{Array, MapData, MapInfo, MapType};
 use proxy_common::{
-    map_names, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue, DatapathConfig,
-    FragmentKey, FragmentValue, MaglevKey, ServiceKey, ServiceStats, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey, MAP_LAYOUT_VERSION,
+    map_names, tail_calls, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue,
+    DatapathConfig, FragmentKey, FragmentValue, MaglevKey, ServiceKey, ServiceStats, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey, MAP_LAYOUT_VERSION,
 };
 use tracing::{info, warn};
 
@@ -418,6 +418,15 @@ fn incompatibility(root: &BpffsRoot, sizes: &mut DatapathSizes) -> Result<Option
                 e.map_type,
                 e.key_size,
                 e.value_size
+            )));
+        }
+        // Its slots are fixed by this build's programs: an older agent's has fewer.
+        if e.name == map_names::TAIL_CALLS && info.max_entries() != tail_calls::COUNT {
+            return Ok(Some(format!(
+                "map {} has {} slots; this agent uses {}",
+                e.name,
+                info.max_entries(),
+                tail_calls::COUNT
             )));
         }
         if e.configurable {
