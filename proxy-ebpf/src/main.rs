@@ -1517,11 +1517,18 @@ fn replicated_locality<F: SlotTable>(
     let Some(set) = LBLCR_SETS.get_ptr_mut(header.service_id) else {
         return random_below(count as u32) as u16 + 1;
     };
+    // SAFETY: a map value pointer, valid for this run.
+    let members = unsafe { core::ptr::read_volatile(set) };
+    // 0, as a value the verifier cannot know (a change time is nanoseconds since boot,
+    // below 2^63). Verifiers before 6.7 check a bpf_loop step once, with the state of its
+    // first call, and wire away the branches they then judge dead: with "none yet" and "no
+    // live member" as constants, every step overwrote the least and most loaded member,
+    // and the caller never saw two live members.
+    let none = (members.changed_ns >> 63) as u8;
     let state = SetScan {
         frontend,
         count: count as u32,
-        // SAFETY: a map value pointer, valid for this run.
-        set: unsafe { core::ptr::read_volatile(set) },
+        set: members,
         min_active: 0,
         min_weight: 1,
         max_active: 0,
@@ -1530,9 +1537,9 @@ fn replicated_locality<F: SlotTable>(
         cur_weight: 0,
         min_slot: 0,
         cur_slot: 0,
-        min: 0,
-        max: 0,
-        live: 0,
+        min: none,
+        max: none,
+        live: none,
         _pad0: 0,
     };
     #[cfg(not(feature = "no-bpf-loop"))]
