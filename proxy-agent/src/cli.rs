@@ -117,9 +117,9 @@ pub struct Cli {
     #[arg(long = "masquerade-all")]
     pub masquerade_all: bool,
 
-    /// eBPF mode: load the IPv6 datapath. Where the kernel's verifier refuses it (Debian's
-    /// 6.1: too complex for its 1M-instruction limit) the agent warns and serves IPv4 only;
-    /// `--ebpf-ipv6=false` skips the attempt (and the seconds it costs).
+    /// eBPF mode: load the IPv6 datapath. Where the kernel's verifier refuses it (none of
+    /// 5.10, 6.1 and 6.18 does) the agent warns and serves IPv4 only; `--ebpf-ipv6=false`
+    /// skips the attempt (and the time it costs).
     #[arg(long = "ebpf-ipv6", default_value_t = true, action = clap::ArgAction::Set)]
     pub ebpf_ipv6: bool,
 

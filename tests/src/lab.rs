@@ -393,6 +393,9 @@ pub struct Lab {
     pub tools_first: Option<PathBuf>,
     /// A command the agent runs under (e.g. `setpriv` with the DaemonSet's capabilities).
     pub agent_prefix: Vec<String>,
+    /// Whether agents get the runner's `PROXY_AGENT_ARGS` (true unless a test needs the
+    /// agent as an operator starts it, e.g. without the VM's nftables kernel-check skip).
+    pub runner_args: bool,
     // Dropped last: deleting it removes every veth of the lab.
     pub node: Netns,
 }
@@ -487,6 +490,7 @@ impl Lab {
             agent: None,
             tools_first: None,
             agent_prefix: Vec::new(),
+            runner_args: true,
             node,
         };
         for i in 0..lab.backends.len() {
@@ -648,6 +652,7 @@ impl Lab {
             &args,
             self.tools_first.as_deref(),
             &self.agent_prefix,
+            self.runner_args,
         )?))
     }
 
@@ -843,11 +848,12 @@ impl Agent {
         log: &Path,
         extra: &[&str],
     ) -> Result<Self> {
-        Self::start_under(node, manifests, log, extra, None, &[])
+        Self::start_under(node, manifests, log, extra, None, &[], true)
     }
 
-    /// Like [`Agent::start`], with `tools_first` searched before `PATH` for its tools and
-    /// the agent run by `prefix` (a command and its arguments, e.g. `setpriv`), if any.
+    /// Like [`Agent::start`], with `tools_first` searched before `PATH` for its tools, the
+    /// agent run by `prefix` (a command and its arguments, e.g. `setpriv`), if any, and the
+    /// runner's `PROXY_AGENT_ARGS` added if `runner_args`.
     pub fn start_under(
         node: &Netns,
         manifests: Option<&Path>,
@@ -855,6 +861,7 @@ impl Agent {
         extra: &[&str],
         tools_first: Option<&Path>,
         prefix: &[String],
+        runner_args: bool,
     ) -> Result<Self> {
         let bin = agent_binary()?;
         let logfile = File::create(log)?;
@@ -867,7 +874,10 @@ impl Agent {
         }
         // PROXY_AGENT_ARGS: flags for every agent a test starts (the VM runner's, per
         // kernel: `--nftables-skip-kernel-version-check` on 5.10).
-        let from_env = std::env::var("PROXY_AGENT_ARGS").unwrap_or_default();
+        let from_env = match runner_args {
+            true => std::env::var("PROXY_AGENT_ARGS").unwrap_or_default(),
+            false => String::new(),
+        };
         if let Some(dir) = tools_first {
             let mut path = std::ffi::OsString::from(dir);
             path.push(":");

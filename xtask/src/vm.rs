@@ -59,10 +59,16 @@ const PRELOAD: &[&str] = &[
 
 /// What runs in the VM: the conformance rows of the modes this host cannot run (ipvs) and
 /// of the eBPF mode on a kernel without TCX, the SCTP rows of every mode (this host's
-/// kernel has no SCTP), and the lifecycle test switching to and from ipvs. A filter
-/// `lifecycle::<f>` or `datapath::<f>` selects from those suites, any other from the
-/// conformance suite.
-pub const DEFAULT_FILTERS: &[&str] = &["ebpf::", "ipvs::", "sctp_", "lifecycle::ipvs"];
+/// kernel has no SCTP), the lifecycle test switching to and from ipvs, and `auto`'s choice.
+/// A filter `lifecycle::<f>`, `datapath::<f>` or `observe::<f>` selects from those suites,
+/// any other from the conformance suite.
+pub const DEFAULT_FILTERS: &[&str] = &[
+    "ebpf::",
+    "ipvs::",
+    "sctp_",
+    "lifecycle::ipvs",
+    "observe::auto_mode",
+];
 
 /// What `cargo xtask test` runs on Debian 11's 5.10: every mode's essentials (a `::name`
 /// filter matches that row of every mode, not its `ipv6_` sibling) and the mode switches.
@@ -74,6 +80,7 @@ pub const ESSENTIALS: &[&str] = &[
     "::session_affinity_client_ip",
     "::schedulers_chosen_by_annotation",
     "lifecycle::switching",
+    "observe::auto_mode",
 ];
 
 /// In-kernel tests (`BPF_PROG_TEST_RUN`) run on every VM kernel: what its verifier loads
@@ -93,7 +100,7 @@ pub const IN_KERNEL_TESTS: &[&str] = &[
 ];
 
 /// Every row of the conformance, lifecycle and in-kernel suites (`--full-matrix`).
-pub const FULL_MATRIX: &[&str] = &["", "lifecycle::", "datapath::"];
+pub const FULL_MATRIX: &[&str] = &["", "lifecycle::", "datapath::", "observe::auto_mode"];
 
 /// The kernels `cargo xtask test` runs in the VM, with their filters.
 pub fn ci_runs(full_matrix: bool) -> Vec<(&'static str, Vec<String>)> {
@@ -112,7 +119,7 @@ pub fn ci_runs(full_matrix: bool) -> Vec<(&'static str, Vec<String>)> {
 }
 
 /// The test binaries the VM can run, by the prefix that routes a filter to them.
-const SUITES: &[&str] = &["conformance", "lifecycle", "datapath"];
+const SUITES: &[&str] = &["conformance", "lifecycle", "datapath", "observe"];
 
 /// `filters` by suite: (suite, its filters), in [`SUITES`] order, only suites with some.
 fn filters_by_suite(filters: &[String]) -> Vec<(&'static str, Vec<String>)> {
