@@ -30,9 +30,9 @@ use aya_ebpf::{
     EbpfContext,
 };
 use proxy_common::{
-    scheduler, tail_calls, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6, ConntrackValue6,
-    DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey6, ServiceValue, SockRevNatKey,
-    SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
+    scheduler, tail_calls, AffinityKey6, AffinityValue, BackendAddr6, ConntrackKey6,
+    ConntrackValue6, DatapathConfig6, FragmentKey6, FragmentValue6, ServiceKey6, ServiceValue,
+    SockRevNatKey, SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
     BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
     CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS,
     HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP, SCOPE_ALL, SERVICE_FLAG_DROP_WHEN_EMPTY,
