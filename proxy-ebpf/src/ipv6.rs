@@ -13,8 +13,8 @@
 //!
 //! Two programs, as for IPv4: `proxy_ingress6`/`proxy_egress6` ([`run`]) translate tracked
 //! flows and replies, and tail-call `proxy_new_flow6` ([`run_new_flow`]) for the first
-//! packet of a flow to a frontend; together, Debian 6.1's verifier gave up on them (over
-//! 1M instructions), apart they take 29 000 and 66 000 there. Each step is a subprogram
+//! packet of a flow to a frontend; as one program (with wrr's search as it was), Debian
+//! 6.1's verifier gave up on them (over 1M instructions), now they take 29 000 and 66 000. Each step is a subprogram
 //! called from an entry, one level deep: their stack frames are then never stacked on each
 //! other, only on the entry's.
 
@@ -136,10 +136,10 @@ fn finish(ctx: &TcContext, hook: Hook, pkt: &Packet6, mut verdict: i32) -> i32 {
 }
 
 /// The first packet of a flow to an IPv6 frontend, tail-called by [`translate`]
-/// (`tail_calls::NEW_FLOW6`), as `crate::proxy_new_flow` for IPv4: with the tracked-flow
-/// path in the same program, Debian 6.1's verifier walked both paths' states together and
-/// passed its million instructions. It parses the packet again and learns from `cb[1]`
-/// whether the flow had an entry.
+/// (`tail_calls::NEW_FLOW6`), as `crate::proxy_new_flow` for IPv4: a program of its own,
+/// the tracked path stays small, and this one fits Debian 6.1's verifier since wrr's search
+/// changed (see `crate::weighted_turn`). It parses the packet again and learns from
+/// `cb[1]` whether the flow had an entry.
 #[inline(always)]
 pub fn run_new_flow(ctx: &TcContext) -> i32 {
     let outcome = match parse(ctx) {

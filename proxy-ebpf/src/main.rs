@@ -1644,7 +1644,10 @@ fn weighted_turn<F: SlotTable>(frontend: F, header: &ServiceValue) -> u16 {
     let Some(bounds) = WRR_SEARCH.get_ptr_mut(0) else {
         return 1;
     };
-    // SAFETY: a map value pointer, valid for this run; one program runs per CPU at a time.
+    // A program interrupted on its CPU (a socket hook, by a packet's softirq) may find the
+    // other's bounds here when it resumes: its turn then lands on another slot of 1..=count
+    // (checked below), never outside.
+    // SAFETY: a map value pointer, valid for this run.
     let bounds = unsafe { &mut *bounds };
     bounds.lo = 1;
     bounds.hi = count as u32;
