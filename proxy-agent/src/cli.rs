@@ -94,6 +94,11 @@ pub struct Cli {
     #[arg(long = "metrics-bind-address", default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: String,
 
+    /// The address and port of the endpoint `proxy-agent inspect` reads: a loopback address
+    /// only, as it explains every tenant's Services.
+    #[arg(long = "inspect-address", default_value = crate::inspect::server::DEFAULT_ADDRESS)]
+    pub inspect_address: String,
+
     /// Kubeconfig for the API server (default: in-cluster configuration, else $KUBECONFIG
     /// or ~/.kube/config). Ignored with --manifests.
     #[arg(long)]
@@ -231,6 +236,16 @@ pub struct Cli {
     /// Entries of the MAGLEV map, all mh service ports' tables together (allocated as used).
     #[arg(long, default_value_t = DatapathSizes::default().maglev)]
     pub maglev_map_size: u32,
+
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// What the binary does instead of running the agent.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Look at what the agent on this node decided, and why (docs/inspect.md).
+    Inspect(crate::inspect::InspectArgs),
 }
 
 const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
@@ -271,6 +286,8 @@ pub struct Settings {
     pub sizes: DatapathSizes,
     pub healthz: std::net::SocketAddr,
     pub metrics: std::net::SocketAddr,
+    /// `--inspect-address`: loopback only.
+    pub inspect: std::net::SocketAddr,
     pub node_name: String,
     /// `--nodeport-addresses` / `nodePortAddresses`: CIDRs or `primary`; empty: unrestricted.
     pub node_port_addresses: Vec<NodePortAddress>,
@@ -522,6 +539,8 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         sizes,
         healthz: health::bind_address(&healthz, 10256).context("healthzBindAddress")?,
         metrics: health::bind_address(&metrics, 10249).context("metricsBindAddress")?,
+        inspect: crate::inspect::server::address(&cli.inspect_address)
+            .context("--inspect-address")?,
         node_name,
         node_port_addresses: parse_node_port_addresses(
             cli.nodeport_addresses

@@ -13,6 +13,7 @@
 //! | [`kernel`] | kernel interfaces shared by modes: netlink framing, conntrack flows and sysctls, local routes, host facts, privileges |
 //! | [`health`] | `/healthz` and `/livez` ([`health::proxy`]); health-check node ports ([`health::services`]); the bounds every HTTP server runs within ([`health::http`]) |
 //! | [`metrics`] | every Prometheus metric |
+//! | [`inspect`] | `proxy-agent inspect`: the command, its table output, and the agent's loopback endpoint it asks ([`inspect::server`]) |
 //! | [`fuzz`] | the fuzzers' entry points: one per input a tenant or the kernel hands the agent |
 //!
 //! # Where is X
@@ -36,6 +37,7 @@
 //! | eBPF conntrack entries (both families), evictions, flood safety (`CT_NEW`, confirmation) | `proxy-ebpf/src/conntrack.rs` (`track`, `forget`, `touch`, `confirm`, `may_open`); the sweep and eviction counts in [`datapath::runtime`] |
 //! | mode selection (`auto`) | [`agent::modes::choose`] |
 //! | health-check node ports | [`health::services`] |
+//! | why an endpoint is or is not used (`inspect explain`) | [`model::explain`], recorded by `build_port` as it decides; asked through [`inspect::server`] → [`agent::sync_loop::SyncLoop::explain`] → [`model::incremental::IncrementalModel::explain`] |
 //! | HTTP timeouts, header size, connection cap (slow clients) | [`health::http`] |
 //! | a tuple two flows would share at the backend (tuple clash) | `reply_taken` in `proxy-ebpf/src/conntrack.rs` |
 //! | fuzz targets, corpus, soak | [`fuzz`]; `tests/fuzz` (`cargo xtask fuzz`); `tests/tests/packet_fuzz.rs` (the eBPF programs); `tests/src/bin/soak.rs` (`cargo xtask soak`) |
@@ -47,6 +49,7 @@ pub mod config;
 pub mod datapath;
 pub mod fuzz;
 pub mod health;
+pub mod inspect;
 pub mod kernel;
 pub mod metrics;
 pub mod model;

@@ -3,14 +3,24 @@
 
 use std::process::ExitCode;
 
-use clap::CommandFactory;
+use clap::{CommandFactory, FromArgMatches};
 use proxy_agent::{
     agent,
-    cli::{settings, Cli},
+    cli::{settings, Cli, Command},
+    inspect,
 };
 
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
+    if let Some(("inspect", sub)) = matches.subcommand() {
+        return match Command::from_arg_matches(&matches) {
+            Ok(Command::Inspect(args)) => inspect::main(args),
+            Err(e) => {
+                eprintln!("error: {e} ({sub:?})");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let settings = match settings(&matches) {
         Ok(s) => s,
         Err(e) => {

@@ -55,6 +55,8 @@ pub struct Metrics {
     pub http_connections: IntGaugeVec,
     pub http_connection_limit: IntGaugeVec,
     pub http_connections_shed: IntCounterVec,
+    /// `proxy-agent inspect` requests answered, by query and status code.
+    pub inspect_requests: IntCounterVec,
     pub map_entries: IntGaugeVec,
     pub map_capacity: IntGaugeVec,
     /// What the kernel's BPF offers the datapath, by feature (1 or 0).
@@ -308,6 +310,15 @@ impl Metrics {
                 &["server"],
             )
             .unwrap(),
+            inspect_requests: IntCounterVec::new(
+                Opts::new(
+                    "proxy_agent_inspect_requests_total",
+                    "Requests to the loopback inspect endpoint (`proxy-agent inspect`), by \
+                     query and HTTP status (503: the sync loop was busy or the queue full)",
+                ),
+                &["query", "code"],
+            )
+            .unwrap(),
             external_ips_refused: IntGauge::new(
                 "proxy_agent_external_ips_refused",
                 "externalIPs entries not served because they are outside --external-ip-cidrs",
@@ -415,6 +426,7 @@ impl Metrics {
         reg(Box::new(m.http_connections.clone()));
         reg(Box::new(m.http_connection_limit.clone()));
         reg(Box::new(m.http_connections_shed.clone()));
+        reg(Box::new(m.inspect_requests.clone()));
         reg(Box::new(m.map_entries.clone()));
         reg(Box::new(m.map_capacity.clone()));
         reg(Box::new(m.ebpf_feature.clone()));

@@ -464,6 +464,26 @@ impl Cluster {
         ))
     }
 
+    /// `proxy-agent inspect ARGS` on node `index`, as an operator runs it in the agent's
+    /// pod (the agent's binary, in the node's network namespace): what it printed, or an
+    /// error with what it said.
+    pub fn inspect(&self, index: u8, args: &[&str]) -> Result<String> {
+        let node = self.node(index);
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", &node.ns.name])
+            .arg(crate::lab::agent_binary()?)
+            .arg("inspect")
+            .args(args)
+            .output()?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "proxy-agent inspect {args:?} on node {index}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// A command that runs `podclient` as a process of node `index` itself: in its host
     /// cgroup (below the hooks) and network namespace.
     pub fn node_command(&self, index: u8, podclient: &Path) -> std::process::Command {

@@ -710,6 +710,52 @@ fn named_target_port_is_resolved_per_endpoint(mode: Mode) {
     }
 }
 
+/// `proxy-agent inspect explain lab/<svc> -o json` on node `index`: each endpoint pod's
+/// (state, reason) for `traffic` (`clusterIP`, `external`) of the Service's first port.
+fn explained(
+    c: &Cluster,
+    index: u8,
+    svc: &str,
+    traffic: &str,
+) -> BTreeMap<String, (String, String)> {
+    let json = c
+        .inspect(index, &["explain", &format!("lab/{svc}"), "-o", "json"])
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let port = &v["ports"][0];
+    assert_eq!(port["served"], true, "{json}");
+    port["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ep| {
+            let ip: IpAddr = ep["address"]
+                .as_str()
+                .unwrap()
+                .parse::<SocketAddr>()
+                .unwrap()
+                .ip();
+            let pod = ALL
+                .iter()
+                .find(|p| IpAddr::from(c.pod(p).ip) == ip)
+                .unwrap_or_else(|| panic!("{ip} is no pod of the lab: {json}"));
+            let used = ep["uses"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|u| u["traffic"] == traffic)
+                .unwrap_or_else(|| panic!("no {traffic} use: {json}"));
+            (
+                pod.to_string(),
+                (
+                    used["state"].as_str().unwrap().to_string(),
+                    used["reason"].as_str().unwrap().to_string(),
+                ),
+            )
+        })
+        .collect()
+}
+
 fn terminating_endpoints_serve_only_when_none_is_ready(mode: Mode) {
     const TERMINATING: &str = "conditions: {ready: false, serving: true, terminating: true}";
     let mut c = cluster(mode, |c| {
@@ -729,6 +775,16 @@ fn terminating_endpoints_serve_only_when_none_is_ready(mode: Mode) {
     let to = addr("10.96.0.14", 80);
     let hellos = tcp_from_pod(&c, CLIENT, to, 20);
     assert_eq!(pods(&hellos), set(&["web-1a"]), "ready endpoints first");
+    // `inspect explain` says why, as the model decided it.
+    let why = explained(&c, 1, "web", "clusterIP");
+    assert_eq!(why["web-1a"], ("serving".into(), "ready".into()));
+    assert_eq!(why["web-2a"].0, "draining", "{why:?}");
+    assert!(
+        why["web-2a"]
+            .1
+            .starts_with("terminating: no new connections"),
+        "{why:?}"
+    );
     // The ready one goes: the serving-and-terminating ones take new connections.
     let yaml = service("web", "10.96.0.14", "", &[("", "TCP", 80, "8080")])
         + &slice(
@@ -743,6 +799,16 @@ fn terminating_endpoints_serve_only_when_none_is_ready(mode: Mode) {
     c.wait_for_syncs(before).unwrap();
     let hellos = tcp_from_pod(&c, CLIENT, to, 30);
     assert_eq!(pods(&hellos), set(&["web-2a", "web-2b"]), "{}", c.logs());
+    let why = explained(&c, 1, "web", "clusterIP");
+    for pod in ["web-2a", "web-2b"] {
+        assert_eq!(
+            why[pod],
+            (
+                "serving".into(),
+                "serving and terminating: used because no endpoint is ready anywhere".into()
+            )
+        );
+    }
 }
 
 fn internal_traffic_policy_local_keeps_traffic_on_the_node(mode: Mode) {
@@ -759,6 +825,15 @@ fn internal_traffic_policy_local_keeps_traffic_on_the_node(mode: Mode) {
     assert_eq!(pods(&from_node_1), set(&["web-1a"]));
     let from_node_2 = tcp_from_pod(&c, CLIENT_2, to, 30);
     assert_eq!(pods(&from_node_2), set(&["web-2a", "web-2b"]));
+    let why = explained(&c, 1, "web", "clusterIP");
+    assert_eq!(why["web-1a"].0, "serving", "{why:?}");
+    assert_eq!(
+        why["web-2a"],
+        (
+            "unused".into(),
+            "on node node-2: the policy is Local, so only this node's endpoints are used".into()
+        )
+    );
 }
 
 fn prefer_close_keeps_traffic_in_the_zone(mode: Mode) {
@@ -787,6 +862,21 @@ fn prefer_close_keeps_traffic_in_the_zone(mode: Mode) {
     assert_eq!(
         pods(&tcp_from_pod(&c, CLIENT_2, to, 30)),
         set(&["web-2a", "web-2b"])
+    );
+    let why = explained(&c, 2, "web", "clusterIP");
+    assert_eq!(
+        why["web-2a"],
+        (
+            "serving".into(),
+            "ready, hinted for this node's zone z2".into()
+        )
+    );
+    assert_eq!(why["web-1a"].0, "unused", "{why:?}");
+    assert!(
+        why["web-1a"]
+            .1
+            .contains("topology hints keep this traffic to endpoints hinted for zone z2"),
+        "{why:?}"
     );
 }
 

@@ -8,7 +8,7 @@
 //! 3. the source (manifest watch or API-server watchers) — a missing API server or path
 //!    fails here; the first read or list starts and runs on while
 //! 4. the mode's proxier starts ([`modes::start`]; eBPF: the datapath loaded or adopted);
-//! 5. the health and metrics servers;
+//! 5. the health and metrics servers, and the loopback inspect endpoint;
 //! 6. the first view of the cluster, the first sync, and only once this mode serves its service ports
 //!    the other modes' leftovers removed ([`cleanup::remove_modes`], when: `Leftovers`), so
 //!    a mode switch by restart leaves no gap and a port eBPF cannot program stays served;
@@ -33,6 +33,7 @@ use crate::{
     cli::Settings,
     datapath::{owner::RootLock, pins::BpffsRoot},
     health::proxy::{self as health, ProxyHealth},
+    inspect,
     kernel::{
         conntrack::sysctls::{self, Outcome},
         host,
@@ -199,6 +200,8 @@ pub async fn run(mut s: Settings) -> Result<()> {
         s.mode.as_str(),
     )
     .await?;
+    let (inspect_tx, mut inspect_rx) = mpsc::channel(inspect::server::QUEUE);
+    inspect::server::serve(s.inspect, inspect_tx, metrics.clone()).await?;
     let mut link_rx = ebpf.as_ref().and_then(|e| e.watch_links());
 
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())
@@ -289,6 +292,11 @@ pub async fn run(mut s: Settings) -> Result<()> {
                 deferred = syncs.sync_or_defer(&mut proxier);
             }
             _ = sync_tick.tick() => syncs.periodic(&mut proxier),
+            Some(query) = inspect_rx.recv() => {
+                let started = Instant::now();
+                query.answer(&syncs);
+                loop_work(&metrics, "inspect", started);
+            }
             _ = config_sync_tick.tick() => {
                 // A periodic re-read of the manifests, as kube-proxy's configSyncPeriod
                 // resyncs its informers (the API watchers relist by themselves).

@@ -25,11 +25,12 @@ use crate::{
     kernel::host::local_addresses,
     metrics::{unix_seconds, Metrics},
     model::{
+        explain::Explanation,
         incremental::IncrementalModel,
         local::{DetectLocal, LocalTraffic},
         objects::NodeInfo,
-        DesiredState, NodeContext, NodePortAddress, ObjectStore, Problem, ProblemKind, Scheduler,
-        ServiceChange, ServicePortName, WhenEmpty,
+        DesiredState, NodeContext, NodePortAddress, ObjectName, ObjectStore, Problem, ProblemKind,
+        Scheduler, ServiceChange, ServicePortName, WhenEmpty,
     },
     proxier::Proxier,
     source::events::{Notice, ServiceEvents},
@@ -181,6 +182,30 @@ impl SyncLoop {
     /// The state the proxier was last asked to serve, with what is pending.
     pub fn desired(&self) -> &DesiredState {
         self.model.desired()
+    }
+
+    /// Why the model serves `service` as it does on this node (`inspect explain`): the
+    /// model's own decisions over what the source has said, with the source's problems
+    /// with the Service (a Service it rejected is only there).
+    pub fn explain(&self, service: &ObjectName) -> Explanation {
+        let mut out = match &self.context {
+            Some(context) => self.model.explain(&self.view.store, context, service),
+            None => Explanation {
+                service: service.to_string(),
+                note: Some("the agent has not read the cluster yet".into()),
+                ..Explanation::default()
+            },
+        };
+        let from_source = self
+            .view
+            .problems
+            .iter()
+            .filter(|p| p.service().as_ref() == Some(service))
+            .map(|p| format!("{}: {}", p.origin, p.message));
+        let mut problems: Vec<String> = from_source.collect();
+        problems.append(&mut out.problems);
+        out.problems = problems;
+        out
     }
 
     /// Changes read but not yet handed to the proxier.

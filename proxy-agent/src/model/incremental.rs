@@ -15,8 +15,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::{
-    build_port, diff, ownership, DesiredState, Frontend, NodeContext, ObjectName, ObjectStore,
-    Problem, ServiceChange, ServicePortName, Stored,
+    build_port, diff, explain, ownership, DesiredState, Frontend, NodeContext, ObjectName,
+    ObjectStore, Problem, ServiceChange, ServicePortName, Stored,
 };
 
 /// The objects an event added, changed or removed, by name.
@@ -247,6 +247,35 @@ impl IncrementalModel {
             .insert(slice.clone());
     }
 
+    /// Why `service`'s ports serve what they serve on this node, decided as
+    /// [`IncrementalModel::apply`] would decide them now (the same closure over shared
+    /// frontends, the same build), with the decisions recorded ([`explain`]). `store` and
+    /// `node` must be what the model was last brought up to date with. Costs what an
+    /// update of the Service costs.
+    pub fn explain(
+        &self,
+        store: &ObjectStore,
+        node: &NodeContext,
+        service: &ObjectName,
+    ) -> explain::Explanation {
+        let affected = self.closure(store, node, BTreeSet::from([service.clone()]));
+        let mut claims = Vec::new();
+        for name in &affected {
+            if let Some((svc, origin)) = store.services.get(name) {
+                ownership::claims_of(svc, origin, node, &mut claims);
+            }
+        }
+        let slices: Vec<_> = self
+            .slices
+            .get(service)
+            .into_iter()
+            .flatten()
+            .filter_map(|s| store.slices.get(s))
+            .collect();
+        let svc = store.services.get(service).map(|(svc, _)| &**svc);
+        explain::explain(service, svc, node, claims, &slices)
+    }
+
     /// `seeds` and every Service that shares a claimed frontend with one in the set, before
     /// or after the event.
     fn closure(
@@ -347,7 +376,7 @@ impl IncrementalModel {
                 .extend(claim.requests.iter().map(|r| r.frontend));
             let port = claim.name.clone();
             let mut problems = Vec::new();
-            if let Some(state) = build_port(claim, &owners, &slices, node, &mut problems) {
+            if let Some(state) = build_port(claim, &owners, &slices, node, &mut problems, None) {
                 built.ports.push(port.clone());
                 new_ports.insert(port, state);
             }

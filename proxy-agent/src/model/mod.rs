@@ -3,6 +3,7 @@
 //! Every semantic decision (which endpoints serve, how a target port resolves) is made here,
 //! once; proxiers only receive [`DesiredState`] and the [`ServiceChange`]s that lead to it.
 
+pub mod explain;
 pub mod incremental;
 pub mod local;
 pub mod objects;
@@ -440,7 +441,7 @@ impl DesiredState {
                 .map(Vec::as_slice)
                 .unwrap_or_default();
             let name = claim.name.clone();
-            if let Some(state) = build_port(claim, &owners, slices, node, &mut problems) {
+            if let Some(state) = build_port(claim, &owners, slices, node, &mut problems, None) {
                 ports.insert(name, state);
             }
         }
@@ -450,13 +451,15 @@ impl DesiredState {
 
 /// One service port's state from its claims, given who owns the frontends it claims and its
 /// Service's EndpointSlices; `None` when it is not served (it lost its cluster IP, or
-/// every frontend). Problems found on the way go to `problems`.
+/// every frontend). Problems found on the way go to `problems`; with `why`, the decisions
+/// are recorded there too ([`explain`]).
 fn build_port(
     claim: ownership::PortClaims,
     owners: &ownership::Owners,
     slices: &[&Stored<SliceInfo>],
     node: &NodeContext,
     problems: &mut Vec<Problem>,
+    mut why: Option<&mut Vec<explain::PortExplanation>>,
 ) -> Option<Arc<ServicePortState>> {
     let ownership::PortClaims {
         svc,
@@ -473,11 +476,34 @@ fn build_port(
         message: format!("port {}: {message}", spec.port),
         kind,
     };
+    let mut verdicts = Vec::new();
+    let explaining = why.is_some();
+    let mut verdict = |frontend, kind, field: &ownership::Field, refusal: Option<String>| {
+        if explaining {
+            verdicts.push(explain::frontend(
+                frontend,
+                kind,
+                &field.to_string(),
+                refusal,
+            ));
+        }
+    };
     for (addr, field) in refused {
         problems.push(problem(
             ProblemKind::ExternalIpRefused,
             format!("{field}: {addr} not served: outside --external-ip-cidrs"),
         ));
+        let frontend = Frontend {
+            addr,
+            port: spec.port,
+            protocol: spec.protocol,
+        };
+        verdict(
+            frontend,
+            field.kind(),
+            &field,
+            Some("outside --external-ip-cidrs".into()),
+        );
     }
     let mut served: Vec<(Frontend, FrontendKind)> = Vec::new();
     let mut lost_cluster_ip = false;
@@ -489,6 +515,12 @@ fn build_port(
                 format!("{}: {conflict}", request.field),
             ));
             lost_cluster_ip |= kind == FrontendKind::ClusterIp;
+            verdict(
+                request.frontend,
+                kind,
+                &request.field,
+                Some(conflict.to_string()),
+            );
             continue;
         }
         if let Some((_, earlier)) = served.iter().find(|(f, _)| *f == request.frontend) {
@@ -499,11 +531,26 @@ fn build_port(
                     request.field, request.frontend
                 ),
             ));
+            verdict(
+                request.frontend,
+                kind,
+                &request.field,
+                Some(format!("already this port's {earlier:?} frontend")),
+            );
             continue;
         }
+        verdict(request.frontend, kind, &request.field, None);
         served.push((request.frontend, kind));
     }
     if lost_cluster_ip || served.is_empty() {
+        if let Some(out) = why {
+            let reason = if lost_cluster_ip {
+                "its cluster IP belongs to another Service, so none of its frontends is served"
+            } else {
+                "it has no frontend this node serves"
+            };
+            out.push(explain::unserved(&name, svc, verdicts, reason));
+        }
         return None;
     }
     let frontend = served[0].0;
@@ -559,7 +606,7 @@ fn build_port(
             backends,
         }
     });
-    let external = external_claimed
+    let external: Vec<FrontendState> = external_claimed
         .into_iter()
         .map(|(frontend, kind)| FrontendState {
             frontend,
@@ -590,6 +637,26 @@ fn build_port(
         .health_check_node_port
         .filter(|_| svc.external_local)
         .map(|p| (p, picked.local.len()));
+    if let Some(out) = why.as_mut() {
+        let first: Option<&FrontendState> = external.first();
+        out.push(explain::port(explain::Decided {
+            name: &name,
+            svc,
+            node,
+            frontends: verdicts,
+            endpoints: &endpoints,
+            picked: &picked,
+            backends: &backends,
+            draining: &draining,
+            when_empty,
+            external: first.map(|f| explain::External {
+                backends: &f.backends,
+                draining: &f.draining,
+                when_empty: f.when_empty,
+                in_cluster: f.in_cluster.as_ref(),
+            }),
+        }));
+    }
     Some(Arc::new(ServicePortState {
         name,
         frontend,
@@ -617,7 +684,7 @@ fn is_local(ep: &EndpointInfo, node: &NodeContext) -> bool {
 
 /// Endpoints of one service port sorted into the sets kube-proxy's `CategorizeEndpoints`
 /// makes, so every proxy mode serves the same ones.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 struct Categorized {
     /// For Cluster policy: ready endpoints (in this node's zone when topology applies);
     /// when none is ready anywhere, the serving-and-terminating ones (KEP-1669).
@@ -626,6 +693,11 @@ struct Categorized {
     local: Vec<SocketAddr>,
     /// Some endpoint anywhere is ready or serving-and-terminating.
     any_serving: bool,
+    /// `cluster` / `local` hold serving-and-terminating endpoints (none was ready).
+    cluster_fallback: bool,
+    local_fallback: bool,
+    /// How hints applied to `cluster`, and why.
+    topology: (Topology, explain::TopologyWhy),
 }
 
 fn serving_terminating(ep: &EndpointInfo) -> bool {
@@ -642,21 +714,26 @@ fn categorize(endpoints: &[(SocketAddr, &EndpointInfo)], node: &NodeContext) -> 
         set.into_iter().collect()
     };
     let topology = topology_mode(endpoints, node);
-    let mut cluster = pick(&|ep| ep.ready && topology.admits(ep, node));
-    if cluster.is_empty() {
+    let mut cluster = pick(&|ep| ep.ready && topology.0.admits(ep, node));
+    let cluster_fallback = cluster.is_empty();
+    if cluster_fallback {
         cluster = pick(&serving_terminating);
     }
     let mut local = pick(&|ep| ep.ready && is_local(ep, node));
-    if local.is_empty() {
+    let local_fallback = local.is_empty();
+    if local_fallback {
         local = pick(&|ep| serving_terminating(ep) && is_local(ep, node));
     }
     let any_serving = endpoints
         .iter()
         .any(|(_, ep)| ep.ready || serving_terminating(ep));
     Categorized {
+        cluster_fallback: cluster_fallback && !cluster.is_empty(),
+        local_fallback: local_fallback && !local.is_empty(),
         cluster,
         local,
         any_serving,
+        topology,
     }
 }
 
@@ -689,21 +766,36 @@ impl Topology {
 
 /// Node hints apply when every ready endpoint has one and one names this node; else zone
 /// hints, when every ready endpoint has one and one names this node's zone; else none
-/// (hints that would leave this node or zone with nothing are ignored).
-fn topology_mode(endpoints: &[(SocketAddr, &EndpointInfo)], node: &NodeContext) -> Topology {
+/// (hints that would leave this node or zone with nothing are ignored). With the reason,
+/// for [`explain`].
+fn topology_mode(
+    endpoints: &[(SocketAddr, &EndpointInfo)],
+    node: &NodeContext,
+) -> (Topology, explain::TopologyWhy) {
+    use explain::TopologyWhy as Why;
     let ready = || endpoints.iter().map(|(_, ep)| *ep).filter(|ep| ep.ready);
     let all_node_hints = ready().all(|ep| !ep.node_hints.is_empty());
     if all_node_hints && ready().any(|ep| Topology::SameNode.admits(ep, node)) {
-        return Topology::SameNode;
+        return (Topology::SameNode, Why::ForThisNode);
     }
     let all_zone_hints = ready().all(|ep| !ep.zone_hints.is_empty());
     if node.zone.is_some()
         && all_zone_hints
         && ready().any(|ep| Topology::SameZone.admits(ep, node))
     {
-        return Topology::SameZone;
+        return (Topology::SameZone, Why::ForThisZone);
     }
-    Topology::Everywhere
+    let any_hints = ready().any(|ep| !ep.node_hints.is_empty() || !ep.zone_hints.is_empty());
+    let why = if !any_hints {
+        Why::NoHints
+    } else if !(all_node_hints || all_zone_hints) {
+        Why::Incomplete
+    } else if all_zone_hints && node.zone.is_none() {
+        Why::NodeWithoutZone
+    } else {
+        Why::NoneForUs
+    };
+    (Topology::Everywhere, why)
 }
 
 /// The endpoints of one service port in one family with their conditions, the target port resolved

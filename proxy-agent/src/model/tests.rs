@@ -2,14 +2,14 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::*;
 
-fn name(ns: &str, n: &str) -> ObjectName {
+pub(super) fn name(ns: &str, n: &str) -> ObjectName {
     ObjectName {
         namespace: ns.into(),
         name: n.into(),
     }
 }
 
-fn service(n: &str, ip: &str, ports: Vec<ServicePortSpec>) -> ServiceInfo {
+pub(super) fn service(n: &str, ip: &str, ports: Vec<ServicePortSpec>) -> ServiceInfo {
     ServiceInfo {
         name: name("default", n),
         created: None,
@@ -28,7 +28,7 @@ fn service(n: &str, ip: &str, ports: Vec<ServicePortSpec>) -> ServiceInfo {
     }
 }
 
-fn port(n: &str, port: u16, target: TargetPort) -> ServicePortSpec {
+pub(super) fn port(n: &str, port: u16, target: TargetPort) -> ServicePortSpec {
     ServicePortSpec {
         name: n.into(),
         protocol: Protocol::Tcp,
@@ -51,7 +51,12 @@ fn endpoint(addr: &str, ready: bool) -> EndpointInfo {
     }
 }
 
-fn slice(n: &str, svc: &str, ports: Option<Vec<(&str, u16)>>, eps: Vec<EndpointInfo>) -> SliceInfo {
+pub(super) fn slice(
+    n: &str,
+    svc: &str,
+    ports: Option<Vec<(&str, u16)>>,
+    eps: Vec<EndpointInfo>,
+) -> SliceInfo {
     SliceInfo {
         name: name("default", n),
         service: name("default", svc),
@@ -69,7 +74,7 @@ fn slice(n: &str, svc: &str, ports: Option<Vec<(&str, u16)>>, eps: Vec<EndpointI
     }
 }
 
-fn store(services: Vec<ServiceInfo>, slices: Vec<SliceInfo>) -> ObjectStore {
+pub(super) fn store(services: Vec<ServiceInfo>, slices: Vec<SliceInfo>) -> ObjectStore {
     let origin: Origin = "test.yaml".into();
     ObjectStore {
         services: services
@@ -403,7 +408,7 @@ fn diff_reports_exactly_what_changed() {
 /// An endpoint for the selection table: `R` ready, `S` serving-and-terminating, `T`
 /// terminating and not serving, `U` not ready; on node `n1` (this node) or `n2`; hinted for
 /// the zones listed.
-fn ep(spec: &str, last_octet: u8, node: &str, hints: &[&str]) -> EndpointInfo {
+pub(super) fn ep(spec: &str, last_octet: u8, node: &str, hints: &[&str]) -> EndpointInfo {
     let (ready, serving, terminating) = match spec {
         "R" => (true, true, false),
         "S" => (false, true, true),
@@ -424,7 +429,7 @@ fn ep(spec: &str, last_octet: u8, node: &str, hints: &[&str]) -> EndpointInfo {
 }
 
 /// `e` hinted for the nodes listed (`hints.forNodes`).
-fn on_nodes(mut e: EndpointInfo, nodes: &[&str]) -> EndpointInfo {
+pub(super) fn on_nodes(mut e: EndpointInfo, nodes: &[&str]) -> EndpointInfo {
     e.node_hints = nodes.iter().map(|n| n.to_string()).collect();
     e
 }
@@ -895,7 +900,7 @@ fn conflicts(problems: &[Problem]) -> Vec<String> {
         .collect()
 }
 
-fn web_port() -> Vec<ServicePortSpec> {
+pub(super) fn web_port() -> Vec<ServicePortSpec> {
     vec![port("http", 80, TargetPort::Number(8080))]
 }
 

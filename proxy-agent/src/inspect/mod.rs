@@ -1,0 +1,146 @@
+//! `proxy-agent inspect`: what the agent on this node decided, and why, for operators
+//! (`kubectl exec` into the agent's pod; the binary is the DaemonSet's own).
+//!
+//! | command | answers | from |
+//! |---|---|---|
+//! | `inspect explain NAMESPACE/NAME` | for each port, family and frontend of a Service: served or why not; for each endpoint and each kind of traffic: serving, draining or unused, and the rule that decided it | the model's own decisions ([`crate::model::explain`]), asked of the running agent over [`server`] |
+//!
+//! Each prints an aligned table ([`table`]) or, with `-o json`, the answer's JSON, whose
+//! field names are documented in docs/inspect.md and kept stable.
+
+pub mod server;
+pub mod table;
+
+use std::{net::SocketAddr, process::ExitCode, time::Duration};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Subcommand, ValueEnum};
+use http_body_util::{BodyExt, Empty};
+use hyper::{body::Bytes, header, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+
+use crate::model::explain::Explanation;
+
+/// Look at what the agent on this node decided, and why.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// The agent's inspect endpoint (its --inspect-address).
+    #[arg(long, global = true, default_value = server::DEFAULT_ADDRESS)]
+    pub address: String,
+
+    /// Output: an aligned table, or JSON (field names in docs/inspect.md).
+    #[arg(
+        short = 'o',
+        long = "output",
+        global = true,
+        value_enum,
+        default_value = "table"
+    )]
+    pub output: Output,
+
+    #[command(subcommand)]
+    pub what: What,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum What {
+    /// For each endpoint of a Service, whether this node sends it traffic, for each kind of
+    /// traffic and frontend, and why (conditions, traffic policies, topology hints,
+    /// terminating fallback, frontend conflicts): the decisions the agent's model made.
+    Explain {
+        /// The Service, as NAMESPACE/NAME.
+        service: String,
+    },
+}
+
+/// How long `inspect` waits for the agent (its own wait for the sync loop, and a margin).
+const TIMEOUT: Duration = Duration::from_secs(server::ANSWER_TIMEOUT.as_secs() + 5);
+
+/// Runs `proxy-agent inspect ...`: prints the answer, or one line saying what failed.
+pub fn main(args: InspectArgs) -> ExitCode {
+    match run(&args) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &InspectArgs) -> Result<String> {
+    let addr = server::address(&args.address).context("--address")?;
+    match &args.what {
+        What::Explain { service } => {
+            let (namespace, name) = service
+                .split_once('/')
+                .filter(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
+                .ok_or_else(|| anyhow!("{service:?}: expected NAMESPACE/NAME"))?;
+            let body = get(addr, &format!("/debug/explain/{namespace}/{name}"))?;
+            let explanation: Explanation = serde_json::from_str(&body)
+                .with_context(|| format!("the agent's answer is not an explanation: {body}"))?;
+            Ok(match args.output {
+                Output::Json => body,
+                Output::Table => table::explanation(&explanation),
+            })
+        }
+    }
+}
+
+/// GETs `path` from the agent's inspect endpoint: the body of a 200, else an error with the
+/// agent's own words.
+fn get(addr: SocketAddr, path: &str) -> Result<String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(addr).await.with_context(|| {
+            format!("connecting to the agent's inspect endpoint {addr} (is the agent running on this node, with this --inspect-address?)")
+        })?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(connection);
+        let request = Request::get(path)
+            .header(header::HOST, addr.to_string())
+            .body(Empty::<Bytes>::new())?;
+        let response = sender.send_request(request).await?;
+        let status = response.status();
+        let body = response.into_body().collect().await?.to_bytes();
+        anyhow::Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    let (status, body) = runtime
+        .block_on(async { tokio::time::timeout(TIMEOUT, exchange).await })
+        .map_err(|_| anyhow!("the agent at {addr} did not answer within {TIMEOUT:?}"))??;
+    if status != StatusCode::OK {
+        bail!("the agent answered {status}: {}", body.trim_end());
+    }
+    Ok(body)
+}
+
+/// Compares `actual` with the golden file `golden/<file>`; `PROXY_UPDATE_GOLDEN=1` rewrites
+/// it instead (then review the diff).
+#[cfg(test)]
+pub(crate) fn assert_golden(file: &str, actual: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/inspect/golden")
+        .join(file);
+    if std::env::var_os("PROXY_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (PROXY_UPDATE_GOLDEN=1 writes it)", path.display()));
+    assert!(
+        expected == actual,
+        "{} differs (PROXY_UPDATE_GOLDEN=1 rewrites it):\n--- expected\n{expected}\n--- actual\n{actual}",
+        path.display()
+    );
+}

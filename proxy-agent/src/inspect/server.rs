@@ -1,0 +1,235 @@
+//! The agent's side of `proxy-agent inspect`: an HTTP endpoint on a loopback address only
+//! (`--inspect-address`), because what it tells describes every tenant's Services.
+//!
+//! ```text
+//! GET /debug/explain/{namespace}/{name}   → model::explain::Explanation (JSON)
+//! ```
+//!
+//! The model belongs to the sync loop, which runs on the agent's main thread; a handler
+//! does not lock it. It sends a [`Query`] over a queue of [`QUEUE`] places, the event loop
+//! answers between syncs ([`Query::answer`]), and the handler waits [`ANSWER_TIMEOUT`] at
+//! most. A full queue or a sync that outlasts the wait is a 503 that says so: inspecting
+//! never delays a sync by more than one answer, and answering costs what an update of the
+//! Service costs. Connections share their own budget of [`CONNECTIONS`] within
+//! [`crate::health::http`]'s bounds; answers are counted in
+//! `proxy_agent_inspect_requests_total{query,code}`.
+
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use anyhow::{bail, Context, Result};
+use axum::{
+    extract::{Path, State},
+    http::{header, StatusCode},
+    response::{IntoResponse, Response},
+    routing::get,
+    Router,
+};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+use tracing::info;
+
+use crate::{
+    agent::sync_loop::SyncLoop,
+    health::http::{self, Connections},
+    metrics::Metrics,
+    model::{explain::Explanation, ObjectName},
+};
+
+/// Where the agent serves, and `inspect` asks, by default.
+pub const DEFAULT_ADDRESS: &str = "127.0.0.1:10247";
+/// Queries waiting for the sync loop at once.
+pub const QUEUE: usize = 4;
+/// How long a handler waits for the sync loop's answer.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections open at once to the inspect endpoint.
+pub const CONNECTIONS: usize = 16;
+
+/// A question for the sync loop, with where its answer goes.
+pub enum Query {
+    Explain {
+        service: ObjectName,
+        reply: oneshot::Sender<Explanation>,
+    },
+}
+
+impl Query {
+    /// Answers from the sync loop's model (the event loop calls this between syncs).
+    pub fn answer(self, syncs: &SyncLoop) {
+        match self {
+            Query::Explain { service, reply } => {
+                // The asker may have given up waiting: nothing to do then.
+                let _ = reply.send(syncs.explain(&service));
+            }
+        }
+    }
+}
+
+/// `--inspect-address`: an address and port on a loopback address.
+pub fn address(value: &str) -> Result<SocketAddr> {
+    let addr = crate::health::proxy::bind_address(value, 10247)?;
+    if !addr.ip().is_loopback() {
+        bail!(
+            "{addr} is not a loopback address: the inspect endpoint describes every tenant's Services and is served on loopback only (127.0.0.1 or ::1)"
+        );
+    }
+    Ok(addr)
+}
+
+#[derive(Clone)]
+struct AppState {
+    queries: mpsc::Sender<Query>,
+    metrics: Arc<Metrics>,
+}
+
+/// Starts serving on `addr` (a loopback address, see [`address`]); the queries go to
+/// `queries`, which the event loop answers.
+pub async fn serve(
+    addr: SocketAddr,
+    queries: mpsc::Sender<Query>,
+    metrics: Arc<Metrics>,
+) -> Result<()> {
+    if !addr.ip().is_loopback() {
+        bail!("--inspect-address {addr}: not a loopback address");
+    }
+    let state = AppState {
+        queries,
+        metrics: metrics.clone(),
+    };
+    let app = Router::new()
+        .route("/debug/explain/{namespace}/{name}", get(explain))
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("--inspect-address: listening on {addr}"))?;
+    info!(%addr, "serving the inspect endpoint (loopback only)");
+    let connections = Connections::new("inspect", CONNECTIONS, Some(metrics));
+    tokio::spawn(http::serve(listener, app, connections));
+    Ok(())
+}
+
+async fn explain(
+    State(state): State<AppState>,
+    Path((namespace, name)): Path<(String, String)>,
+) -> Response {
+    let response = match object_name(&namespace, &name) {
+        Ok(service) => ask(&state.queries, |reply| Query::Explain { service, reply }).await,
+        Err(message) => (StatusCode::BAD_REQUEST, message).into_response(),
+    };
+    state
+        .metrics
+        .inspect_requests
+        .with_label_values(&["explain", response.status().as_str()])
+        .inc();
+    response
+}
+
+/// A Service's name as the API server allows it (DNS-1123 labels and subdomains), so that
+/// nothing else reaches the sync loop.
+fn object_name(namespace: &str, name: &str) -> Result<ObjectName, String> {
+    for (what, value) in [("namespace", namespace), ("name", name)] {
+        let fine = !value.is_empty()
+            && value.len() <= 253
+            && value
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+        if !fine {
+            return Err(format!(
+                "{what} {value:?}: expected a Kubernetes name (lower-case letters, digits, '-' and '.', at most 253)\n"
+            ));
+        }
+    }
+    Ok(ObjectName {
+        namespace: namespace.into(),
+        name: name.into(),
+    })
+}
+
+/// Sends a query to the sync loop and waits for its answer.
+async fn ask<T: Serialize>(
+    queries: &mpsc::Sender<Query>,
+    query: impl FnOnce(oneshot::Sender<T>) -> Query,
+) -> Response {
+    let (reply, answer) = oneshot::channel();
+    let unavailable =
+        |why: &str| (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
+    match queries.try_send(query(reply)) {
+        Ok(()) => {}
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            return unavailable(&format!(
+                "{QUEUE} inspect requests are already waiting for the sync loop: try again"
+            ))
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => return unavailable("the agent is stopping"),
+    }
+    match tokio::time::timeout(ANSWER_TIMEOUT, answer).await {
+        Ok(Ok(answer)) => match serde_json::to_string_pretty(&answer) {
+            Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body + "\n").into_response(),
+            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        },
+        Ok(Err(_)) => unavailable("the agent is stopping"),
+        Err(_) => unavailable(&format!(
+            "the sync loop did not answer within {} s (a sync is running): try again",
+            ANSWER_TIMEOUT.as_secs()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_addresses_are_served() {
+        assert_eq!(
+            address(DEFAULT_ADDRESS).unwrap(),
+            "127.0.0.1:10247".parse().unwrap()
+        );
+        assert_eq!(address("::1").unwrap(), "[::1]:10247".parse().unwrap());
+        let e = address("0.0.0.0:10247").unwrap_err().to_string();
+        assert!(e.contains("not a loopback address"), "{e}");
+        assert!(address("10.0.0.1").is_err());
+    }
+
+    #[test]
+    fn names_that_no_service_can_have_are_refused_before_the_sync_loop() {
+        assert!(object_name("default", "web").is_ok());
+        assert!(object_name("kube-system", "kube-dns.v2").is_ok());
+        for (ns, name) in [
+            ("", "web"),
+            ("default", "Web"),
+            ("default", "a b"),
+            ("x", &"a".repeat(254)),
+        ] {
+            let e = object_name(ns, name).unwrap_err();
+            assert!(e.contains("expected a Kubernetes name"), "{e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_busy_sync_loop_is_a_503_that_says_so() {
+        // Nobody answers: the queue fills, then each request says why it was not answered.
+        let (tx, _rx) = mpsc::channel(QUEUE);
+        for _ in 0..QUEUE {
+            let (reply, _) = oneshot::channel();
+            tx.try_send(Query::Explain {
+                service: object_name("a", "b").unwrap(),
+                reply,
+            })
+            .unwrap();
+        }
+        let full = ask::<Explanation>(&tx, |reply| Query::Explain {
+            service: object_name("a", "b").unwrap(),
+            reply,
+        })
+        .await;
+        assert_eq!(full.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        drop(rx);
+        let closed = ask::<Explanation>(&tx, |reply| Query::Explain {
+            service: object_name("a", "b").unwrap(),
+            reply,
+        })
+        .await;
+        assert_eq!(closed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+}

@@ -1,0 +1,202 @@
+//! `inspect`'s table output: columns aligned as `ipvsadm -Ln` aligns them, for people
+//! (`-o json` is for programs). Golden files in `golden/` hold what each renders.
+
+use std::fmt::Write;
+
+use crate::model::explain::{Explanation, PortExplanation};
+
+/// Rows as columns padded to their widest cell, two spaces apart; each line indented by
+/// `indent`, the last column not padded.
+fn aligned(indent: &str, rows: &[Vec<String>]) -> String {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|cell| cell.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let mut line = indent.to_string();
+        for (c, cell) in row.iter().enumerate() {
+            if c + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                let _ = write!(line, "{cell:<width$}  ", width = widths[c]);
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn yes(b: bool) -> String {
+    if b { "yes" } else { "no" }.into()
+}
+
+/// `inspect explain`'s table.
+pub fn explanation(e: &Explanation) -> String {
+    let mut out = format!(
+        "Service {} on node {}{}\n",
+        e.service,
+        e.node,
+        e.zone
+            .as_deref()
+            .map(|z| format!(" (zone {z})"))
+            .unwrap_or_default()
+    );
+    if let Some(note) = &e.note {
+        let _ = writeln!(out, "  {note}");
+    }
+    if !e.problems.is_empty() {
+        out.push_str("  problems:\n");
+        for p in &e.problems {
+            let _ = writeln!(out, "    {p}");
+        }
+    }
+    for port in &e.ports {
+        out.push('\n');
+        port_table(&mut out, port);
+    }
+    out
+}
+
+fn port_table(out: &mut String, p: &PortExplanation) {
+    let name = if p.port.is_empty() {
+        "(unnamed)".to_string()
+    } else {
+        p.port.clone()
+    };
+    let _ = writeln!(
+        out,
+        "Port {name} {} {}: {}",
+        p.protocol,
+        p.family,
+        match &p.not_served {
+            None => "served".to_string(),
+            Some(why) => format!("not served: {why}"),
+        }
+    );
+    let mut rows = vec![vec![
+        "FRONTEND".to_string(),
+        "KIND".into(),
+        "FIELD".into(),
+        "SERVED".into(),
+        "REASON".into(),
+    ]];
+    rows.extend(p.frontends.iter().map(|f| {
+        vec![
+            f.frontend.clone(),
+            f.kind.clone(),
+            f.field.clone(),
+            yes(f.served),
+            f.reason.clone().unwrap_or_default(),
+        ]
+    }));
+    out.push_str(&aligned("  ", &rows));
+    if !p.served {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "  internalTrafficPolicy {}, externalTrafficPolicy {}, scheduler {}, affinity {}",
+        p.internal_traffic_policy,
+        p.external_traffic_policy,
+        p.scheduler,
+        p.affinity_timeout_seconds
+            .map(|t| format!("ClientIP {t}s"))
+            .unwrap_or_else(|| "none".into())
+    );
+    let _ = writeln!(out, "  topology: {}", p.topology);
+    for t in &p.when_empty {
+        let _ = writeln!(
+            out,
+            "  {} traffic without endpoints: {}",
+            t.traffic, t.outcome
+        );
+    }
+    if p.endpoints.is_empty() {
+        out.push_str("  no endpoints in the Service's EndpointSlices\n");
+        return;
+    }
+    let mut rows = vec![vec![
+        "ENDPOINT".to_string(),
+        "NODE".into(),
+        "ZONE".into(),
+        "CONDITIONS".into(),
+        "TRAFFIC".into(),
+        "STATE".into(),
+        "REASON".into(),
+    ]];
+    for ep in &p.endpoints {
+        let conditions: Vec<&str> = [
+            (ep.ready, "ready"),
+            (ep.serving, "serving"),
+            (ep.terminating, "terminating"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| *name)
+        .collect();
+        let node = match (&ep.node, ep.local) {
+            (Some(n), true) => format!("{n} (this)"),
+            (Some(n), false) => n.clone(),
+            (None, _) => "-".into(),
+        };
+        for (i, u) in ep.uses.iter().enumerate() {
+            let first = i == 0;
+            rows.push(vec![
+                if first {
+                    ep.address.to_string()
+                } else {
+                    String::new()
+                },
+                if first { node.clone() } else { String::new() },
+                if first {
+                    ep.zone.clone().unwrap_or_else(|| "-".into())
+                } else {
+                    String::new()
+                },
+                if first {
+                    if conditions.is_empty() {
+                        "none".into()
+                    } else {
+                        conditions.join(",")
+                    }
+                } else {
+                    String::new()
+                },
+                u.traffic.clone(),
+                u.state.clone(),
+                u.reason.clone(),
+            ]);
+        }
+    }
+    out.push_str(&aligned("  ", &rows));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_align_to_the_widest_cell_and_the_last_is_not_padded() {
+        let rows = vec![
+            vec!["A".to_string(), "BB".into(), "C".into()],
+            vec!["long".to_string(), "".into(), "x".into()],
+        ];
+        assert_eq!(aligned("  ", &rows), "  A     BB  C\n  long      x\n");
+    }
+
+    /// The table of the golden explanation (written by the model's own golden test).
+    #[test]
+    fn the_explain_table_is_the_golden_one() {
+        let json = include_str!("golden/explain.json");
+        let e: Explanation = serde_json::from_str(json).unwrap();
+        crate::inspect::assert_golden("explain.txt", &explanation(&e));
+    }
+}
