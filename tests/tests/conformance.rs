@@ -130,6 +130,7 @@ macro_rules! conformance {
 conformance!(
     cluster_ip_tcp_and_udp_reach_backends_on_both_nodes,
     multi_port_service_maps_each_port_to_its_target,
+    inspect_services_shows_each_backend_and_the_traffic_it_carried,
     named_target_port_is_resolved_per_endpoint,
     service_without_endpoints_is_refused,
     terminating_endpoints_serve_only_when_none_is_ready,
@@ -710,6 +711,18 @@ fn named_target_port_is_resolved_per_endpoint(mode: Mode) {
     }
 }
 
+/// The lab pod whose address `inspect` printed (`"ip:port"`).
+fn pod_at(c: &Cluster, address: &serde_json::Value) -> &'static str {
+    let ip = address
+        .as_str()
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+        .unwrap_or_else(|| panic!("not an address: {address}"))
+        .ip();
+    ALL.iter()
+        .find(|p| IpAddr::from(c.pod(p).ip) == ip)
+        .unwrap_or_else(|| panic!("{ip} is no pod of the lab"))
+}
+
 /// `proxy-agent inspect explain lab/<svc> -o json` on node `index`: each endpoint pod's
 /// (state, reason) for `traffic` (`clusterIP`, `external`) of the Service's first port.
 fn explained(
@@ -729,16 +742,7 @@ fn explained(
         .unwrap()
         .iter()
         .map(|ep| {
-            let ip: IpAddr = ep["address"]
-                .as_str()
-                .unwrap()
-                .parse::<SocketAddr>()
-                .unwrap()
-                .ip();
-            let pod = ALL
-                .iter()
-                .find(|p| IpAddr::from(c.pod(p).ip) == ip)
-                .unwrap_or_else(|| panic!("{ip} is no pod of the lab: {json}"));
+            let pod = pod_at(c, &ep["address"]);
             let used = ep["uses"]
                 .as_array()
                 .unwrap()
@@ -754,6 +758,52 @@ fn explained(
             )
         })
         .collect()
+}
+
+/// `inspect services` on the client's node after known traffic: the Service's frontend,
+/// its three backends, and counters that account for every connection, per backend as the
+/// client saw them (the eBPF mode counts per backend with `--backend-metrics`).
+fn inspect_services_shows_each_backend_and_the_traffic_it_carried(mode: Mode) {
+    let mut c = Cluster::new().expect("cluster lab");
+    let yaml = service("web", "10.96.0.18", "", &[("", "TCP", 80, "8080")])
+        + &slice(&c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL));
+    let path = c.write_manifests(&yaml).unwrap();
+    let mut args = vec!["--proxy-mode", mode.name()];
+    if mode == Mode::Ebpf {
+        args.push("--backend-metrics");
+    }
+    c.start_agents(&path, &args).expect("agents");
+    let hellos = tcp_from_pod(&c, CLIENT, addr("10.96.0.18", 80), 30);
+    let seen = counts(&hellos);
+    let json = c
+        .inspect(1, &["services", "lab/web", "-o", "json"])
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["mode"], mode.name(), "{json}");
+    let port = &v["ports"][0];
+    let frontend = port["frontends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["frontend"] == "10.96.0.18:80/TCP")
+        .unwrap_or_else(|| panic!("no cluster IP frontend: {json}"));
+    assert_eq!(frontend["traffic"]["connections"], 30, "{json}");
+    let backends = port["backends"].as_array().unwrap();
+    assert_eq!(backends.len(), 3, "{json}");
+    for b in backends {
+        let pod = pod_at(&c, &b["address"]);
+        assert_eq!(b["state"], "serving", "{json}");
+        assert_eq!(
+            b["traffic"]["connections"],
+            seen.get(pod).copied().unwrap_or(0),
+            "{pod}: the client saw {seen:?}; {json}"
+        );
+    }
+    let table = c.inspect(1, &["services", "lab/web"]).unwrap();
+    assert!(
+        table.contains("10.96.0.18:80/TCP") && table.contains("CONNECTIONS"),
+        "{table}"
+    );
 }
 
 fn terminating_endpoints_serve_only_when_none_is_ready(mode: Mode) {

@@ -294,7 +294,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
             _ = sync_tick.tick() => syncs.periodic(&mut proxier),
             Some(query) = inspect_rx.recv() => {
                 let started = Instant::now();
-                query.answer(&syncs);
+                query.answer(&syncs, &proxier, ebpf.as_ref());
                 loop_work(&metrics, "inspect", started);
             }
             _ = config_sync_tick.tick() => {

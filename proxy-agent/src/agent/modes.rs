@@ -15,13 +15,14 @@ use crate::{
         sockets::SocketCleaner,
         Datapath, DatapathSizes, LoadOptions,
     },
+    inspect::services::{Counted, Traffic},
     kernel::{
         conntrack::flows::ConntrackFlows,
         local_routes::{self, DummyAddresses, KernelLocalRoutes, LocalRoutes},
         nlattr,
     },
     metrics::{service_labels, Metrics},
-    model::{DesiredState, IpFamily, ServiceChange},
+    model::{DesiredState, Frontend, IpFamily, ServiceChange},
     proxier::{
         ebpf::{maps::KernelMaps, EbpfProxier},
         iptables::{tables::IptablesCommands, IptablesProxier},
@@ -444,6 +445,144 @@ impl ActiveProxier {
         };
         Some((services, backends))
     }
+}
+
+impl ActiveProxier {
+    /// The traffic counters this mode keeps itself for `ports` (`inspect services`); `None`
+    /// for the modes whose flows kernel conntrack counts instead
+    /// ([`crate::inspect::services::count_conntrack`], which runs off the sync loop).
+    pub fn counted(
+        &self,
+        ebpf: Option<&EbpfRuntime>,
+        ports: &[std::sync::Arc<crate::model::ServicePortState>],
+    ) -> Option<Counted> {
+        match (self, ebpf) {
+            (ActiveProxier::Ebpf(p), Some(runtime)) => Some(ebpf_counted(p, runtime, ports)),
+            (ActiveProxier::Userspace(p), _) => Some(userspace_counted(p, ports)),
+            _ => None,
+        }
+    }
+}
+
+/// The userspace relays' counters of `ports` (no packets: TCP is relayed as a stream).
+fn userspace_counted(
+    p: &UserspaceProxier,
+    ports: &[std::sync::Arc<crate::model::ServicePortState>],
+) -> Counted {
+    let zero = Traffic {
+        connections: Some(0),
+        bytes: Some(0),
+        packets: None,
+    };
+    let mut counted = Counted {
+        source: "the userspace relays' counters (connections or UDP sessions, and bytes both ways; a TCP connection's bytes once it ends), for the endpoints serving now".into(),
+        frontend_zero: zero,
+        backend_zero: zero,
+        ..Counted::default()
+    };
+    for s in ports {
+        for frontend in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+            for (endpoint, (connections, bytes)) in p.relayed(&frontend) {
+                let t = Traffic {
+                    connections: Some(connections),
+                    bytes: Some(bytes),
+                    packets: None,
+                };
+                counted.frontends.entry(frontend).or_insert(zero).add(t);
+                counted
+                    .backends
+                    .entry((s.frontend, endpoint))
+                    .or_insert(zero)
+                    .add(t);
+            }
+        }
+    }
+    counted
+}
+
+/// The eBPF maps' counters of `ports`: per frontend (`SERVICE_STATS`; a Local frontend's
+/// two entry sets added up) and, with `--backend-metrics`, per backend (`BACKEND_STATS`).
+fn ebpf_counted(
+    p: &EbpfProxier<KernelMaps>,
+    runtime: &EbpfRuntime,
+    ports: &[std::sync::Arc<crate::model::ServicePortState>],
+) -> Counted {
+    use std::collections::{BTreeSet, HashMap};
+    // Every frontend of the ports asked → the port's cluster-IP frontend.
+    let port_of: HashMap<Frontend, Frontend> = ports
+        .iter()
+        .flat_map(|s| {
+            std::iter::once(s.frontend)
+                .chain(s.external.iter().map(|f| f.frontend))
+                .map(|f| (f, s.frontend))
+        })
+        .collect();
+    let traffic = |s: &proxy_common::ServiceStats| Traffic {
+        connections: Some(s.connections),
+        packets: Some(s.packets),
+        bytes: Some(s.bytes),
+    };
+    let zeros = Traffic {
+        connections: Some(0),
+        packets: Some(0),
+        bytes: Some(0),
+    };
+    let mut counted = Counted {
+        source: format!(
+            "the eBPF datapath's counters since the maps were created{}",
+            if runtime.backend_metrics {
+                ""
+            } else {
+                " (per backend only with --backend-metrics)"
+            }
+        ),
+        frontend_zero: zeros,
+        backend_zero: zeros,
+        ..Counted::default()
+    };
+    let frontends: Vec<(Frontend, u32)> = p
+        .frontend_ids()
+        .into_iter()
+        .filter(|(f, _)| port_of.contains_key(f))
+        .collect();
+    let ids: Vec<u32> = frontends.iter().map(|(_, id)| *id).collect();
+    match runtime.datapath.service_stats(&ids) {
+        Ok(stats) => {
+            for ((frontend, _), s) in frontends.iter().zip(&stats) {
+                counted
+                    .frontends
+                    .entry(*frontend)
+                    .or_default()
+                    .add(traffic(s));
+            }
+        }
+        Err(e) => debug!("inspect: reading SERVICE_STATS: {e:#}"),
+    }
+    if !runtime.backend_metrics {
+        counted.backend_zero = Traffic::default();
+        return counted;
+    }
+    // A port's frontends share its backend ids: each id once.
+    let backends: BTreeSet<(Frontend, std::net::SocketAddr, u32)> = p
+        .frontend_backend_ids()
+        .into_iter()
+        .filter_map(|(f, addr, id)| Some((*port_of.get(&f)?, addr, id)))
+        .collect();
+    let backends: Vec<_> = backends.into_iter().collect();
+    let ids: Vec<u32> = backends.iter().map(|(.., id)| *id).collect();
+    match runtime.datapath.backend_stats(&ids) {
+        Ok(stats) => {
+            for ((port, addr, _), s) in backends.iter().zip(&stats) {
+                counted
+                    .backends
+                    .entry((*port, *addr))
+                    .or_default()
+                    .add(traffic(s));
+            }
+        }
+        Err(e) => debug!("inspect: reading BACKEND_STATS: {e:#}"),
+    }
+    counted
 }
 
 impl ModeProxier for ActiveProxier {

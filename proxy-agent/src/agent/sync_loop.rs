@@ -208,6 +208,11 @@ impl SyncLoop {
         out
     }
 
+    /// This node's name.
+    pub fn node_name(&self) -> &str {
+        &self.options.node_name
+    }
+
     /// Changes read but not yet handed to the proxier.
     pub fn pending(&self) -> usize {
         self.pending.len()

@@ -3,12 +3,14 @@
 //!
 //! | command | answers | from |
 //! |---|---|---|
+//! | `inspect services [NAMESPACE/NAME]` | every frontend of the service ports this node serves, its backends with weight and state, and traffic counters per frontend and backend | the desired state the proxier serves, and the mode's counters ([`services`]) |
 //! | `inspect explain NAMESPACE/NAME` | for each port, family and frontend of a Service: served or why not; for each endpoint and each kind of traffic: serving, draining or unused, and the rule that decided it | the model's own decisions ([`crate::model::explain`]), asked of the running agent over [`server`] |
 //!
 //! Each prints an aligned table ([`table`]) or, with `-o json`, the answer's JSON, whose
 //! field names are documented in docs/inspect.md and kept stable.
 
 pub mod server;
+pub mod services;
 pub mod table;
 
 use std::{net::SocketAddr, process::ExitCode, time::Duration};
@@ -20,6 +22,7 @@ use hyper::{body::Bytes, header, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 
 use crate::model::explain::Explanation;
+use services::ServicesView;
 
 /// Look at what the agent on this node decided, and why.
 #[derive(Debug, Args)]
@@ -50,6 +53,13 @@ pub enum Output {
 
 #[derive(Debug, Subcommand)]
 pub enum What {
+    /// Every frontend of the service ports this node serves (ClusterIP, NodePort, external
+    /// and load-balancer IPs), its backends with weight and state, and traffic counters
+    /// per frontend and backend from the mode's datapath, as `ipvsadm -Ln --stats`.
+    Services {
+        /// Only this Service, as NAMESPACE/NAME.
+        service: Option<String>,
+    },
     /// For each endpoint of a Service, whether this node sends it traffic, for each kind of
     /// traffic and frontend, and why (conditions, traffic policies, topology hints,
     /// terminating fallback, frontend conflicts): the decisions the agent's model made.
@@ -78,13 +88,29 @@ pub fn main(args: InspectArgs) -> ExitCode {
 
 fn run(args: &InspectArgs) -> Result<String> {
     let addr = server::address(&args.address).context("--address")?;
+    let service_path = |service: &str| {
+        service
+            .split_once('/')
+            .filter(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
+            .map(|(ns, n)| format!("{ns}/{n}"))
+            .ok_or_else(|| anyhow!("{service:?}: expected NAMESPACE/NAME"))
+    };
     match &args.what {
+        What::Services { service } => {
+            let path = match service {
+                Some(s) => format!("/debug/services/{}", service_path(s)?),
+                None => "/debug/services".into(),
+            };
+            let body = get(addr, &path)?;
+            let view: ServicesView = serde_json::from_str(&body)
+                .with_context(|| format!("the agent's answer is not a services view: {body}"))?;
+            Ok(match args.output {
+                Output::Json => body,
+                Output::Table => table::services(&view),
+            })
+        }
         What::Explain { service } => {
-            let (namespace, name) = service
-                .split_once('/')
-                .filter(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
-                .ok_or_else(|| anyhow!("{service:?}: expected NAMESPACE/NAME"))?;
-            let body = get(addr, &format!("/debug/explain/{namespace}/{name}"))?;
+            let body = get(addr, &format!("/debug/explain/{}", service_path(service)?))?;
             let explanation: Explanation = serde_json::from_str(&body)
                 .with_context(|| format!("the agent's answer is not an explanation: {body}"))?;
             Ok(match args.output {

@@ -3,6 +3,8 @@
 //!
 //! ```text
 //! GET /debug/explain/{namespace}/{name}   → model::explain::Explanation (JSON)
+//! GET /debug/services                     → services::ServicesView (JSON)
+//! GET /debug/services/{namespace}/{name}  → the same, one Service's ports
 //! ```
 //!
 //! The model belongs to the sync loop, which runs on the agent's main thread; a handler
@@ -28,11 +30,15 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tracing::info;
 
+use super::services::{self, Counted, ServicesView};
 use crate::{
-    agent::sync_loop::SyncLoop,
+    agent::{modes::ActiveProxier, sync_loop::SyncLoop},
+    datapath::runtime::EbpfRuntime,
     health::http::{self, Connections},
+    kernel::conntrack::flows::ConntrackFlows,
     metrics::Metrics,
-    model::{explain::Explanation, ObjectName},
+    model::{explain::Explanation, ObjectName, ServicePortState},
+    proxier::Proxier,
 };
 
 /// Where the agent serves, and `inspect` asks, by default.
@@ -50,15 +56,40 @@ pub enum Query {
         service: ObjectName,
         reply: oneshot::Sender<Explanation>,
     },
+    Services {
+        service: Option<ObjectName>,
+        reply: oneshot::Sender<Selected>,
+    },
+}
+
+/// The service ports `inspect services` asked for, as the proxier was last asked to serve
+/// them, with the mode's own counters (`None`: kernel conntrack counts them, off the loop).
+pub struct Selected {
+    pub node: String,
+    pub mode: &'static str,
+    pub ports: Vec<Arc<ServicePortState>>,
+    pub total: usize,
+    pub counted: Option<Counted>,
 }
 
 impl Query {
-    /// Answers from the sync loop's model (the event loop calls this between syncs).
-    pub fn answer(self, syncs: &SyncLoop) {
+    /// Answers from the sync loop's model and the running mode (the event loop calls this
+    /// between syncs). The asker may have given up waiting: a lost answer is no error.
+    pub fn answer(self, syncs: &SyncLoop, proxier: &ActiveProxier, ebpf: Option<&EbpfRuntime>) {
         match self {
             Query::Explain { service, reply } => {
-                // The asker may have given up waiting: nothing to do then.
                 let _ = reply.send(syncs.explain(&service));
+            }
+            Query::Services { service, reply } => {
+                let (ports, total) = services::select(syncs.desired(), service.as_ref());
+                let counted = proxier.counted(ebpf, &ports);
+                let _ = reply.send(Selected {
+                    node: syncs.node_name().to_string(),
+                    mode: proxier.mode().as_str(),
+                    ports,
+                    total,
+                    counted,
+                });
             }
         }
     }
@@ -97,6 +128,8 @@ pub async fn serve(
     };
     let app = Router::new()
         .route("/debug/explain/{namespace}/{name}", get(explain))
+        .route("/debug/services", get(all_services))
+        .route("/debug/services/{namespace}/{name}", get(one_service))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -112,15 +145,91 @@ async fn explain(
     Path((namespace, name)): Path<(String, String)>,
 ) -> Response {
     let response = match object_name(&namespace, &name) {
-        Ok(service) => ask(&state.queries, |reply| Query::Explain { service, reply }).await,
+        Ok(service) => match ask(&state.queries, |reply| Query::Explain { service, reply }).await {
+            Ok(explanation) => json(&explanation),
+            Err(response) => response,
+        },
         Err(message) => (StatusCode::BAD_REQUEST, message).into_response(),
     };
+    count(&state, "explain", response.status());
+    response
+}
+
+async fn all_services(State(state): State<AppState>) -> Response {
+    services_of(state, None).await
+}
+
+async fn one_service(
+    State(state): State<AppState>,
+    Path((namespace, name)): Path<(String, String)>,
+) -> Response {
+    match object_name(&namespace, &name) {
+        Ok(service) => services_of(state, Some(service)).await,
+        Err(message) => {
+            count(&state, "services", StatusCode::BAD_REQUEST);
+            (StatusCode::BAD_REQUEST, message).into_response()
+        }
+    }
+}
+
+async fn services_of(state: AppState, service: Option<ObjectName>) -> Response {
+    let response = match ask(&state.queries, |reply| Query::Services { service, reply }).await {
+        Ok(selected) => match services_view(selected).await {
+            Ok(view) => json(&view),
+            Err(e) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("reading kernel conntrack: {e:#}\n"),
+            )
+                .into_response(),
+        },
+        Err(response) => response,
+    };
+    count(&state, "services", response.status());
+    response
+}
+
+/// The view of what the sync loop selected; kernel conntrack is read here, on a worker
+/// thread, when the mode keeps no counters of its own.
+async fn services_view(selected: Selected) -> Result<ServicesView> {
+    let Selected {
+        node,
+        mode,
+        ports,
+        total,
+        counted,
+    } = selected;
+    let counted = match counted {
+        Some(c) => c,
+        None => {
+            let ports = ports.clone();
+            tokio::task::spawn_blocking(move || -> Result<Counted> {
+                let flows = ConntrackFlows;
+                let mut entries = flows.list(libc::AF_INET as u8)?;
+                entries.extend(flows.list(libc::AF_INET6 as u8)?);
+                Ok(services::count_conntrack(
+                    ports.iter().map(|p| &**p),
+                    &entries,
+                ))
+            })
+            .await??
+        }
+    };
+    Ok(ServicesView {
+        node,
+        mode: mode.into(),
+        counters: counted.source.clone(),
+        total_ports: total,
+        truncated: total > ports.len(),
+        ports: services::view(&ports, &counted),
+    })
+}
+
+fn count(state: &AppState, query: &str, code: StatusCode) {
     state
         .metrics
         .inspect_requests
-        .with_label_values(&["explain", response.status().as_str()])
+        .with_label_values(&[query, code.as_str()])
         .inc();
-    response
 }
 
 /// A Service's name as the API server allows it (DNS-1123 labels and subdomains), so that
@@ -144,33 +253,40 @@ fn object_name(namespace: &str, name: &str) -> Result<ObjectName, String> {
     })
 }
 
-/// Sends a query to the sync loop and waits for its answer.
-async fn ask<T: Serialize>(
+/// Sends a query to the sync loop and waits for its answer; a 503 saying why when it
+/// cannot wait or waited too long.
+async fn ask<T>(
     queries: &mpsc::Sender<Query>,
     query: impl FnOnce(oneshot::Sender<T>) -> Query,
-) -> Response {
+) -> Result<T, Response> {
     let (reply, answer) = oneshot::channel();
     let unavailable =
         |why: &str| (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
     match queries.try_send(query(reply)) {
         Ok(()) => {}
         Err(mpsc::error::TrySendError::Full(_)) => {
-            return unavailable(&format!(
+            return Err(unavailable(&format!(
                 "{QUEUE} inspect requests are already waiting for the sync loop: try again"
-            ))
+            )))
         }
-        Err(mpsc::error::TrySendError::Closed(_)) => return unavailable("the agent is stopping"),
+        Err(mpsc::error::TrySendError::Closed(_)) => {
+            return Err(unavailable("the agent is stopping"))
+        }
     }
     match tokio::time::timeout(ANSWER_TIMEOUT, answer).await {
-        Ok(Ok(answer)) => match serde_json::to_string_pretty(&answer) {
-            Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body + "\n").into_response(),
-            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
-        },
-        Ok(Err(_)) => unavailable("the agent is stopping"),
-        Err(_) => unavailable(&format!(
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(_)) => Err(unavailable("the agent is stopping")),
+        Err(_) => Err(unavailable(&format!(
             "the sync loop did not answer within {} s (a sync is running): try again",
             ANSWER_TIMEOUT.as_secs()
-        )),
+        ))),
+    }
+}
+
+fn json(answer: &impl Serialize) -> Response {
+    match serde_json::to_string_pretty(answer) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body + "\n").into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     }
 }
 
@@ -221,7 +337,8 @@ mod tests {
             service: object_name("a", "b").unwrap(),
             reply,
         })
-        .await;
+        .await
+        .unwrap_err();
         assert_eq!(full.status(), StatusCode::SERVICE_UNAVAILABLE);
         let (tx, rx) = mpsc::channel(QUEUE);
         drop(rx);
@@ -229,7 +346,8 @@ mod tests {
             service: object_name("a", "b").unwrap(),
             reply,
         })
-        .await;
+        .await
+        .unwrap_err();
         assert_eq!(closed.status(), StatusCode::SERVICE_UNAVAILABLE);
     }
 }

@@ -3,6 +3,7 @@
 
 use std::fmt::Write;
 
+use super::services::{PortView, ServicesView, Traffic};
 use crate::model::explain::{Explanation, PortExplanation};
 
 /// Rows as columns padded to their widest cell, two spaces apart; each line indented by
@@ -179,6 +180,104 @@ fn port_table(out: &mut String, p: &PortExplanation) {
     out.push_str(&aligned("  ", &rows));
 }
 
+fn counter(n: Option<u64>) -> String {
+    n.map_or_else(|| "-".into(), |n| n.to_string())
+}
+
+fn traffic_cells(t: &Traffic) -> [String; 3] {
+    [counter(t.connections), counter(t.packets), counter(t.bytes)]
+}
+
+/// `inspect services`' table: per service port, its frontends and its backends, each with
+/// its counters (`-`: the mode does not count that).
+pub fn services(v: &ServicesView) -> String {
+    let mut out = format!(
+        "node {}, mode {}: {} service port{}{}\ncounters: {}\n",
+        v.node,
+        v.mode,
+        v.total_ports,
+        if v.total_ports == 1 { "" } else { "s" },
+        if v.truncated {
+            format!(
+                " (the first {} listed: name a Service for the others)",
+                v.ports.len()
+            )
+        } else {
+            String::new()
+        },
+        v.counters
+    );
+    for p in &v.ports {
+        out.push('\n');
+        service_port(&mut out, p);
+    }
+    out
+}
+
+fn service_port(out: &mut String, p: &PortView) {
+    let port = if p.port.is_empty() {
+        String::new()
+    } else {
+        format!(" port {}", p.port)
+    };
+    let _ = writeln!(
+        out,
+        "{}{port} {} {}, scheduler {}, affinity {}",
+        p.service,
+        p.protocol,
+        p.family,
+        p.scheduler,
+        p.affinity_timeout_seconds
+            .map(|t| format!("ClientIP {t}s"))
+            .unwrap_or_else(|| "none".into())
+    );
+    let mut rows = vec![[
+        "FRONTEND",
+        "KIND",
+        "BACKENDS",
+        "CONNECTIONS",
+        "PACKETS",
+        "BYTES",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for f in &p.frontends {
+        let backends = match &f.when_empty {
+            Some(outcome) => format!("none: {outcome}"),
+            None => f.serving.len().to_string(),
+        };
+        let mut row = vec![f.frontend.clone(), f.kind.clone(), backends];
+        row.extend(traffic_cells(&f.traffic));
+        rows.push(row);
+    }
+    out.push_str(&aligned("  ", &rows));
+    if p.backends.is_empty() {
+        return;
+    }
+    let mut rows = vec![[
+        "BACKEND",
+        "WEIGHT",
+        "STATE",
+        "LOCAL",
+        "CONNECTIONS",
+        "PACKETS",
+        "BYTES",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for b in &p.backends {
+        let mut row = vec![
+            b.address.to_string(),
+            b.weight.to_string(),
+            b.state.clone(),
+            yes(b.local),
+        ];
+        row.extend(traffic_cells(&b.traffic));
+        rows.push(row);
+    }
+    out.push_str(&aligned("  ", &rows));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,5 +297,12 @@ mod tests {
         let json = include_str!("golden/explain.json");
         let e: Explanation = serde_json::from_str(json).unwrap();
         crate::inspect::assert_golden("explain.txt", &explanation(&e));
+    }
+
+    #[test]
+    fn the_services_table_is_the_golden_one() {
+        let json = include_str!("golden/services.json");
+        let v: ServicesView = serde_json::from_str(json).unwrap();
+        crate::inspect::assert_golden("services.txt", &services(&v));
     }
 }

@@ -183,19 +183,10 @@ pub(super) fn frontend(
 ) -> FrontendVerdict {
     FrontendVerdict {
         frontend: frontend.to_string(),
-        kind: kind_name(kind).into(),
+        kind: kind.name().into(),
         field: field.into(),
         served: refusal.is_none(),
         reason: refusal,
-    }
-}
-
-fn kind_name(kind: FrontendKind) -> &'static str {
-    match kind {
-        FrontendKind::ClusterIp => "ClusterIP",
-        FrontendKind::NodePort => "NodePort",
-        FrontendKind::ExternalIp => "ExternalIP",
-        FrontendKind::LoadBalancer => "LoadBalancer",
     }
 }
 
@@ -204,11 +195,7 @@ fn policy(local: bool) -> String {
 }
 
 fn family(name: &ServicePortName) -> String {
-    match name.family {
-        super::IpFamily::V4 => "IPv4",
-        super::IpFamily::V6 => "IPv6",
-    }
-    .into()
+    name.family.name().into()
 }
 
 /// A port that is not served at all.

@@ -98,6 +98,14 @@ pub enum IpFamily {
 }
 
 impl IpFamily {
+    /// As the API names it (`IPv4`, `IPv6`).
+    pub fn name(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        }
+    }
+
     pub fn of(addr: IpAddr) -> Self {
         match addr {
             IpAddr::V4(_) => IpFamily::V4,
@@ -259,6 +267,16 @@ pub enum FrontendKind {
 }
 
 impl FrontendKind {
+    /// As the Service's type names it (`inspect`'s output).
+    pub fn name(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "ClusterIP",
+            FrontendKind::NodePort => "NodePort",
+            FrontendKind::ExternalIp => "ExternalIP",
+            FrontendKind::LoadBalancer => "LoadBalancer",
+        }
+    }
+
     /// External traffic: subject to `externalTrafficPolicy`.
     pub fn is_external(self) -> bool {
         self != FrontendKind::ClusterIp

@@ -97,6 +97,23 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             .count()
     }
 
+    /// Every programmed frontend with its id in `SERVICE_STATS` (a Local frontend's set
+    /// for this node's clients has its own id, listed with the same frontend).
+    pub fn frontend_ids(&self) -> Vec<(crate::model::Frontend, u32)> {
+        self.sync
+            .service_ids()
+            .map(|(t, id)| (t.frontend(), id))
+            .collect()
+    }
+
+    /// Every backend slot written: its frontend, address and id.
+    pub fn frontend_backend_ids(&self) -> Vec<(crate::model::Frontend, std::net::SocketAddr, u32)> {
+        self.sync
+            .backend_ids()
+            .map(|(t, addr, id)| (t.frontend(), addr, id))
+            .collect()
+    }
+
     /// Every programmed service port with its id in `SERVICE_STATS`.
     pub fn service_ids(&self) -> Vec<(ServicePortName, u32)> {
         self.sync

@@ -76,6 +76,9 @@ pub struct Balancer {
     /// those of a gone endpoint before it returns, not whenever their task next runs.
     connections: Mutex<HashMap<u64, Relayed>>,
     next_connection: AtomicU64,
+    /// What was relayed to each live endpoint (`inspect services`): (connections or UDP
+    /// sessions, bytes both ways; a TCP connection's once it ends).
+    relayed: Mutex<HashMap<SocketAddr, (u64, u64)>>,
 }
 
 type Relayed = (SocketAddr, Arc<TcpStream>, Arc<TcpStream>);
@@ -122,6 +125,7 @@ impl Balancer {
             live: watch::Sender::new(Arc::default()),
             connections: Mutex::default(),
             next_connection: AtomicU64::new(0),
+            relayed: Mutex::default(),
         })
     }
 
@@ -136,6 +140,10 @@ impl Balancer {
                 picker.choice = choice;
             }
         }
+        self.relayed
+            .lock()
+            .expect("not poisoned")
+            .retain(|endpoint, _| live.contains(endpoint));
         for (endpoint, client, upstream) in self.connections.lock().expect("not poisoned").values()
         {
             if !live.contains(endpoint) {
@@ -166,6 +174,23 @@ impl Balancer {
             .expect("not poisoned")
             .insert(id, (endpoint, client, upstream));
         Registration { balancer: self, id }
+    }
+
+    /// Counts what was relayed to `endpoint`: new connections (or UDP sessions) and bytes.
+    pub fn count(&self, endpoint: SocketAddr, connections: u64, bytes: u64) {
+        let mut relayed = self.relayed.lock().expect("not poisoned");
+        // Only live endpoints are kept (`update` forgets the others), so this is bounded.
+        if self.is_live(endpoint) || relayed.contains_key(&endpoint) {
+            let counts = relayed.entry(endpoint).or_default();
+            counts.0 += connections;
+            counts.1 += bytes;
+        }
+    }
+
+    /// What was relayed to each endpoint: (connections or sessions, bytes).
+    pub fn relayed(&self) -> Vec<(SocketAddr, (u64, u64))> {
+        let relayed = self.relayed.lock().expect("not poisoned");
+        relayed.iter().map(|(a, c)| (*a, *c)).collect()
     }
 
     /// Whether flows to `endpoint` may continue.

@@ -128,6 +128,15 @@ impl UserspaceProxier {
         self
     }
 
+    /// What `frontend`'s relays carried to each endpoint: (connections or UDP sessions,
+    /// bytes both ways, a TCP connection's once it ended).
+    pub fn relayed(&self, frontend: &Frontend) -> Vec<(std::net::SocketAddr, (u64, u64))> {
+        self.served
+            .get(frontend)
+            .map(|s| s.balancer.relayed())
+            .unwrap_or_default()
+    }
+
     /// Frontends listening right now (tests and metrics).
     pub fn listening(&self) -> usize {
         self.served

@@ -84,15 +84,17 @@ async fn connection(
         abort(&upstream);
         return;
     }
+    balancer.count(endpoint, 1, 0);
     tokio::select! {
-        outcome = super::splice::relay(&client, &upstream) => {
-            if let Err(e) = outcome {
+        outcome = super::splice::relay(&client, &upstream) => match outcome {
+            Ok((sent, received)) => balancer.count(endpoint, 0, sent + received),
+            Err(e) => {
                 // One side reset or failed: the other learns it the same way.
                 debug!(%peer, %endpoint, "relay ended: {e}");
                 reset(&client);
                 reset(&upstream);
             }
-        }
+        },
         () = endpoint_gone(&mut live, endpoint) => {
             reset(&client);
             reset(&upstream);

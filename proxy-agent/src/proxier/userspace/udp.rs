@@ -140,6 +140,7 @@ pub async fn serve(
             },
         };
         *session.last_from_client.lock().expect("not poisoned") = Instant::now();
+        balancer.count(session.endpoint, 0, n as u64);
         if let Err(e) = session.upstream.send(&buf[..n]).await {
             debug!(%client, "forwarding a datagram: {e}");
         }
@@ -218,12 +219,13 @@ fn open(
         budget.open.fetch_sub(1, Ordering::Relaxed);
     }
     budget.open.fetch_add(1, Ordering::Relaxed);
+    balancer.count(endpoint, 1, 0);
     tokio::spawn(replies(
         frontend.clone(),
         session.clone(),
         client,
         endpoint,
-        balancer.watch_live(),
+        balancer.clone(),
     ));
     Some(session)
 }
@@ -234,8 +236,9 @@ async fn replies(
     session: Arc<Session>,
     client: SocketAddr,
     endpoint: SocketAddr,
-    mut live: tokio::sync::watch::Receiver<Arc<std::collections::BTreeSet<SocketAddr>>>,
+    balancer: Arc<Balancer>,
 ) {
+    let mut live = balancer.watch_live();
     let Frontend {
         socket,
         sessions,
@@ -258,6 +261,7 @@ async fn replies(
             received = tokio::time::timeout(wait, session.upstream.recv(&mut buf)) => match received {
                 Ok(Ok(n)) => {
                     last_reply = Instant::now();
+                    balancer.count(endpoint, 0, n as u64);
                     if let Err(e) = socket.send_to(&buf[..n], client).await {
                         debug!(%client, "returning a datagram: {e}");
                     }
