@@ -37,7 +37,7 @@
 //! | eBPF conntrack entries (both families), evictions, flood safety (`CT_NEW`, confirmation) | `proxy-ebpf/src/conntrack.rs` (`track`, `forget`, `touch`, `confirm`, `may_open`); the sweep and eviction counts in [`datapath::runtime`] |
 //! | mode selection (`auto`) | [`agent::modes::choose`] |
 //! | health-check node ports | [`health::services`] |
-//! | where a Service's traffic goes, with counters (`inspect services`) | [`inspect::services`] (the view, conntrack counting); the modes' counters: `ActiveProxier::counted` in [`agent::modes`] |
+//! | where a Service's traffic goes, with counters (`inspect services`) | [`inspect::services`] (the view, conntrack counting); the modes' counters: `ActiveProxier::counted` in [`agent::modes`]; with the eBPF agent stopped: [`inspect::pinned`], named by `SERVICE_NAMES` (written by `EbpfProxier::write_names` in [`proxier::ebpf`]) |
 //! | why an endpoint is or is not used (`inspect explain`) | [`model::explain`], recorded by `build_port` as it decides; asked through [`inspect::server`] → [`agent::sync_loop::SyncLoop::explain`] → [`model::incremental::IncrementalModel::explain`] |
 //! | HTTP timeouts, header size, connection cap (slow clients) | [`health::http`] |
 //! | a tuple two flows would share at the backend (tuple clash) | `reply_taken` in `proxy-ebpf/src/conntrack.rs` |

@@ -21,6 +21,8 @@ pub const IPPROTO_SCTP: u8 = 132;
 /// Names of the maps in the eBPF object; the agent sizes and pins them by these names.
 pub mod map_names {
     pub const SERVICES: &str = "SERVICES";
+    /// Service id → [`super::ServiceName`]: written by the agent only, read by `inspect`.
+    pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
     pub const BACKENDS: &str = "BACKENDS";
     pub const CONNTRACK: &str = "CONNTRACK";
     pub const CONFIG: &str = "CONFIG";
@@ -834,6 +836,54 @@ impl DatapathConfig {
     }
 }
 
+/// Value of the `SERVICE_NAMES` hash map, keyed by service id (the `SERVICE_STATS` index):
+/// the service port and kind of frontend an id serves, so `proxy-agent inspect` can name
+/// what the pinned maps hold while no agent runs. The agent writes it; the datapath never
+/// reads it (allocated as used: `BPF_F_NO_PREALLOC`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceName {
+    /// `namespace/name:port` in UTF-8, NUL-padded: Kubernetes bounds it to 63 + 1 + 63 +
+    /// 1 + 15 bytes (namespace, Service name, port name).
+    pub name: [u8; SERVICE_NAME_BYTES],
+    /// [`FRONTEND_KIND_CLUSTER_IP`] and the others.
+    pub kind: u8,
+    pub _pad: [u8; 3],
+}
+
+pub const SERVICE_NAME_BYTES: usize = 144;
+pub const FRONTEND_KIND_CLUSTER_IP: u8 = 0;
+pub const FRONTEND_KIND_NODE_PORT: u8 = 1;
+pub const FRONTEND_KIND_EXTERNAL_IP: u8 = 2;
+pub const FRONTEND_KIND_LOAD_BALANCER: u8 = 3;
+
+impl ServiceName {
+    /// `text` (cut at the bound, at a character boundary) and `kind`.
+    pub fn new(text: &str, kind: u8) -> Self {
+        let mut name = [0u8; SERVICE_NAME_BYTES];
+        let mut end = text.len().min(SERVICE_NAME_BYTES);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        name[..end].copy_from_slice(&text.as_bytes()[..end]);
+        Self {
+            name,
+            kind,
+            _pad: [0; 3],
+        }
+    }
+
+    /// The name's bytes, without the padding.
+    pub fn text(&self) -> &[u8] {
+        let end = self
+            .name
+            .iter()
+            .position(|b| *b == 0)
+            .unwrap_or(SERVICE_NAME_BYTES);
+        &self.name[..end]
+    }
+}
+
 /// Value of the per-CPU `SERVICE_STATS` array (indexed by a service port's id) and
 /// `BACKEND_STATS` array (indexed by a backend's slot): traffic, both directions.
 #[repr(C)]
@@ -1014,6 +1064,7 @@ mod pod {
     unsafe impl aya::Pod for super::ConntrackValue {}
     unsafe impl aya::Pod for super::DatapathConfig {}
     unsafe impl aya::Pod for super::ServiceStats {}
+    unsafe impl aya::Pod for super::ServiceName {}
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::SourceRangeKey {}
@@ -1046,6 +1097,19 @@ mod tests {
 
     // The datapath and the agent must agree byte for byte; these are the layouts both sides
     // were written against.
+    #[test]
+    fn service_name_layout_and_bounds() {
+        assert_eq!(size_of::<ServiceName>(), 148);
+        assert_eq!(offset_of!(ServiceName, kind), SERVICE_NAME_BYTES);
+        let n = ServiceName::new("kube-system/kube-dns:dns-tcp", FRONTEND_KIND_CLUSTER_IP);
+        assert_eq!(n.text(), b"kube-system/kube-dns:dns-tcp");
+        // Longer than the bound: cut, never split inside a character.
+        let long = "é".repeat(100);
+        let n = ServiceName::new(&long, FRONTEND_KIND_NODE_PORT);
+        assert_eq!(n.text().len(), SERVICE_NAME_BYTES);
+        assert!(core::str::from_utf8(n.text()).is_ok());
+    }
+
     #[test]
     fn service_key_layout() {
         assert_eq!(size_of::<ServiceKey>(), 12);

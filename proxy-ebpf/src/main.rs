@@ -53,14 +53,14 @@ use aya_log_ebpf::debug;
 use proxy_common::{
     scheduler, tail_calls, AffinityKey, AffinityValue, Backend, ConntrackKey, ConntrackValue,
     DatapathConfig, FragmentKey, FragmentValue, LblcrSet, LcScratch, MaglevKey, ServiceKey,
-    ServiceStats, ServiceValue, SockAffinityKey, SockLbValue, SockRevNatKey, SockRevNatValue,
-    SourceRangeKey, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK, CT_FLAG_CLOSING,
-    CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY,
-    CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP,
-    LBLCR_SET_SIZE, LOCAL_IFACES_MAX, SCOPE_ALL, SCOPE_IN_CLUSTER, SERVICE_FLAG_DROP_WHEN_EMPTY,
-    SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_IN_CLUSTER_SET, SERVICE_FLAG_MASQUERADE,
-    SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SCOPE_IN_CLUSTER, SERVICE_FLAG_SOURCE_RANGES,
-    SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
+    ServiceName, ServiceStats, ServiceValue, SockAffinityKey, SockLbValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK,
+    CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY,
+    CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE,
+    IPPROTO_TCP, IPPROTO_UDP, LBLCR_SET_SIZE, LOCAL_IFACES_MAX, SCOPE_ALL, SCOPE_IN_CLUSTER,
+    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_IN_CLUSTER_SET,
+    SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SCOPE_IN_CLUSTER,
+    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -83,6 +83,10 @@ static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 0);
 static SERVICE_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(65536, 0);
 #[map]
 static BACKEND_STATS: PerCpuArray<ServiceStats> = PerCpuArray::with_max_entries(65536, 0);
+/// Written by the agent for `inspect` only; no program reads it.
+#[map]
+static SERVICE_NAMES: HashMap<u32, ServiceName> =
+    HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 #[map]
 static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::with_max_entries(65536, 0);
 #[map]

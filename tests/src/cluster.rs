@@ -414,6 +414,14 @@ impl Cluster {
         Ok(())
     }
 
+    /// Stops node `index`'s agent (an eBPF agent's datapath keeps serving from its pins).
+    pub fn stop_agent(&mut self, index: u8) -> Result<()> {
+        if let Some(mut a) = self.nodes[index as usize - 1].agent.take() {
+            a.stop()?;
+        }
+        Ok(())
+    }
+
     /// Stops node `index`'s agent and starts it again with the same arguments (the new one
     /// adopts what the old one pinned).
     pub fn restart_agent(&mut self, index: u8) -> Result<()> {

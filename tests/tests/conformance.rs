@@ -762,7 +762,8 @@ fn explained(
 
 /// `inspect services` on the client's node after known traffic: the Service's frontend,
 /// its three backends, and counters that account for every connection, per backend as the
-/// client saw them (the eBPF mode counts per backend with `--backend-metrics`).
+/// client saw them (the eBPF mode counts per backend with `--backend-metrics`). In eBPF
+/// mode the same with the agent stopped, from the pinned maps, which keep counting.
 fn inspect_services_shows_each_backend_and_the_traffic_it_carried(mode: Mode) {
     let mut c = Cluster::new().expect("cluster lab");
     let yaml = service("web", "10.96.0.18", "", &[("", "TCP", 80, "8080")])
@@ -773,12 +774,42 @@ fn inspect_services_shows_each_backend_and_the_traffic_it_carried(mode: Mode) {
         args.push("--backend-metrics");
     }
     c.start_agents(&path, &args).expect("agents");
-    let hellos = tcp_from_pod(&c, CLIENT, addr("10.96.0.18", 80), 30);
-    let seen = counts(&hellos);
+    let vip = addr("10.96.0.18", 80);
+    let mut hellos = tcp_from_pod(&c, CLIENT, vip, 30);
     let json = c
         .inspect(1, &["services", "lab/web", "-o", "json"])
         .unwrap();
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_accounts_for(&c, mode, &json, &hellos);
+    let table = c.inspect(1, &["services", "lab/web"]).unwrap();
+    assert!(
+        table.contains("10.96.0.18:80/TCP") && table.contains("CONNECTIONS"),
+        "{table}"
+    );
+    if mode == Mode::Ebpf {
+        c.stop_agent(1).unwrap();
+        hellos.extend(tcp_from_pod(&c, CLIENT, vip, 9));
+        let root = c.node(1).bpffs.root();
+        let json = c
+            .inspect(
+                1,
+                &[
+                    "services",
+                    "lab/web",
+                    "-o",
+                    "json",
+                    "--bpffs-root",
+                    root.to_str().unwrap(),
+                ],
+            )
+            .unwrap();
+        assert_accounts_for(&c, mode, &json, &hellos);
+    }
+}
+
+/// `inspect services lab/web -o json`'s answer counts `hellos` at the cluster IP and, per
+/// backend, exactly the connections each pod answered.
+fn assert_accounts_for(c: &Cluster, mode: Mode, json: &str, hellos: &[Hello]) {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
     assert_eq!(v["mode"], mode.name(), "{json}");
     let port = &v["ports"][0];
     let frontend = port["frontends"]
@@ -787,11 +818,12 @@ fn inspect_services_shows_each_backend_and_the_traffic_it_carried(mode: Mode) {
         .iter()
         .find(|f| f["frontend"] == "10.96.0.18:80/TCP")
         .unwrap_or_else(|| panic!("no cluster IP frontend: {json}"));
-    assert_eq!(frontend["traffic"]["connections"], 30, "{json}");
+    assert_eq!(frontend["traffic"]["connections"], hellos.len(), "{json}");
     let backends = port["backends"].as_array().unwrap();
     assert_eq!(backends.len(), 3, "{json}");
+    let seen = counts(hellos);
     for b in backends {
-        let pod = pod_at(&c, &b["address"]);
+        let pod = pod_at(c, &b["address"]);
         assert_eq!(b["state"], "serving", "{json}");
         assert_eq!(
             b["traffic"]["connections"],
@@ -799,11 +831,6 @@ fn inspect_services_shows_each_backend_and_the_traffic_it_carried(mode: Mode) {
             "{pod}: the client saw {seen:?}; {json}"
         );
     }
-    let table = c.inspect(1, &["services", "lab/web"]).unwrap();
-    assert!(
-        table.contains("10.96.0.18:80/TCP") && table.contains("CONNECTIONS"),
-        "{table}"
-    );
 }
 
 fn terminating_endpoints_serve_only_when_none_is_ready(mode: Mode) {

@@ -291,6 +291,57 @@ fn netlink_attachments_are_replaced_in_place_on_restart() {
     );
 }
 
+/// Pins of a build from before `SERVICE_NAMES` (the map absent): the next agent adopts them
+/// all the same, adds the map, and names every frontend, so `inspect services` reads the
+/// pins by name once it stops.
+#[test]
+fn pins_without_service_names_are_adopted_and_their_frontends_named() {
+    require_kernel!();
+    let (mut lab, manifests) = started_lab(&[]);
+    lab.stop_agent().unwrap();
+    let names = lab.bpffs.root().join("maps").join(map_names::SERVICE_NAMES);
+    std::fs::remove_file(&names).unwrap();
+    lab.start_agent(&manifests, &[]).unwrap();
+    let log = lab.agent().unwrap().log_text();
+    assert!(log.contains("adopting the pinned datapath"), "{log}");
+    assert!(names.exists(), "SERVICE_NAMES pinned again");
+    lab.stop_agent().unwrap();
+    let root = lab.bpffs.root();
+    let json = lab
+        .node
+        .exec(
+            agent_binary().unwrap().to_str().unwrap(),
+            &[
+                "inspect",
+                "services",
+                "--pinned",
+                "--bpffs-root",
+                root.to_str().unwrap(),
+                "-o",
+                "json",
+            ],
+        )
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let port = &v["ports"][0];
+    assert!(
+        port["service"].as_str().unwrap().ends_with("/web"),
+        "{json}"
+    );
+    assert_eq!(port["port"], "http", "{json}");
+    assert_eq!(
+        port["frontends"][0]["frontend"],
+        format!("{WEB}/TCP"),
+        "{json}"
+    );
+    assert_eq!(port["frontends"][0]["kind"], "ClusterIP", "{json}");
+    assert_eq!(
+        port["backends"].as_array().unwrap().len(),
+        lab.backends.len(),
+        "{json}"
+    );
+}
+
 #[test]
 fn a_map_layout_change_is_detected_and_the_maps_rebuilt() {
     require_kernel!();
@@ -371,7 +422,7 @@ fn cleanup_removes_everything(mode: &str) {
         .flatten()
         .map(|e| MapInfo::from_pin(e.path()).unwrap().id())
         .collect();
-    assert_eq!(map_ids.len(), 30, "every map of the datapath is pinned");
+    assert_eq!(map_ids.len(), 31, "every map of the datapath is pinned");
     let link_id = (mode == "tcx").then(|| tcx_link_on_lxc0(&lab).id());
     let prog_id = program_on_lxc0(&lab);
     lab.stop_agent().unwrap();

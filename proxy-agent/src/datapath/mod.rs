@@ -340,6 +340,8 @@ impl Datapath {
             .map_max_entries(map_names::CT_NEW, new_flows_size(sizes.conntrack))
             // Service ids index it; there are never more service ports than SERVICES entries.
             .map_max_entries(map_names::SERVICE_STATS, sizes.services)
+            // Named by the same ids (allocated as used).
+            .map_max_entries(map_names::SERVICE_NAMES, sizes.services)
             .map_max_entries(map_names::BACKEND_STATS, sizes.backends)
             // One client per flow at most, so never more than conntrack holds.
             .map_max_entries(map_names::AFFINITY, sizes.conntrack)
@@ -370,6 +372,8 @@ impl Datapath {
         if let Some(root) = pins {
             for name in [
                 map_names::SERVICES,
+                // What `inspect` names the pinned frontends by while no agent runs.
+                map_names::SERVICE_NAMES,
                 map_names::BACKENDS,
                 map_names::CONNTRACK,
                 map_names::CONFIG,

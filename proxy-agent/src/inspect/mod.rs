@@ -3,12 +3,13 @@
 //!
 //! | command | answers | from |
 //! |---|---|---|
-//! | `inspect services [NAMESPACE/NAME]` | every frontend of the service ports this node serves, its backends with weight and state, and traffic counters per frontend and backend | the desired state the proxier serves, and the mode's counters ([`services`]) |
+//! | `inspect services [NAMESPACE/NAME]` | every frontend of the service ports this node serves, its backends with weight and state, and traffic counters per frontend and backend | the desired state the proxier serves, and the mode's counters ([`services`]); in eBPF mode with the agent stopped, the pinned maps ([`pinned`]) |
 //! | `inspect explain NAMESPACE/NAME` | for each port, family and frontend of a Service: served or why not; for each endpoint and each kind of traffic: serving, draining or unused, and the rule that decided it | the model's own decisions ([`crate::model::explain`]), asked of the running agent over [`server`] |
 //!
 //! Each prints an aligned table ([`table`]) or, with `-o json`, the answer's JSON, whose
 //! field names are documented in docs/inspect.md and kept stable.
 
+pub mod pinned;
 pub mod server;
 pub mod services;
 pub mod table;
@@ -21,7 +22,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::{body::Bytes, header, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 
-use crate::model::explain::Explanation;
+use crate::model::{explain::Explanation, ObjectName};
 use services::ServicesView;
 
 /// Look at what the agent on this node decided, and why.
@@ -30,6 +31,11 @@ pub struct InspectArgs {
     /// The agent's inspect endpoint (its --inspect-address).
     #[arg(long, global = true, default_value = server::DEFAULT_ADDRESS)]
     pub address: String,
+
+    /// eBPF mode: the bpffs directory of the agent's pins (its --bpffs-root), read when the
+    /// agent does not answer.
+    #[arg(long = "bpffs-root", global = true, default_value = crate::datapath::pins::DEFAULT_BPFFS_ROOT)]
+    pub bpffs_root: std::path::PathBuf,
 
     /// Output: an aligned table, or JSON (field names in docs/inspect.md).
     #[arg(
@@ -59,6 +65,10 @@ pub enum What {
     Services {
         /// Only this Service, as NAMESPACE/NAME.
         service: Option<String>,
+        /// Read the eBPF mode's pinned maps instead of asking the agent (done anyway when
+        /// the agent does not answer and pins exist).
+        #[arg(long)]
+        pinned: bool,
     },
     /// For each endpoint of a Service, whether this node sends it traffic, for each kind of
     /// traffic and frontend, and why (conditions, traffic policies, topology hints,
@@ -96,16 +106,50 @@ fn run(args: &InspectArgs) -> Result<String> {
             .ok_or_else(|| anyhow!("{service:?}: expected NAMESPACE/NAME"))
     };
     match &args.what {
-        What::Services { service } => {
+        What::Services { service, pinned } => {
             let path = match service {
                 Some(s) => format!("/debug/services/{}", service_path(s)?),
                 None => "/debug/services".into(),
             };
-            let body = get(addr, &path)?;
-            let view: ServicesView = serde_json::from_str(&body)
-                .with_context(|| format!("the agent's answer is not a services view: {body}"))?;
+            let from_pins = |why: Option<anyhow::Error>| -> Result<ServicesView> {
+                let name = service
+                    .as_deref()
+                    .map(|s| -> Result<ObjectName> {
+                        let (namespace, name) = service_path(s)?
+                            .split_once('/')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                            .expect("checked");
+                        Ok(ObjectName { namespace, name })
+                    })
+                    .transpose()?;
+                if let Some(e) = why {
+                    eprintln!(
+                        "the agent did not answer ({e:#}): reading the pinned maps under {}",
+                        args.bpffs_root.display()
+                    );
+                }
+                pinned::services(&args.bpffs_root, name.as_ref(), &node_name())
+            };
+            let view = if *pinned {
+                from_pins(None)?
+            } else {
+                match get(addr, &path) {
+                    Ok(body) => {
+                        let view: ServicesView =
+                            serde_json::from_str(&body).with_context(|| {
+                                format!("the agent's answer is not a services view: {body}")
+                            })?;
+                        if args.output == Output::Json {
+                            return Ok(body);
+                        }
+                        view
+                    }
+                    Err(e) if args.bpffs_root.join("maps").is_dir() => from_pins(Some(e))?,
+                    Err(e) => return Err(e),
+                }
+            };
             Ok(match args.output {
-                Output::Json => body,
+                Output::Json => serde_json::to_string_pretty(&view)? + "\n",
                 Output::Table => table::services(&view),
             })
         }
@@ -119,6 +163,15 @@ fn run(args: &InspectArgs) -> Result<String> {
             })
         }
     }
+}
+
+/// This node's name as the agent names it by default ($NODE_NAME, else the host name).
+fn node_name() -> String {
+    std::env::var("NODE_NAME").unwrap_or_else(|_| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default()
+    })
 }
 
 /// GETs `path` from the agent's inspect endpoint: the body of a 200, else an error with the

@@ -74,8 +74,9 @@ pub struct FrontendView {
 #[serde(rename_all = "camelCase")]
 pub struct BackendView {
     pub address: SocketAddr,
-    /// The `proxy-agent.io/weights` weight (1 without one).
-    pub weight: u16,
+    /// The `proxy-agent.io/weights` weight (1 without one); null when read from the pinned
+    /// maps (weights are the agent's).
+    pub weight: Option<u16>,
     /// `serving` (some frontend sends it new connections) or `draining` (established
     /// connections only).
     pub state: String,
@@ -201,7 +202,7 @@ fn port_view(s: &ServicePortState, counted: &Counted) -> PortView {
         .chain(draining.iter().map(|a| (a, "draining")))
         .map(|(addr, state)| BackendView {
             address: *addr,
-            weight: s.weights.get(&addr.ip()).copied().unwrap_or(1),
+            weight: Some(s.weights.get(&addr.ip()).copied().unwrap_or(1)),
             state: state.into(),
             local: !s.remote.contains(addr),
             traffic: counted
@@ -391,7 +392,7 @@ mod tests {
             0,
             "zero, not absent"
         );
-        assert_eq!(backend("10.0.0.3:8080").weight, 3);
+        assert_eq!(backend("10.0.0.3:8080").weight, Some(3));
         assert_eq!(backend("10.0.0.4:8080").state, "draining");
         assert!(backend("10.0.0.1:8080").local && !backend("10.0.0.2:8080").local);
         assert_eq!(p.frontends[1].serving, vec![addr("10.0.0.1:8080")]);

@@ -268,7 +268,7 @@ fn service_port(out: &mut String, p: &PortView) {
     for b in &p.backends {
         let mut row = vec![
             b.address.to_string(),
-            b.weight.to_string(),
+            b.weight.map_or_else(|| "-".into(), |w| w.to_string()),
             b.state.clone(),
             yes(b.local),
         ];

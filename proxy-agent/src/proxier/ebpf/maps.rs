@@ -15,8 +15,8 @@ use aya::{
     Pod,
 };
 use proxy_common::{
-    map_names, Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceValue,
-    SourceRangeKey, SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
+    map_names, Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceName,
+    ServiceValue, SourceRangeKey, SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
 };
 
 use crate::datapath::{
@@ -102,6 +102,11 @@ pub trait ServiceMaps {
         }
         Ok(())
     }
+    /// Names service ids in `SERVICE_NAMES` for `proxy-agent inspect`. No program reads
+    /// it, so it is outside the write-order rules; maps without it ignore this.
+    fn set_names(&mut self, _names: &[(u32, ServiceName)]) -> Result<(), MapError> {
+        Ok(())
+    }
     fn add_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError>;
     fn set_maglev(&mut self, key: MaglevKey, slot: u32) -> Result<(), MapError>;
@@ -151,6 +156,8 @@ pub struct InMemoryMaps {
     /// Number of write/delete operations performed, to check that syncs write only the
     /// difference.
     pub operations: usize,
+    /// `SERVICE_NAMES`: service id → (name, kind).
+    pub names: BTreeMap<u32, (String, u8)>,
 }
 
 impl Default for InMemoryMaps {
@@ -165,6 +172,7 @@ impl Default for InMemoryMaps {
             services_capacity: None,
             backend_slots: 65536,
             operations: 0,
+            names: BTreeMap::new(),
         }
     }
 }
@@ -195,6 +203,14 @@ fn check_capacity<K: Ord, V>(
 }
 
 impl ServiceMaps for InMemoryMaps {
+    fn set_names(&mut self, names: &[(u32, ServiceName)]) -> Result<(), MapError> {
+        for (id, name) in names {
+            let text = String::from_utf8_lossy(name.text()).into_owned();
+            self.names.insert(*id, (text, name.kind));
+        }
+        Ok(())
+    }
+
     fn set_service(&mut self, key: ServiceMapKey, value: ServiceValue) -> Result<(), MapError> {
         check_capacity(&self.services, &key, self.services_capacity, "SERVICES")?;
         self.operations += 1;
@@ -306,6 +322,8 @@ pub struct KernelMaps {
     pub services_capacity: u32,
     /// Whether the kernel takes batch updates (5.6+); after a refusal, one write per entry.
     pub batches: bool,
+    /// `SERVICE_NAMES` (absent from an object built before it).
+    pub names: Option<BpfHashMap<MapData, u32, ServiceName>>,
 }
 
 /// Every entry of `map`: in batches where the kernel has them (5.6+; an adopting restart
@@ -387,7 +405,55 @@ impl KernelMaps {
             )?,
             services_capacity: datapath.sizes.services,
             batches: true,
+            names: datapath
+                .take_map(map_names::SERVICE_NAMES)
+                .ok()
+                .and_then(|m| BpfHashMap::try_from(m).ok()),
         })
+    }
+}
+
+impl KernelMaps {
+    /// The maps an agent left pinned in `maps_dir`, for reading (`inspect` while no agent
+    /// runs): nothing is written through these handles.
+    pub fn open_pinned(maps_dir: &std::path::Path) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let open = |name: &str| {
+            let pin = maps_dir.join(name);
+            MapData::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))
+        };
+        use aya::maps::Map;
+        let hash = |name| open(name).map(Map::HashMap);
+        let array = |name| open(name).map(Map::Array);
+        let trie = |name| open(name).map(Map::LpmTrie);
+        let services = BpfHashMap::try_from(hash(map_names::SERVICES)?)?;
+        let capacity = services.map().info()?.max_entries();
+        Ok(Self {
+            services,
+            services6: BpfHashMap::try_from(hash(map_names::SERVICES6)?)?,
+            backends: Array::try_from(array(map_names::BACKENDS)?)?,
+            backend_addrs6: Array::try_from(array(map_names::BACKEND_ADDRS6)?)?,
+            source_ranges: LpmTrie::try_from(trie(map_names::SOURCE_RANGES)?)?,
+            source_ranges6: LpmTrie::try_from(trie(map_names::SOURCE_RANGES6)?)?,
+            maglev: BpfHashMap::try_from(hash(map_names::MAGLEV)?)?,
+            maglev_capacity: 0,
+            backend_conns: Array::try_from(array(map_names::BACKEND_CONNS)?)?,
+            backend_released: Array::try_from(array(map_names::BACKEND_RELEASED)?)?,
+            services_capacity: capacity,
+            batches: true,
+            names: hash(map_names::SERVICE_NAMES)
+                .ok()
+                .and_then(|m| BpfHashMap::try_from(m).ok()),
+        })
+    }
+
+    /// Every `SERVICE_NAMES` entry (none without the map).
+    pub fn names(&self) -> Vec<(u32, ServiceName)> {
+        use aya::maps::IterableMap;
+        let Some(map) = &self.names else {
+            return Vec::new();
+        };
+        read_all(map.map(), || map.iter().collect::<Result<Vec<_>, _>>()).unwrap_or_default()
     }
 }
 
@@ -521,6 +587,21 @@ impl ServiceMaps for KernelMaps {
             &v6,
             "SERVICES6",
             capacity,
+        )
+    }
+
+    fn set_names(&mut self, names: &[(u32, ServiceName)]) -> Result<(), MapError> {
+        let Some(map) = self.names.as_mut() else {
+            return Ok(());
+        };
+        let (ids, values): (Vec<u32>, Vec<ServiceName>) = names.iter().copied().unzip();
+        Self::insert_all(
+            &mut self.batches,
+            map,
+            &ids,
+            &values,
+            "SERVICE_NAMES",
+            self.services_capacity,
         )
     }
 

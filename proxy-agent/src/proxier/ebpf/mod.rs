@@ -27,6 +27,17 @@ use crate::model::{
     WhenEmpty,
 };
 
+/// How `SERVICE_NAMES` records a frontend's kind.
+fn frontend_kind(kind: crate::model::FrontendKind) -> u8 {
+    use crate::model::FrontendKind::*;
+    match kind {
+        ClusterIp => proxy_common::FRONTEND_KIND_CLUSTER_IP,
+        NodePort => proxy_common::FRONTEND_KIND_NODE_PORT,
+        ExternalIp => proxy_common::FRONTEND_KIND_EXTERNAL_IP,
+        LoadBalancer => proxy_common::FRONTEND_KIND_LOAD_BALANCER,
+    }
+}
+
 /// The entry sets of a frontend: its own, and the one for clients on this node when its
 /// traffic policy gives them other endpoints.
 fn targets(f: &FrontendState) -> impl Iterator<Item = Target> {
@@ -47,6 +58,11 @@ pub struct EbpfProxier<M: ServiceMaps> {
     prune_on_next_sync: bool,
     /// Which service port each programmed frontend belongs to (for per-service metrics).
     names: HashMap<crate::model::Frontend, ServicePortName>,
+    /// Service ids to name in `SERVICE_NAMES` at the end of the sync: those of frontends
+    /// new to this agent or to their service port.
+    pending_names: Vec<(u32, proxy_common::ServiceName)>,
+    /// A `SERVICE_NAMES` write failed and was logged.
+    names_failed: bool,
     /// Ends the node's connected UDP sockets the socket hooks gave a backend that left
     /// (`datapath::sockets`); none without the hooks.
     socket_cleaner: Option<Box<dyn FlowCleaner>>,
@@ -59,6 +75,8 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             failed: BTreeMap::new(),
             prune_on_next_sync: false,
             names: HashMap::new(),
+            pending_names: Vec::new(),
+            names_failed: false,
             socket_cleaner: None,
         }
     }
@@ -134,6 +152,11 @@ impl<M: ServiceMaps> EbpfProxier<M> {
         &self.sync
     }
 
+    #[cfg(test)]
+    pub fn map_sync_mut(&mut self) -> &mut MapSync<M> {
+        &mut self.sync
+    }
+
     /// The maps themselves (to inspect, or to tamper with in tests).
     pub fn maps_mut(&mut self) -> &mut M {
         self.sync.maps_mut()
@@ -199,9 +222,36 @@ impl<M: ServiceMaps> EbpfProxier<M> {
                 Target::all(f.frontend),
                 &spec(&f.backends, &f.draining, own),
             )?;
-            self.names.insert(f.frontend, state.name.clone());
+            if self.names.insert(f.frontend, state.name.clone()).as_ref() != Some(&state.name) {
+                let name = proxy_common::ServiceName::new(
+                    &format!("{}:{}", state.name.service, state.name.port),
+                    frontend_kind(f.kind),
+                );
+                for target in targets(&f) {
+                    if let Some(id) = self.sync.service_id(&target) {
+                        self.pending_names.push((id, name));
+                    }
+                }
+            }
         }
         Ok(ops)
+    }
+
+    /// Writes the names of the service ids this sync gave frontends (best effort: only
+    /// `inspect` reads them; a failure is logged once, and the names are written again
+    /// when those frontends are).
+    fn write_names(&mut self) {
+        let names = std::mem::take(&mut self.pending_names);
+        if names.is_empty() {
+            return;
+        }
+        match self.sync.maps_mut().set_names(&names) {
+            Ok(()) => self.names_failed = false,
+            Err(e) if !std::mem::replace(&mut self.names_failed, true) => {
+                tracing::warn!("naming service ids for `inspect` (SERVICE_NAMES): {e}")
+            }
+            Err(_) => {}
+        }
     }
 
     /// Service ports not currently programmed (as asked), with the reason.
@@ -337,6 +387,7 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
                 }
             }
         }
+        self.write_names();
         // Every port not programmed as asked, retried now or waiting for its turn.
         report.services_failed = self.failed.len();
         if let Some(cleaner) = self.socket_cleaner.as_mut() {

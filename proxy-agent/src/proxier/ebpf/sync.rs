@@ -160,7 +160,7 @@ pub fn service_key(frontend: impl Into<Target>, slot: u16) -> ServiceMapKey {
     }
 }
 
-fn frontend_of(key: &ServiceMapKey) -> Option<Target> {
+pub(crate) fn frontend_of(key: &ServiceMapKey) -> Option<Target> {
     let (addr, port, proto, scope) = match key {
         ServiceMapKey::V4(k) => (
             IpAddr::V4(Ipv4Addr::from(u32::from_be(k.addr))),
@@ -183,7 +183,10 @@ fn frontend_of(key: &ServiceMapKey) -> Option<Target> {
 }
 
 /// A backend's address as written: IPv6 ones have theirs in `BACKEND_ADDRS6`.
-fn backend_addr(b: &Backend, addrs6: &BTreeMap<u32, BackendAddr6>) -> Option<SocketAddr> {
+pub(crate) fn backend_addr(
+    b: &Backend,
+    addrs6: &BTreeMap<u32, BackendAddr6>,
+) -> Option<SocketAddr> {
     let ip = if b.flags & BACKEND_FLAG_IPV6 != 0 {
         IpAddr::V6(Ipv6Addr::from(
             addrs6.get(&(b.id & BACKEND_INDEX_MASK))?.addr,
@@ -391,6 +394,11 @@ impl<M: ServiceMaps> MapSync<M> {
         self.backend_ids = SlotIds::new("BACKENDS", self.maps.backend_slots(), true);
         self.service_ids = SlotIds::new("SERVICE_STATS", self.maps.service_slots(), false);
         self.adopt()
+    }
+
+    /// The service id of `target`, if it is written.
+    pub fn service_id(&self, target: &Target) -> Option<u32> {
+        self.written.get(target).map(|w| w.service_id)
     }
 
     /// The service id (index into `SERVICE_STATS`) of every frontend written.

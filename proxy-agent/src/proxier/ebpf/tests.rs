@@ -255,3 +255,36 @@ fn a_local_policy_frontend_has_a_second_set_for_the_node_until_the_policy_change
     );
     assert_eq!(proxier.programmed(), (2, 2));
 }
+
+/// `inspect` names what the pinned maps hold by `SERVICE_NAMES`: every written frontend's
+/// id is named after its service port, once, and again when the frontend moves to another.
+#[test]
+fn service_ids_are_named_for_inspect_when_a_frontend_is_new_to_its_port() {
+    let mut proxier = EbpfProxier::new(InMemoryMaps::default());
+    let a = desired(&[state("a", [10, 96, 0, 1], &["10.0.0.1:80"])]);
+    proxier
+        .sync(&a, &diff(&DesiredState::default(), &a))
+        .unwrap();
+    let id = |p: &EbpfProxier<InMemoryMaps>| p.frontend_ids()[0].1;
+    let named = |p: &EbpfProxier<InMemoryMaps>| p.map_sync().maps().names.get(&id(p)).cloned();
+    assert_eq!(
+        named(&proxier),
+        Some((
+            "default/a:".to_string(),
+            proxy_common::FRONTEND_KIND_CLUSTER_IP
+        ))
+    );
+    // An endpoint change rewrites the port, not its name.
+    let a2 = desired(&[state("a", [10, 96, 0, 1], &["10.0.0.2:80"])]);
+    proxier.map_sync_mut().maps_mut().names.clear();
+    proxier.sync(&a2, &diff(&a, &a2)).unwrap();
+    assert_eq!(
+        named(&proxier),
+        None,
+        "unchanged names are not written again"
+    );
+    // The same frontend, now another Service's.
+    let b = desired(&[state("b", [10, 96, 0, 1], &["10.0.0.2:80"])]);
+    proxier.sync(&b, &diff(&a2, &b)).unwrap();
+    assert_eq!(named(&proxier).unwrap().0, "default/b:");
+}
