@@ -131,6 +131,7 @@ conformance!(
     cluster_ip_tcp_and_udp_reach_backends_on_both_nodes,
     multi_port_service_maps_each_port_to_its_target,
     inspect_services_shows_each_backend_and_the_traffic_it_carried,
+    inspect_conntrack_lists_a_held_connection,
     named_target_port_is_resolved_per_endpoint,
     service_without_endpoints_is_refused,
     terminating_endpoints_serve_only_when_none_is_ready,
@@ -804,6 +805,60 @@ fn inspect_services_shows_each_backend_and_the_traffic_it_carried(mode: Mode) {
             .unwrap();
         assert_accounts_for(&c, mode, &json, &hellos);
     }
+}
+
+/// `inspect conntrack --service` on the client's node lists a connection the client holds:
+/// its address and port, the frontend, and the backend that answered it. (eBPF: the client
+/// is outside the socket hooks, so the tc path tracks the flow: a connection the hooks
+/// translate at connect() goes straight to its backend and is not tracked.)
+fn inspect_conntrack_lists_a_held_connection(mode: Mode) {
+    let mut c = Cluster::new().expect("cluster lab");
+    let yaml = service("web", "10.96.0.19", "", &[("", "TCP", 80, "8080")])
+        + &slice(&c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL));
+    let path = c.write_manifests(&yaml).unwrap();
+    c.start_agents(&path, &["--proxy-mode", mode.name()])
+        .expect("agents");
+    // A thread in the pod's network namespace, outside its cgroup (and so the hooks).
+    let session =
+        proxy_tests::lab::Session::open(&c.pod(CLIENT).ns, addr("10.96.0.19", 80)).unwrap();
+    // `<pod> <peer> <port>`: who answered, and the client's address as it saw it (the
+    // userspace relay's own, there).
+    let greeting: Vec<&str> = session.backend.split_whitespace().collect();
+    let (pod, peer) = (greeting[0], greeting[1]);
+    let json = c
+        .inspect(1, &["conntrack", "--service", "lab/web", "-o", "json"])
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let flows = v["flows"].as_array().unwrap();
+    assert_eq!(
+        flows.len(),
+        1,
+        "the one held connection: {json}\nall: {}",
+        c.inspect(1, &["conntrack", "-o", "json"]).unwrap()
+    );
+    let flow = &flows[0];
+    if mode != Mode::Userspace {
+        assert_eq!(flow["client"], peer, "{json}");
+    }
+    let client = flow["client"].as_str().unwrap().to_string();
+    assert!(
+        client.starts_with(&format!("{}:", c.pod(CLIENT).ip)),
+        "{json}"
+    );
+    assert_eq!(flow["frontend"], "10.96.0.19:80", "{json}");
+    assert_eq!(flow["service"], "lab/web:", "{json}");
+    assert_eq!(flow["protocol"], "TCP", "{json}");
+    assert_eq!(pod_at(&c, &flow["backend"]), pod, "{json}");
+    let state = flow["state"].as_str().unwrap();
+    assert!(
+        ["established", "ESTABLISHED", "relayed"].contains(&state),
+        "{json}"
+    );
+    let table = c
+        .inspect(1, &["conntrack", "--service", "lab/web"])
+        .unwrap();
+    assert!(table.contains(&client), "{table}");
+    drop(session);
 }
 
 /// `inspect services lab/web -o json`'s answer counts `hellos` at the cluster IP and, per

@@ -201,7 +201,7 @@ pub async fn run(mut s: Settings) -> Result<()> {
     )
     .await?;
     let (inspect_tx, mut inspect_rx) = mpsc::channel(inspect::server::QUEUE);
-    inspect::server::serve(s.inspect, inspect_tx, metrics.clone()).await?;
+    inspect::server::serve(s.inspect, inspect_tx, metrics.clone(), &s.bpffs_root).await?;
     let mut link_rx = ebpf.as_ref().and_then(|e| e.watch_links());
 
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())

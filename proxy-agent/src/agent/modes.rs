@@ -464,6 +464,39 @@ impl ActiveProxier {
     }
 }
 
+impl ActiveProxier {
+    /// The connections the mode itself relays through `ports` (`inspect conntrack`): the
+    /// userspace mode's, which kernel conntrack sees as two unrelated flows; `None` for
+    /// the modes whose flows conntrack (the kernel's or the eBPF maps) holds.
+    pub fn relayed_flows(
+        &self,
+        ports: &[std::sync::Arc<crate::model::ServicePortState>],
+    ) -> Option<Vec<crate::inspect::conntrack::FlowView>> {
+        let ActiveProxier::Userspace(p) = self else {
+            return None;
+        };
+        let mut flows = Vec::new();
+        for s in ports {
+            let name = format!("{}:{}", s.name.service, s.name.port);
+            for f in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+                for (client, endpoint) in p.open_connections(&f) {
+                    flows.push(crate::inspect::conntrack::FlowView {
+                        protocol: f.protocol.to_string(),
+                        client,
+                        frontend: std::net::SocketAddr::new(f.addr, f.port),
+                        backend: endpoint,
+                        service: Some(name.clone()),
+                        state: "relayed".into(),
+                        idle_seconds: None,
+                        expires_in_seconds: None,
+                    });
+                }
+            }
+        }
+        Some(flows)
+    }
+}
+
 /// The userspace relays' counters of `ports` (no packets: TCP is relayed as a stream).
 fn userspace_counted(
     p: &UserspaceProxier,

@@ -4,11 +4,13 @@
 //! | command | answers | from |
 //! |---|---|---|
 //! | `inspect services [NAMESPACE/NAME]` | every frontend of the service ports this node serves, its backends with weight and state, and traffic counters per frontend and backend | the desired state the proxier serves, and the mode's counters ([`services`]); in eBPF mode with the agent stopped, the pinned maps ([`pinned`]) |
+//! | `inspect conntrack [--service NAMESPACE/NAME]` | the flows through services: client, frontend, backend, protocol, state, idle time or expiry | the eBPF conntrack maps (from their pins), or kernel conntrack ([`conntrack`]) |
 //! | `inspect explain NAMESPACE/NAME` | for each port, family and frontend of a Service: served or why not; for each endpoint and each kind of traffic: serving, draining or unused, and the rule that decided it | the model's own decisions ([`crate::model::explain`]), asked of the running agent over [`server`] |
 //!
 //! Each prints an aligned table ([`table`]) or, with `-o json`, the answer's JSON, whose
 //! field names are documented in docs/inspect.md and kept stable.
 
+pub mod conntrack;
 pub mod pinned;
 pub mod server;
 pub mod services;
@@ -70,6 +72,14 @@ pub enum What {
         #[arg(long)]
         pinned: bool,
     },
+    /// The flows through services on this node: client, frontend, backend, protocol,
+    /// state, and how long they have been idle (eBPF) or until they expire (kernel
+    /// conntrack, in the netfilter and ipvs modes).
+    Conntrack {
+        /// Only this Service's flows, as NAMESPACE/NAME.
+        #[arg(long)]
+        service: Option<String>,
+    },
     /// For each endpoint of a Service, whether this node sends it traffic, for each kind of
     /// traffic and frontend, and why (conditions, traffic policies, topology hints,
     /// terminating fallback, frontend conflicts): the decisions the agent's model made.
@@ -98,30 +108,14 @@ pub fn main(args: InspectArgs) -> ExitCode {
 
 fn run(args: &InspectArgs) -> Result<String> {
     let addr = server::address(&args.address).context("--address")?;
-    let service_path = |service: &str| {
-        service
-            .split_once('/')
-            .filter(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
-            .map(|(ns, n)| format!("{ns}/{n}"))
-            .ok_or_else(|| anyhow!("{service:?}: expected NAMESPACE/NAME"))
-    };
     match &args.what {
         What::Services { service, pinned } => {
-            let path = match service {
-                Some(s) => format!("/debug/services/{}", service_path(s)?),
+            let name = service.as_deref().map(object_name).transpose()?;
+            let path = match &name {
+                Some(n) => format!("/debug/services/{n}"),
                 None => "/debug/services".into(),
             };
             let from_pins = |why: Option<anyhow::Error>| -> Result<ServicesView> {
-                let name = service
-                    .as_deref()
-                    .map(|s| -> Result<ObjectName> {
-                        let (namespace, name) = service_path(s)?
-                            .split_once('/')
-                            .map(|(a, b)| (a.to_string(), b.to_string()))
-                            .expect("checked");
-                        Ok(ObjectName { namespace, name })
-                    })
-                    .transpose()?;
                 if let Some(e) = why {
                     eprintln!(
                         "the agent did not answer ({e:#}): reading the pinned maps under {}",
@@ -153,8 +147,38 @@ fn run(args: &InspectArgs) -> Result<String> {
                 Output::Table => table::services(&view),
             })
         }
+        What::Conntrack { service } => {
+            let name = service.as_deref().map(object_name).transpose()?;
+            let path = match &name {
+                Some(n) => format!("/debug/conntrack/{n}"),
+                None => "/debug/conntrack".into(),
+            };
+            let view = match get(addr, &path) {
+                Ok(body) => {
+                    if args.output == Output::Json {
+                        return Ok(body);
+                    }
+                    serde_json::from_str(&body).with_context(|| {
+                        format!("the agent's answer is not a conntrack view: {body}")
+                    })?
+                }
+                Err(e) if args.bpffs_root.join("maps").is_dir() => {
+                    eprintln!(
+                        "the agent did not answer ({e:#}): reading the pinned maps under {}",
+                        args.bpffs_root.display()
+                    );
+                    let flows = conntrack::from_pins(&args.bpffs_root, name.as_ref())?;
+                    conntrack::view(&node_name(), "ebpf", conntrack::FROM_PINS, flows)
+                }
+                Err(e) => return Err(e),
+            };
+            Ok(match args.output {
+                Output::Json => serde_json::to_string_pretty(&view)? + "\n",
+                Output::Table => table::flows(&view),
+            })
+        }
         What::Explain { service } => {
-            let body = get(addr, &format!("/debug/explain/{}", service_path(service)?))?;
+            let body = get(addr, &format!("/debug/explain/{}", object_name(service)?))?;
             let explanation: Explanation = serde_json::from_str(&body)
                 .with_context(|| format!("the agent's answer is not an explanation: {body}"))?;
             Ok(match args.output {
@@ -163,6 +187,18 @@ fn run(args: &InspectArgs) -> Result<String> {
             })
         }
     }
+}
+
+/// `NAMESPACE/NAME` as an object name.
+fn object_name(service: &str) -> Result<ObjectName> {
+    service
+        .split_once('/')
+        .filter(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
+        .map(|(namespace, name)| ObjectName {
+            namespace: namespace.into(),
+            name: name.into(),
+        })
+        .ok_or_else(|| anyhow!("{service:?}: expected NAMESPACE/NAME"))
 }
 
 /// This node's name as the agent names it by default ($NODE_NAME, else the host name).

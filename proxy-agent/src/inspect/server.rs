@@ -5,6 +5,8 @@
 //! GET /debug/explain/{namespace}/{name}   → model::explain::Explanation (JSON)
 //! GET /debug/services                     → services::ServicesView (JSON)
 //! GET /debug/services/{namespace}/{name}  → the same, one Service's ports
+//! GET /debug/conntrack                    → conntrack::FlowsView (JSON)
+//! GET /debug/conntrack/{namespace}/{name} → the same, one Service's flows
 //! ```
 //!
 //! The model belongs to the sync loop, which runs on the agent's main thread; a handler
@@ -30,7 +32,10 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tracing::info;
 
-use super::services::{self, Counted, ServicesView};
+use super::{
+    conntrack::{self, FlowsView},
+    services::{self, Counted, ServicesView},
+};
 use crate::{
     agent::{modes::ActiveProxier, sync_loop::SyncLoop},
     datapath::runtime::EbpfRuntime,
@@ -70,6 +75,8 @@ pub struct Selected {
     pub ports: Vec<Arc<ServicePortState>>,
     pub total: usize,
     pub counted: Option<Counted>,
+    /// The connections the mode relays itself (userspace), for `inspect conntrack`.
+    pub relayed: Option<Vec<conntrack::FlowView>>,
 }
 
 impl Query {
@@ -83,12 +90,14 @@ impl Query {
             Query::Services { service, reply } => {
                 let (ports, total) = services::select(syncs.desired(), service.as_ref());
                 let counted = proxier.counted(ebpf, &ports);
+                let relayed = proxier.relayed_flows(&ports);
                 let _ = reply.send(Selected {
                     node: syncs.node_name().to_string(),
                     mode: proxier.mode().as_str(),
                     ports,
                     total,
                     counted,
+                    relayed,
                 });
             }
         }
@@ -110,6 +119,8 @@ pub fn address(value: &str) -> Result<SocketAddr> {
 struct AppState {
     queries: mpsc::Sender<Query>,
     metrics: Arc<Metrics>,
+    /// Where the eBPF mode's maps are pinned (its conntrack is read there).
+    bpffs_root: Arc<std::path::Path>,
 }
 
 /// Starts serving on `addr` (a loopback address, see [`address`]); the queries go to
@@ -118,6 +129,7 @@ pub async fn serve(
     addr: SocketAddr,
     queries: mpsc::Sender<Query>,
     metrics: Arc<Metrics>,
+    bpffs_root: &std::path::Path,
 ) -> Result<()> {
     if !addr.ip().is_loopback() {
         bail!("--inspect-address {addr}: not a loopback address");
@@ -125,11 +137,17 @@ pub async fn serve(
     let state = AppState {
         queries,
         metrics: metrics.clone(),
+        bpffs_root: bpffs_root.into(),
     };
     let app = Router::new()
         .route("/debug/explain/{namespace}/{name}", get(explain))
         .route("/debug/services", get(all_services))
         .route("/debug/services/{namespace}/{name}", get(one_service))
+        .route("/debug/conntrack", get(all_flows))
+        .route(
+            "/debug/conntrack/{namespace}/{name}",
+            get(one_services_flows),
+        )
         .with_state(state);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -188,6 +206,71 @@ async fn services_of(state: AppState, service: Option<ObjectName>) -> Response {
     response
 }
 
+async fn all_flows(State(state): State<AppState>) -> Response {
+    flows_of(state, None).await
+}
+
+async fn one_services_flows(
+    State(state): State<AppState>,
+    Path((namespace, name)): Path<(String, String)>,
+) -> Response {
+    match object_name(&namespace, &name) {
+        Ok(service) => flows_of(state, Some(service)).await,
+        Err(message) => {
+            count(&state, "conntrack", StatusCode::BAD_REQUEST);
+            (StatusCode::BAD_REQUEST, message).into_response()
+        }
+    }
+}
+
+/// The flows through `service` (every service without one): the eBPF mode's from its
+/// pinned conntrack maps, the others' from kernel conntrack; read on a worker thread.
+async fn flows_of(state: AppState, service: Option<ObjectName>) -> Response {
+    let asked = service.clone();
+    let response = match ask(&state.queries, |reply| Query::Services { service, reply }).await {
+        Ok(selected) => {
+            let root = state.bpffs_root.clone();
+            let read = tokio::task::spawn_blocking(move || -> Result<FlowsView> {
+                let (flows, source) = if let Some(relayed) = selected.relayed {
+                    (relayed, conntrack::FROM_RELAYS)
+                } else if selected.mode == "ebpf" {
+                    (
+                        conntrack::from_pins(&root, asked.as_ref())?,
+                        conntrack::FROM_PINS,
+                    )
+                } else {
+                    let kernel = ConntrackFlows;
+                    let mut entries = kernel.list(libc::AF_INET as u8)?;
+                    entries.extend(kernel.list(libc::AF_INET6 as u8)?);
+                    (
+                        conntrack::from_kernel(&selected.ports, &entries),
+                        conntrack::FROM_KERNEL,
+                    )
+                };
+                Ok(conntrack::view(
+                    &selected.node,
+                    selected.mode,
+                    source,
+                    flows,
+                ))
+            })
+            .await;
+            match read {
+                Ok(Ok(view)) => json(&view),
+                Ok(Err(e)) => (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("reading conntrack: {e:#}\n"),
+                )
+                    .into_response(),
+                Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+            }
+        }
+        Err(response) => response,
+    };
+    count(&state, "conntrack", response.status());
+    response
+}
+
 /// The view of what the sync loop selected; kernel conntrack is read here, on a worker
 /// thread, when the mode keeps no counters of its own.
 async fn services_view(selected: Selected) -> Result<ServicesView> {
@@ -197,6 +280,7 @@ async fn services_view(selected: Selected) -> Result<ServicesView> {
         ports,
         total,
         counted,
+        ..
     } = selected;
     let counted = match counted {
         Some(c) => c,

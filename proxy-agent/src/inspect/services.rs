@@ -357,6 +357,8 @@ mod tests {
                 src: backend,
                 dst: client,
             },
+            timeout: None,
+            tcp_state: None,
         }
     }
 

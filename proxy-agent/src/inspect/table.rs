@@ -3,7 +3,10 @@
 
 use std::fmt::Write;
 
-use super::services::{PortView, ServicesView, Traffic};
+use super::{
+    conntrack::FlowsView,
+    services::{PortView, ServicesView, Traffic},
+};
 use crate::model::explain::{Explanation, PortExplanation};
 
 /// Rows as columns padded to their widest cell, two spaces apart; each line indented by
@@ -188,24 +191,33 @@ fn traffic_cells(t: &Traffic) -> [String; 3] {
     [counter(t.connections), counter(t.packets), counter(t.bytes)]
 }
 
-/// `inspect services`' table: per service port, its frontends and its backends, each with
-/// its counters (`-`: the mode does not count that).
-pub fn services(v: &ServicesView) -> String {
-    let mut out = format!(
-        "node {}, mode {}: {} service port{}{}\ncounters: {}\n",
-        v.node,
-        v.mode,
-        v.total_ports,
-        if v.total_ports == 1 { "" } else { "s" },
-        if v.truncated {
-            format!(
-                " (the first {} listed: name a Service for the others)",
-                v.ports.len()
-            )
+/// The first lines of a listing: the node, the mode, how many `noun`s (and how many are
+/// listed, when not all), and where they come from.
+fn heading(
+    (node, mode): (&str, &str),
+    (total, listed, noun): (usize, usize, &str),
+    truncated_hint: &str,
+    (label, source): (&str, &str),
+) -> String {
+    format!(
+        "node {node}, mode {mode}: {total} {noun}{}{}\n{label}: {source}\n",
+        if total == 1 { "" } else { "s" },
+        if listed < total {
+            format!(" (the first {listed} listed{truncated_hint})")
         } else {
             String::new()
         },
-        v.counters
+    )
+}
+
+/// `inspect services`' table: per service port, its frontends and its backends, each with
+/// its counters (`-`: the mode does not count that).
+pub fn services(v: &ServicesView) -> String {
+    let mut out = heading(
+        (&v.node, &v.mode),
+        (v.total_ports, v.ports.len(), "service port"),
+        ": name a Service for the others",
+        ("counters", &v.counters),
     );
     for p in &v.ports {
         out.push('\n');
@@ -278,6 +290,40 @@ fn service_port(out: &mut String, p: &PortView) {
     out.push_str(&aligned("  ", &rows));
 }
 
+/// `inspect conntrack`'s table: a flow a line.
+pub fn flows(v: &FlowsView) -> String {
+    let mut out = heading(
+        (&v.node, &v.mode),
+        (v.total, v.flows.len(), "flow"),
+        "",
+        ("from", &v.source),
+    );
+    if v.flows.is_empty() {
+        return out;
+    }
+    let mut rows = vec![[
+        "PROTO", "CLIENT", "FRONTEND", "BACKEND", "SERVICE", "STATE", "IDLE", "EXPIRES",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for f in &v.flows {
+        rows.push(vec![
+            f.protocol.clone(),
+            f.client.to_string(),
+            f.frontend.to_string(),
+            f.backend.to_string(),
+            f.service.clone().unwrap_or_else(|| "-".into()),
+            f.state.clone(),
+            f.idle_seconds
+                .map_or_else(|| "-".into(), |s| format!("{s}s")),
+            f.expires_in_seconds
+                .map_or_else(|| "-".into(), |s| format!("{s}s")),
+        ]);
+    }
+    out.push_str(&aligned("", &rows));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,6 +343,13 @@ mod tests {
         let json = include_str!("golden/explain.json");
         let e: Explanation = serde_json::from_str(json).unwrap();
         crate::inspect::assert_golden("explain.txt", &explanation(&e));
+    }
+
+    #[test]
+    fn the_conntrack_table_is_the_golden_one() {
+        let json = include_str!("golden/conntrack.json");
+        let v: FlowsView = serde_json::from_str(json).unwrap();
+        crate::inspect::assert_golden("conntrack.txt", &flows(&v));
     }
 
     #[test]

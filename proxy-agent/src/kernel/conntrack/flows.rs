@@ -32,6 +32,10 @@ const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_TIMEOUT: u16 = 7;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
 
 const AF_INET: u8 = libc::AF_INET as u8;
 const AF_INET6: u8 = libc::AF_INET6 as u8;
@@ -49,6 +53,10 @@ pub struct Tuple {
 pub struct Entry {
     pub original: Tuple,
     pub reply: Tuple,
+    /// Seconds until the entry expires, as the kernel reported it.
+    pub timeout: Option<u32>,
+    /// TCP's conntrack state (`enum tcp_conntrack`: 3 established, 7 time-wait, ...).
+    pub tcp_state: Option<u8>,
 }
 
 impl Entry {
@@ -145,17 +153,31 @@ fn decode_tuple(buf: &[u8]) -> Option<Tuple> {
 }
 
 pub(crate) fn decode_entry(body: &[u8]) -> Option<Entry> {
-    let (mut original, mut reply) = (None, None);
+    let (mut original, mut reply, mut timeout, mut tcp_state) = (None, None, None, None);
     for (kind, payload) in attrs(body) {
         match kind {
             CTA_TUPLE_ORIG => original = decode_tuple(payload),
             CTA_TUPLE_REPLY => reply = decode_tuple(payload),
+            CTA_TIMEOUT => {
+                timeout = payload
+                    .get(..4)
+                    .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+            }
+            CTA_PROTOINFO => {
+                tcp_state = attrs(payload)
+                    .filter(|(k, _)| *k == CTA_PROTOINFO_TCP)
+                    .flat_map(|(_, tcp)| attrs(tcp))
+                    .find(|(k, _)| *k == CTA_PROTOINFO_TCP_STATE)
+                    .and_then(|(_, v)| v.first().copied())
+            }
             _ => {}
         }
     }
     Some(Entry {
         original: original?,
         reply: reply?,
+        timeout,
+        tcp_state,
     })
 }
 

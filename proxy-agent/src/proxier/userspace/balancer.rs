@@ -187,6 +187,15 @@ impl Balancer {
         }
     }
 
+    /// The TCP connections being relayed now: (client, endpoint).
+    pub fn open_connections(&self) -> Vec<(SocketAddr, SocketAddr)> {
+        let connections = self.connections.lock().expect("not poisoned");
+        connections
+            .values()
+            .filter_map(|(endpoint, client, _)| Some((client.peer_addr().ok()?, *endpoint)))
+            .collect()
+    }
+
     /// What was relayed to each endpoint: (connections or sessions, bytes).
     pub fn relayed(&self) -> Vec<(SocketAddr, (u64, u64))> {
         let relayed = self.relayed.lock().expect("not poisoned");

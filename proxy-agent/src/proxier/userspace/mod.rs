@@ -137,6 +137,17 @@ impl UserspaceProxier {
             .unwrap_or_default()
     }
 
+    /// The TCP connections `frontend` relays now: (client, endpoint).
+    pub fn open_connections(
+        &self,
+        frontend: &Frontend,
+    ) -> Vec<(std::net::SocketAddr, std::net::SocketAddr)> {
+        self.served
+            .get(frontend)
+            .map(|s| s.balancer.open_connections())
+            .unwrap_or_default()
+    }
+
     /// Frontends listening right now (tests and metrics).
     pub fn listening(&self) -> usize {
         self.served
