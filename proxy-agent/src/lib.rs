@@ -39,6 +39,7 @@
 //! | health-check node ports | [`health::services`] |
 //! | where a Service's traffic goes, with counters (`inspect services`) | [`inspect::services`] (the view, conntrack counting); the modes' counters: `ActiveProxier::counted` in [`agent::modes`]; with the eBPF agent stopped: [`inspect::pinned`], named by `SERVICE_NAMES` (written by `EbpfProxier::write_names` in [`proxier::ebpf`]) |
 //! | the flows through services (`inspect conntrack`) | [`inspect::conntrack`]: the eBPF conntrack pins, kernel conntrack ([`kernel::conntrack::flows`]), the userspace relays (`ActiveProxier::relayed_flows` in [`agent::modes`]) |
+//! | what a new flow would get, without sending one (`inspect trace`) | [`inspect::trace`] over the desired state; the datapath's affinity and flows added by [`inspect::server`] |
 //! | why an endpoint is or is not used (`inspect explain`) | [`model::explain`], recorded by `build_port` as it decides; asked through [`inspect::server`] → [`agent::sync_loop::SyncLoop::explain`] → [`model::incremental::IncrementalModel::explain`] |
 //! | HTTP timeouts, header size, connection cap (slow clients) | [`health::http`] |
 //! | a tuple two flows would share at the backend (tuple clash) | `reply_taken` in `proxy-ebpf/src/conntrack.rs` |

@@ -132,6 +132,7 @@ conformance!(
     multi_port_service_maps_each_port_to_its_target,
     inspect_services_shows_each_backend_and_the_traffic_it_carried,
     inspect_conntrack_lists_a_held_connection,
+    inspect_trace_agrees_with_where_connections_go,
     named_target_port_is_resolved_per_endpoint,
     service_without_endpoints_is_refused,
     terminating_endpoints_serve_only_when_none_is_ready,
@@ -859,6 +860,74 @@ fn inspect_conntrack_lists_a_held_connection(mode: Mode) {
         .unwrap();
     assert!(table.contains(&client), "{table}");
     drop(session);
+}
+
+/// `inspect trace` from a pod to a ClientIP-affinity Service, after the pod's connections
+/// all went to one backend: the candidates are the Service's endpoints, and what the trace
+/// reads of the datapath — the remembered backend (eBPF, userspace) or the client's flows
+/// still tracked (netfilter, ipvs) — is the backend the connections went to, and the next
+/// one goes to. (eBPF: the client is outside the socket hooks, so the tc path decides.)
+fn inspect_trace_agrees_with_where_connections_go(mode: Mode) {
+    let mut c = Cluster::new().expect("cluster lab");
+    c.pod_clients_outside_hooks = mode == Mode::Ebpf;
+    let yaml = service(
+        "web",
+        "10.96.0.20",
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}\n",
+        &[("", "TCP", 80, "8080")],
+    ) + &slice(&c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL));
+    let path = c.write_manifests(&yaml).unwrap();
+    c.start_agents(&path, &["--proxy-mode", mode.name()])
+        .expect("agents");
+    let vip = addr("10.96.0.20", 80);
+    let hellos = tcp_from_pod(&c, CLIENT, vip, 5);
+    let chosen = pods(&hellos);
+    assert_eq!(
+        chosen.len(),
+        1,
+        "affinity keeps the client on one pod: {chosen:?}"
+    );
+    let pod = chosen.into_iter().next().unwrap();
+    let client = c.pod(CLIENT).ip.to_string();
+    let json = c
+        .inspect(1, &["trace", &client, "10.96.0.20:80/TCP", "-o", "json"])
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["service"], "lab/web:", "{json}");
+    let candidates: BTreeSet<&str> = v["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| pod_at(&c, a))
+        .collect();
+    assert_eq!(candidates, ALL.into_iter().collect(), "{json}");
+    assert!(
+        v["rule"]
+            .as_str()
+            .unwrap()
+            .contains("sessionAffinity ClientIP (600 s)"),
+        "{json}"
+    );
+    let mut seen: BTreeSet<&str> = v["existing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| pod_at(&c, &f["backend"]))
+        .collect();
+    if !v["remembered"].is_null() {
+        seen.insert(pod_at(&c, &v["remembered"]["backend"]));
+    }
+    assert_eq!(
+        seen,
+        [pod.as_str()].into_iter().collect(),
+        "what the trace read of the datapath: {json}"
+    );
+    let next = tcp_from_pod(&c, CLIENT, vip, 1);
+    assert_eq!(pods(&next), set(&[pod.as_str()]), "{json}");
+    let table = c
+        .inspect(1, &["trace", &client, "10.96.0.20:80/TCP"])
+        .unwrap();
+    assert!(table.contains("candidates"), "{table}");
 }
 
 /// `inspect services lab/web -o json`'s answer counts `hellos` at the cluster IP and, per

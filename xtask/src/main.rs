@@ -357,6 +357,9 @@ const SCALE_TESTS: &str = "scale::";
 /// pods, `--socket-lb host-only`): the rows whose names end in `get_the_tc_path` /
 /// `to_the_tc_path`.
 const PLACEMENT_TESTS: &str = "_the_tc_path";
+/// The conformance rows of `proxy-agent inspect` ([W2-7]), their own part: their names
+/// start with `inspect_`.
+const INSPECT_TESTS: &str = "::inspect_";
 /// How long `test` runs each fuzz target (`cargo xtask fuzz` runs them longer).
 const FUZZ_SECONDS_IN_TEST: u64 = 5;
 
@@ -403,6 +406,8 @@ fn test(extra: &[String], full_matrix: bool) -> Result<()> {
             PLACEMENT_TESTS,
             "--skip",
             SCALE_TESTS,
+            "--skip",
+            INSPECT_TESTS,
         ]))?;
         // The pods' clients of the rows above run below the socket hooks, as the DaemonSet
         // places them; these rows check the placements where pods get the tc path ([W2-4]).
@@ -411,6 +416,13 @@ fn test(extra: &[String], full_matrix: bool) -> Result<()> {
             "--test",
             "conformance",
             PLACEMENT_TESTS,
+        ]))?;
+        // Their own part, so what [W2-7] added to a CI run shows on its own.
+        parts.start("test: proxy-agent inspect in every mode (services, conntrack, trace)");
+        run(&mut workspace_tests(&[
+            "--test",
+            "conformance",
+            INSPECT_TESTS,
         ]))?;
         // Their own part, so what [W2-2] added to a CI run shows on its own.
         parts.start("test: tenant and fault safety (floods, slow clients, two agents)");

@@ -497,6 +497,25 @@ impl ActiveProxier {
     }
 }
 
+impl ActiveProxier {
+    /// The backend the mode remembers for `client` at `frontend` under ClientIP affinity,
+    /// where the agent itself holds it (userspace; the eBPF mode's is read from its maps).
+    pub fn remembered(
+        &self,
+        frontend: &Frontend,
+        client: std::net::IpAddr,
+    ) -> Option<crate::inspect::trace::Remembered> {
+        let ActiveProxier::Userspace(p) = self else {
+            return None;
+        };
+        let (backend, left) = p.sticky(frontend, client)?;
+        Some(crate::inspect::trace::Remembered {
+            backend,
+            valid_for_seconds: left.as_secs(),
+        })
+    }
+}
+
 /// The userspace relays' counters of `ports` (no packets: TCP is relayed as a stream).
 fn userspace_counted(
     p: &UserspaceProxier,

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | `inspect services [NAMESPACE/NAME]` | every frontend of the service ports this node serves, its backends with weight and state, and traffic counters per frontend and backend | the desired state the proxier serves, and the mode's counters ([`services`]); in eBPF mode with the agent stopped, the pinned maps ([`pinned`]) |
 //! | `inspect conntrack [--service NAMESPACE/NAME]` | the flows through services: client, frontend, backend, protocol, state, idle time or expiry | the eBPF conntrack maps (from their pins), or kernel conntrack ([`conntrack`]) |
+//! | `inspect trace SRC DST:PORT/PROTO` | what a new flow from SRC would get: frontend, source-range verdict, endpoint set, remembered affinity and tracked flows, scheduler candidates and rule, what decides it | the model's state and the mode's ([`trace`]), without sending a packet or changing state |
 //! | `inspect explain NAMESPACE/NAME` | for each port, family and frontend of a Service: served or why not; for each endpoint and each kind of traffic: serving, draining or unused, and the rule that decided it | the model's own decisions ([`crate::model::explain`]), asked of the running agent over [`server`] |
 //!
 //! Each prints an aligned table ([`table`]) or, with `-o json`, the answer's JSON, whose
@@ -15,6 +16,7 @@ pub mod pinned;
 pub mod server;
 pub mod services;
 pub mod table;
+pub mod trace;
 
 use std::{net::SocketAddr, process::ExitCode, time::Duration};
 
@@ -79,6 +81,14 @@ pub enum What {
         /// Only this Service's flows, as NAMESPACE/NAME.
         #[arg(long)]
         service: Option<String>,
+    },
+    /// What a new flow from SRC to DST:PORT/PROTO would get on this node, worked out from
+    /// what is programmed, without sending a packet or changing any state.
+    Trace {
+        /// The client's address.
+        source: String,
+        /// The destination, as ADDRESS:PORT/PROTOCOL (`10.96.0.10:80/TCP`).
+        destination: String,
     },
     /// For each endpoint of a Service, whether this node sends it traffic, for each kind of
     /// traffic and frontend, and why (conditions, traffic policies, topology hints,
@@ -175,6 +185,23 @@ fn run(args: &InspectArgs) -> Result<String> {
             Ok(match args.output {
                 Output::Json => serde_json::to_string_pretty(&view)? + "\n",
                 Output::Table => table::flows(&view),
+            })
+        }
+        What::Trace {
+            source,
+            destination,
+        } => {
+            let client = trace::parse_client(source)?;
+            let d = trace::parse_destination(destination)?;
+            let body = get(
+                addr,
+                &format!("/debug/trace/{client}/{}/{}/{}", d.addr, d.port, d.protocol),
+            )?;
+            let view: trace::TraceView = serde_json::from_str(&body)
+                .with_context(|| format!("the agent's answer is not a trace: {body}"))?;
+            Ok(match args.output {
+                Output::Json => body,
+                Output::Table => table::trace(&view),
             })
         }
         What::Explain { service } => {

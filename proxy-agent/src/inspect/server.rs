@@ -7,6 +7,7 @@
 //! GET /debug/services/{namespace}/{name}  → the same, one Service's ports
 //! GET /debug/conntrack                    → conntrack::FlowsView (JSON)
 //! GET /debug/conntrack/{namespace}/{name} → the same, one Service's flows
+//! GET /debug/trace/{client}/{ip}/{port}/{protocol} → trace::TraceView (JSON)
 //! ```
 //!
 //! The model belongs to the sync loop, which runs on the agent's main thread; a handler
@@ -35,6 +36,7 @@ use tracing::info;
 use super::{
     conntrack::{self, FlowsView},
     services::{self, Counted, ServicesView},
+    trace::{self, TraceView},
 };
 use crate::{
     agent::{modes::ActiveProxier, sync_loop::SyncLoop},
@@ -42,7 +44,7 @@ use crate::{
     health::http::{self, Connections},
     kernel::conntrack::flows::ConntrackFlows,
     metrics::Metrics,
-    model::{explain::Explanation, ObjectName, ServicePortState},
+    model::{explain::Explanation, Frontend, ObjectName, ServicePortState},
     proxier::Proxier,
 };
 
@@ -65,6 +67,19 @@ pub enum Query {
         service: Option<ObjectName>,
         reply: oneshot::Sender<Selected>,
     },
+    Trace {
+        client: std::net::IpAddr,
+        destination: Frontend,
+        reply: oneshot::Sender<Traced>,
+    },
+}
+
+/// A trace as the model and the mode's program decide it, with what the handler needs to
+/// add the datapath's state (the service port; the userspace relays' flows).
+pub struct Traced {
+    pub view: TraceView,
+    pub port: Option<Arc<ServicePortState>>,
+    pub relayed: Option<Vec<conntrack::FlowView>>,
 }
 
 /// The service ports `inspect services` asked for, as the proxier was last asked to serve
@@ -86,6 +101,38 @@ impl Query {
         match self {
             Query::Explain { service, reply } => {
                 let _ = reply.send(syncs.explain(&service));
+            }
+            Query::Trace {
+                client,
+                destination,
+                reply,
+            } => {
+                let mut view = trace::trace(
+                    (syncs.node_name(), proxier.mode().as_str()),
+                    syncs.desired(),
+                    &syncs.local,
+                    &crate::kernel::host::local_addresses(),
+                    client,
+                    destination,
+                );
+                let port = syncs
+                    .desired()
+                    .ports
+                    .values()
+                    .find(|s| {
+                        s.frontend == destination
+                            || s.external.iter().any(|f| f.frontend == destination)
+                    })
+                    .cloned();
+                let relayed = port
+                    .as_ref()
+                    .and_then(|p| proxier.relayed_flows(std::slice::from_ref(p)));
+                view.remembered = proxier.remembered(&destination, client);
+                let _ = reply.send(Traced {
+                    view,
+                    port,
+                    relayed,
+                });
             }
             Query::Services { service, reply } => {
                 let (ports, total) = services::select(syncs.desired(), service.as_ref());
@@ -143,6 +190,7 @@ pub async fn serve(
         .route("/debug/explain/{namespace}/{name}", get(explain))
         .route("/debug/services", get(all_services))
         .route("/debug/services/{namespace}/{name}", get(one_service))
+        .route("/debug/trace/{client}/{ip}/{port}/{protocol}", get(traced))
         .route("/debug/conntrack", get(all_flows))
         .route(
             "/debug/conntrack/{namespace}/{name}",
@@ -204,6 +252,114 @@ async fn services_of(state: AppState, service: Option<ObjectName>) -> Response {
     };
     count(&state, "services", response.status());
     response
+}
+
+async fn traced(
+    State(state): State<AppState>,
+    Path((client, ip, port, protocol)): Path<(String, String, String, String)>,
+) -> Response {
+    let parsed = trace::parse_client(&client).and_then(|c| {
+        let ip: std::net::IpAddr = ip
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{ip:?}: not an IP address"))?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{port:?}: not a port"))?;
+        let destination =
+            trace::parse_destination(&format!("{}/{protocol}", SocketAddr::new(ip, port)))?;
+        Ok((c, destination))
+    });
+    let response = match parsed {
+        Err(e) => (StatusCode::BAD_REQUEST, format!("{e:#}\n")).into_response(),
+        Ok((client, destination)) => {
+            match ask(&state.queries, |reply| Query::Trace {
+                client,
+                destination,
+                reply,
+            })
+            .await
+            {
+                Ok(traced) => {
+                    let root = state.bpffs_root.clone();
+                    match tokio::task::spawn_blocking(move || {
+                        with_datapath_state(traced, &root, client, destination)
+                    })
+                    .await
+                    {
+                        Ok(view) => json(&view),
+                        Err(e) => {
+                            (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response()
+                        }
+                    }
+                }
+                Err(response) => response,
+            }
+        }
+    };
+    count(&state, "trace", response.status());
+    response
+}
+
+/// Adds to a trace what the datapath holds for the client: its tracked flows to the
+/// destination, and in eBPF mode the backend its affinity remembers. What cannot be read
+/// is said in a step, not an error: the rest of the trace stands.
+fn with_datapath_state(
+    traced: Traced,
+    root: &std::path::Path,
+    client: std::net::IpAddr,
+    destination: Frontend,
+) -> TraceView {
+    let Traced {
+        mut view,
+        port,
+        relayed,
+    } = traced;
+    let Some(port) = port else {
+        return view;
+    };
+    let to = SocketAddr::new(destination.addr, destination.port);
+    let flows: Result<Vec<conntrack::FlowView>> = if let Some(relayed) = relayed {
+        Ok(relayed)
+    } else if view.mode == "ebpf" {
+        conntrack::from_pins(root, None)
+    } else {
+        let kernel = ConntrackFlows;
+        kernel
+            .list(if client.is_ipv4() {
+                libc::AF_INET as u8
+            } else {
+                libc::AF_INET6 as u8
+            })
+            .map(|entries| conntrack::from_kernel(std::slice::from_ref(&port), &entries))
+    };
+    match flows {
+        Ok(flows) => {
+            view.existing = flows
+                .into_iter()
+                .filter(|f| f.client.ip() == client && f.frontend == to)
+                .collect()
+        }
+        Err(e) => view.steps.push(trace::Step {
+            step: "tracked flows".into(),
+            outcome: format!("not read: {e:#}"),
+        }),
+    }
+    if view.mode == "ebpf" {
+        match trace::ebpf_affinity(root, client, destination, &port) {
+            Ok(remembered) => view.remembered = remembered,
+            Err(e) => view.steps.push(trace::Step {
+                step: "affinity".into(),
+                outcome: format!("not read: {e:#}"),
+            }),
+        }
+    }
+    if let Some(r) = &view.remembered {
+        view.verdict = format!(
+            "translated to {} (the client's ClientIP affinity, {} s left)",
+            r.backend, r.valid_for_seconds
+        );
+    }
+    view
 }
 
 async fn all_flows(State(state): State<AppState>) -> Response {

@@ -6,6 +6,7 @@ use std::fmt::Write;
 use super::{
     conntrack::FlowsView,
     services::{PortView, ServicesView, Traffic},
+    trace::TraceView,
 };
 use crate::model::explain::{Explanation, PortExplanation};
 
@@ -324,6 +325,40 @@ pub fn flows(v: &FlowsView) -> String {
     out
 }
 
+/// `inspect trace`'s answer: the verdict, then each step.
+pub fn trace(v: &TraceView) -> String {
+    let mut out = format!(
+        "node {}, mode {}: {} -> {}\n{}\n",
+        v.node, v.mode, v.client, v.destination, v.verdict
+    );
+    let mut rows: Vec<Vec<String>> = v
+        .steps
+        .iter()
+        .map(|s| vec![s.step.clone(), s.outcome.clone()])
+        .collect();
+    if !v.candidates.is_empty() {
+        let list: Vec<String> = v.candidates.iter().map(|c| c.to_string()).collect();
+        rows.push(vec!["candidates".into(), list.join(" ")]);
+    }
+    if let Some(r) = &v.remembered {
+        rows.push(vec![
+            "affinity".into(),
+            format!("{} ({} s left)", r.backend, r.valid_for_seconds),
+        ]);
+    }
+    for f in &v.existing {
+        rows.push(vec![
+            "tracked flow".into(),
+            format!("{} -> {} ({})", f.client, f.backend, f.state),
+        ]);
+    }
+    if !v.decided_by.is_empty() {
+        rows.push(vec!["decided by".into(), v.decided_by.clone()]);
+    }
+    out.push_str(&aligned("  ", &rows));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,6 +385,13 @@ mod tests {
         let json = include_str!("golden/conntrack.json");
         let v: FlowsView = serde_json::from_str(json).unwrap();
         crate::inspect::assert_golden("conntrack.txt", &flows(&v));
+    }
+
+    #[test]
+    fn the_trace_is_the_golden_one() {
+        let json = include_str!("golden/trace.json");
+        let v: TraceView = serde_json::from_str(json).unwrap();
+        crate::inspect::assert_golden("trace.txt", &trace(&v));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
 };
 
 use aya::{
@@ -445,6 +445,34 @@ impl KernelMaps {
                 .ok()
                 .and_then(|m| BpfHashMap::try_from(m).ok()),
         })
+    }
+
+    /// The `SERVICES` or `SERVICES6` entry of `key`.
+    pub fn service(&self, key: &ServiceMapKey) -> anyhow::Result<Option<ServiceValue>> {
+        let found = match key {
+            ServiceMapKey::V4(k) => self.services.get(k, 0),
+            ServiceMapKey::V6(k) => self.services6.get(k, 0),
+        };
+        match found {
+            Ok(v) => Ok(Some(v)),
+            Err(AyaMapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The address of backend `id`, if its slot still holds it.
+    pub fn backend_address(&self, id: u32) -> anyhow::Result<Option<SocketAddr>> {
+        let slot = id & BACKEND_INDEX_MASK;
+        let b = self.backends.get(&slot, 0)?;
+        if b.id != id {
+            return Ok(None);
+        }
+        let addrs6: BTreeMap<u32, BackendAddr6> = if b.flags & BACKEND_FLAG_IPV6 != 0 {
+            [(slot, self.backend_addrs6.get(&slot, 0)?)].into()
+        } else {
+            BTreeMap::new()
+        };
+        Ok(crate::proxier::ebpf::sync::backend_addr(&b, &addrs6))
     }
 
     /// Every `SERVICE_NAMES` entry (none without the map).

@@ -239,6 +239,15 @@ impl Balancer {
         Some(ep)
     }
 
+    /// The endpoint `client` sticks to under ClientIP affinity, and how long it has left.
+    pub fn sticky(&self, client: IpAddr, now: Instant) -> Option<(SocketAddr, Duration)> {
+        let p = self.picker.lock().expect("not poisoned");
+        let timeout = p.choice.affinity?;
+        let (endpoint, last) = p.sticky.get(&client)?;
+        let left = timeout.checked_sub(now.duration_since(*last))?;
+        Some((*endpoint, left))
+    }
+
     /// Forgets `client`'s sticky endpoint (it could not be reached).
     pub fn unstick(&self, client: IpAddr, endpoint: SocketAddr) {
         let mut p = self.picker.lock().expect("not poisoned");

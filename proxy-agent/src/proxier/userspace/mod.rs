@@ -137,6 +137,19 @@ impl UserspaceProxier {
             .unwrap_or_default()
     }
 
+    /// The endpoint `client` sticks to at `frontend` (ClientIP affinity), with the time
+    /// it has left.
+    pub fn sticky(
+        &self,
+        frontend: &Frontend,
+        client: std::net::IpAddr,
+    ) -> Option<(std::net::SocketAddr, Duration)> {
+        self.served
+            .get(frontend)?
+            .balancer
+            .sticky(client, std::time::Instant::now())
+    }
+
     /// The TCP connections `frontend` relays now: (client, endpoint).
     pub fn open_connections(
         &self,
