@@ -162,6 +162,7 @@ fn main() {
                 }),
                 memory_mb,
                 cpus,
+                skips: Vec::new(),
             })
         }),
     };
@@ -482,6 +483,11 @@ fn test(extra: &[String], full_matrix: bool) -> Result<()> {
             payload: vm::Payload::Tests(filters),
             memory_mb: 2048,
             cpus: 2,
+            skips: if full_matrix || kernel != "debian-6.1" {
+                Vec::new()
+            } else {
+                vm::CI_SKIPS_6_1.to_vec()
+            },
         })?;
     }
     parts.start(
@@ -535,6 +541,7 @@ fn bench_in_vm(args: &[&str], out: &Path, release: bool) -> Result<()> {
         },
         memory_mb: 2048,
         cpus: 2,
+        skips: Vec::new(),
     })
 }
 
