@@ -201,7 +201,13 @@ pub async fn run(mut s: Settings) -> Result<()> {
     )
     .await?;
     let (inspect_tx, mut inspect_rx) = mpsc::channel(inspect::server::QUEUE);
-    inspect::server::serve(s.inspect, inspect_tx, metrics.clone(), &s.bpffs_root).await?;
+    // Inspecting is for operators: a port someone else holds costs them the endpoint, not
+    // the node its service.
+    if let Err(e) =
+        inspect::server::serve(s.inspect, inspect_tx, metrics.clone(), &s.bpffs_root).await
+    {
+        warn!("the inspect endpoint is not served: {e:#}");
+    }
     let mut link_rx = ebpf.as_ref().and_then(|e| e.watch_links());
 
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())

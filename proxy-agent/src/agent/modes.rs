@@ -15,7 +15,7 @@ use crate::{
         sockets::SocketCleaner,
         Datapath, DatapathSizes, LoadOptions,
     },
-    inspect::services::{Counted, Traffic},
+    inspect::services::{Counted, Counting, EbpfIds, Traffic},
     kernel::{
         conntrack::flows::ConntrackFlows,
         local_routes::{self, DummyAddresses, KernelLocalRoutes, LocalRoutes},
@@ -448,18 +448,18 @@ impl ActiveProxier {
 }
 
 impl ActiveProxier {
-    /// The traffic counters this mode keeps itself for `ports` (`inspect services`); `None`
-    /// for the modes whose flows kernel conntrack counts instead
-    /// ([`crate::inspect::services::count_conntrack`], which runs off the sync loop).
-    pub fn counted(
+    /// How `inspect services` gets this mode's counters of `ports`: the userspace relays'
+    /// (counted here), the eBPF arrays' ids (read off the sync loop), or kernel conntrack
+    /// ([`crate::inspect::services::count_conntrack`], off the loop too).
+    pub fn counting(
         &self,
         ebpf: Option<&EbpfRuntime>,
         ports: &[std::sync::Arc<crate::model::ServicePortState>],
-    ) -> Option<Counted> {
+    ) -> Counting {
         match (self, ebpf) {
-            (ActiveProxier::Ebpf(p), Some(runtime)) => Some(ebpf_counted(p, runtime, ports)),
-            (ActiveProxier::Userspace(p), _) => Some(userspace_counted(p, ports)),
-            _ => None,
+            (ActiveProxier::Ebpf(p), Some(runtime)) => Counting::Ebpf(ebpf_ids(p, runtime, ports)),
+            (ActiveProxier::Userspace(p), _) => Counting::Done(userspace_counted(p, ports)),
+            _ => Counting::Conntrack,
         }
     }
 }
@@ -552,13 +552,14 @@ fn userspace_counted(
     counted
 }
 
-/// The eBPF maps' counters of `ports`: per frontend (`SERVICE_STATS`; a Local frontend's
-/// two entry sets added up) and, with `--backend-metrics`, per backend (`BACKEND_STATS`).
-fn ebpf_counted(
+/// The eBPF counter ids of `ports` (their counters are read off the loop): per frontend
+/// (`SERVICE_STATS`; a Local frontend's two entry sets both listed) and per backend of each
+/// port, draining ones too (`BACKEND_STATS`; a port's frontends share its ids: each once).
+fn ebpf_ids(
     p: &EbpfProxier<KernelMaps>,
     runtime: &EbpfRuntime,
     ports: &[std::sync::Arc<crate::model::ServicePortState>],
-) -> Counted {
+) -> EbpfIds {
     use std::collections::{BTreeSet, HashMap};
     // Every frontend of the ports asked → the port's cluster-IP frontend.
     let port_of: HashMap<Frontend, Frontend> = ports
@@ -569,72 +570,24 @@ fn ebpf_counted(
                 .map(|f| (f, s.frontend))
         })
         .collect();
-    let traffic = |s: &proxy_common::ServiceStats| Traffic {
-        connections: Some(s.connections),
-        packets: Some(s.packets),
-        bytes: Some(s.bytes),
-    };
-    let zeros = Traffic {
-        connections: Some(0),
-        packets: Some(0),
-        bytes: Some(0),
-    };
-    let mut counted = Counted {
-        source: format!(
-            "the eBPF datapath's counters since the maps were created{}",
-            if runtime.backend_metrics {
-                ""
-            } else {
-                " (per backend only with --backend-metrics)"
-            }
-        ),
-        frontend_zero: zeros,
-        backend_zero: zeros,
-        ..Counted::default()
-    };
-    let frontends: Vec<(Frontend, u32)> = p
+    let frontends = p
         .frontend_ids()
         .into_iter()
         .filter(|(f, _)| port_of.contains_key(f))
         .collect();
-    let ids: Vec<u32> = frontends.iter().map(|(_, id)| *id).collect();
-    match runtime.datapath.service_stats(&ids) {
-        Ok(stats) => {
-            for ((frontend, _), s) in frontends.iter().zip(&stats) {
-                counted
-                    .frontends
-                    .entry(*frontend)
-                    .or_default()
-                    .add(traffic(s));
-            }
-        }
-        Err(e) => debug!("inspect: reading SERVICE_STATS: {e:#}"),
+    let backends: BTreeSet<(Frontend, std::net::SocketAddr, u32)> = if runtime.backend_metrics {
+        p.frontend_backend_ids()
+            .into_iter()
+            .filter_map(|(f, addr, id)| Some((*port_of.get(&f)?, addr, id)))
+            .collect()
+    } else {
+        BTreeSet::new()
+    };
+    EbpfIds {
+        frontends,
+        backends: backends.into_iter().collect(),
+        backend_metrics: runtime.backend_metrics,
     }
-    if !runtime.backend_metrics {
-        counted.backend_zero = Traffic::default();
-        return counted;
-    }
-    // A port's frontends share its backend ids: each id once.
-    let backends: BTreeSet<(Frontend, std::net::SocketAddr, u32)> = p
-        .frontend_backend_ids()
-        .into_iter()
-        .filter_map(|(f, addr, id)| Some((*port_of.get(&f)?, addr, id)))
-        .collect();
-    let backends: Vec<_> = backends.into_iter().collect();
-    let ids: Vec<u32> = backends.iter().map(|(.., id)| *id).collect();
-    match runtime.datapath.backend_stats(&ids) {
-        Ok(stats) => {
-            for ((port, addr, _), s) in backends.iter().zip(&stats) {
-                counted
-                    .backends
-                    .entry((*port, *addr))
-                    .or_default()
-                    .add(traffic(s));
-            }
-        }
-        Err(e) => debug!("inspect: reading BACKEND_STATS: {e:#}"),
-    }
-    counted
 }
 
 impl ModeProxier for ActiveProxier {

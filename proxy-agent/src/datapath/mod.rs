@@ -636,6 +636,7 @@ impl Datapath {
             .with_context(|| format!("eBPF object has no {name} map"))?;
         match map {
             aya::maps::Map::Array(data) => Ok(aya::maps::Map::Array(duplicate(data)?)),
+            aya::maps::Map::PerCpuArray(data) => Ok(aya::maps::Map::PerCpuArray(duplicate(data)?)),
             _ => bail!("map {name} is not an array"),
         }
     }

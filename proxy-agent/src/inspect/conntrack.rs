@@ -15,7 +15,7 @@ use anyhow::{Context, Result};
 use aya::maps::MapData;
 use proxy_common::{
     map_names, ConntrackKey, ConntrackKey6, ConntrackValue, ConntrackValue6, ServiceName,
-    CT_FLAG_CLOSING, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY,
+    CT_FLAG_CLOSING, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY,
 };
 use serde::{Deserialize, Serialize};
 
@@ -142,39 +142,58 @@ fn read<K: aya::Pod, V: aya::Pod>(maps_dir: &Path, name: &str) -> Result<Vec<(K,
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
-/// The flows in the pinned eBPF conntrack maps under `<root>/maps` (`CONNTRACK`,
-/// `CONNTRACK6`), named by `SERVICE_NAMES`; only `service`'s with one.
+/// Entries that are not a flow's own original direction: the reply direction's twin and
+/// a masqueraded flow's two source-NAT entries.
+const NOT_ORIGINAL: u8 = CT_FLAG_REPLY | CT_FLAG_SNAT | CT_FLAG_SNAT_REPLY;
+
+/// The flows in the pinned eBPF conntrack maps under `<root>/maps`: confirmed ones
+/// (`CONNTRACK`, `CONNTRACK6`) and those not confirmed yet (`CT_NEW`, `CT_NEW6`), each
+/// once, named by `SERVICE_NAMES`; only `service`'s with one.
 pub fn from_pins(root: &Path, service: Option<&ObjectName>) -> Result<Vec<FlowView>> {
     let maps_dir = root.join("maps");
-    let mut tracked = Vec::new();
-    let v4: Vec<(ConntrackKey, ConntrackValue)> = read(&maps_dir, map_names::CONNTRACK)?;
-    for (k, v) in v4.into_iter().filter(|(_, v)| v.flags & CT_FLAG_REPLY == 0) {
-        let ip = |a: u32| IpAddr::V4(Ipv4Addr::from(u32::from_be(a)));
-        tracked.push(Tracked {
-            protocol: k.proto,
-            client: SocketAddr::new(ip(k.saddr), u16::from_be(k.sport)),
-            frontend: SocketAddr::new(ip(k.daddr), u16::from_be(k.dport)),
-            backend: SocketAddr::new(ip(v.nat_addr), u16::from_be(v.nat_port)),
-            flags: v.flags,
-            last_seen_ns: v.last_seen_ns,
-            service_id: v.service_id,
-        });
+    let mut tracked: HashMap<(u8, SocketAddr, SocketAddr), Tracked> = HashMap::new();
+    // Unconfirmed first: a flow in both (being confirmed) is taken from CONNTRACK.
+    for name in [map_names::CT_NEW, map_names::CONNTRACK] {
+        let v4: Vec<(ConntrackKey, ConntrackValue)> = match read(&maps_dir, name) {
+            Ok(v) => v,
+            Err(e) if name == map_names::CT_NEW => {
+                tracing::debug!("{e:#}");
+                Vec::new()
+            }
+            Err(e) => return Err(e),
+        };
+        for (k, v) in v4.into_iter().filter(|(_, v)| v.flags & NOT_ORIGINAL == 0) {
+            let ip = |a: u32| IpAddr::V4(Ipv4Addr::from(u32::from_be(a)));
+            let t = Tracked {
+                protocol: k.proto,
+                client: SocketAddr::new(ip(k.saddr), u16::from_be(k.sport)),
+                frontend: SocketAddr::new(ip(k.daddr), u16::from_be(k.dport)),
+                backend: SocketAddr::new(ip(v.nat_addr), u16::from_be(v.nat_port)),
+                flags: v.flags,
+                last_seen_ns: v.last_seen_ns,
+                service_id: v.service_id,
+            };
+            tracked.insert((t.protocol, t.client, t.frontend), t);
+        }
     }
     // Absent where the IPv6 datapath never loaded its maps.
-    let v6: Vec<(ConntrackKey6, ConntrackValue6)> =
-        read(&maps_dir, map_names::CONNTRACK6).unwrap_or_default();
-    for (k, v) in v6.into_iter().filter(|(_, v)| v.flags & CT_FLAG_REPLY == 0) {
-        let ip = |a: [u8; 16]| IpAddr::V6(Ipv6Addr::from(a));
-        tracked.push(Tracked {
-            protocol: k.proto,
-            client: SocketAddr::new(ip(k.saddr), u16::from_be(k.sport)),
-            frontend: SocketAddr::new(ip(k.daddr), u16::from_be(k.dport)),
-            backend: SocketAddr::new(ip(v.nat_addr), u16::from_be(v.nat_port)),
-            flags: v.flags,
-            last_seen_ns: v.last_seen_ns,
-            service_id: v.service_id,
-        });
+    for name in [map_names::CT_NEW6, map_names::CONNTRACK6] {
+        let v6: Vec<(ConntrackKey6, ConntrackValue6)> = read(&maps_dir, name).unwrap_or_default();
+        for (k, v) in v6.into_iter().filter(|(_, v)| v.flags & NOT_ORIGINAL == 0) {
+            let ip = |a: [u8; 16]| IpAddr::V6(Ipv6Addr::from(a));
+            let t = Tracked {
+                protocol: k.proto,
+                client: SocketAddr::new(ip(k.saddr), u16::from_be(k.sport)),
+                frontend: SocketAddr::new(ip(k.daddr), u16::from_be(k.dport)),
+                backend: SocketAddr::new(ip(v.nat_addr), u16::from_be(v.nat_port)),
+                flags: v.flags,
+                last_seen_ns: v.last_seen_ns,
+                service_id: v.service_id,
+            };
+            tracked.insert((t.protocol, t.client, t.frontend), t);
+        }
     }
+    let tracked: Vec<Tracked> = tracked.into_values().collect();
     let names: HashMap<u32, String> = read::<u32, ServiceName>(&maps_dir, map_names::SERVICE_NAMES)
         .unwrap_or_default()
         .into_iter()
@@ -223,7 +242,7 @@ pub fn view(node: &str, mode: &str, source: &str, mut flows: Vec<FlowView>) -> F
 }
 
 /// How the eBPF flows are described.
-pub const FROM_PINS: &str = "the eBPF datapath's conntrack maps (flows the tc programs translate; connections the socket hooks translate at connect() go straight to their backend and are not tracked here)";
+pub const FROM_PINS: &str = "the eBPF datapath's conntrack maps, confirmed and new flows (those the tc programs translate; connections the socket hooks translate at connect() go straight to their backend and are not tracked here)";
 /// How the userspace mode's relayed connections are described.
 pub const FROM_RELAYS: &str =
     "the userspace relays: TCP connections being relayed now (UDP sessions are not listed)";

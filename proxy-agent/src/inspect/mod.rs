@@ -20,7 +20,7 @@ pub mod trace;
 
 use std::{net::SocketAddr, process::ExitCode, time::Duration};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use http_body_util::{BodyExt, Empty};
 use hyper::{body::Bytes, header, Request, StatusCode};
@@ -148,8 +148,10 @@ fn run(args: &InspectArgs) -> Result<String> {
                         }
                         view
                     }
-                    Err(e) if args.bpffs_root.join("maps").is_dir() => from_pins(Some(e))?,
-                    Err(e) => return Err(e),
+                    Err(Unanswered::Unreachable(e)) if args.bpffs_root.join("maps").is_dir() => {
+                        from_pins(Some(e))?
+                    }
+                    Err(e) => return Err(e.into()),
                 }
             };
             Ok(match args.output {
@@ -172,7 +174,7 @@ fn run(args: &InspectArgs) -> Result<String> {
                         format!("the agent's answer is not a conntrack view: {body}")
                     })?
                 }
-                Err(e) if args.bpffs_root.join("maps").is_dir() => {
+                Err(Unanswered::Unreachable(e)) if args.bpffs_root.join("maps").is_dir() => {
                     eprintln!(
                         "the agent did not answer ({e:#}): reading the pinned maps under {}",
                         args.bpffs_root.display()
@@ -180,7 +182,7 @@ fn run(args: &InspectArgs) -> Result<String> {
                     let flows = conntrack::from_pins(&args.bpffs_root, name.as_ref())?;
                     conntrack::view(&node_name(), "ebpf", conntrack::FROM_PINS, flows)
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             };
             Ok(match args.output {
                 Output::Json => serde_json::to_string_pretty(&view)? + "\n",
@@ -237,9 +239,38 @@ fn node_name() -> String {
     })
 }
 
-/// GETs `path` from the agent's inspect endpoint: the body of a 200, else an error with the
-/// agent's own words.
-fn get(addr: SocketAddr, path: &str) -> Result<String> {
+/// Why a GET gave no answer to use.
+#[derive(Debug)]
+enum Unanswered {
+    /// Nothing answered (no agent, or it hung): the pins may still be read.
+    Unreachable(anyhow::Error),
+    /// The agent answered, but not with the view (busy, a bad request).
+    Refused(anyhow::Error),
+}
+
+impl From<Unanswered> for anyhow::Error {
+    fn from(u: Unanswered) -> Self {
+        match u {
+            Unanswered::Unreachable(e) | Unanswered::Refused(e) => e,
+        }
+    }
+}
+
+/// GETs `path` from the agent's inspect endpoint: the body of a 200, else why not (with
+/// the agent's own words when it answered).
+fn get(addr: SocketAddr, path: &str) -> Result<String, Unanswered> {
+    let answer = exchange(addr, path).map_err(Unanswered::Unreachable)?;
+    match answer {
+        (StatusCode::OK, body) => Ok(body),
+        (status, body) => Err(Unanswered::Refused(anyhow!(
+            "the agent answered {status}: {}",
+            body.trim_end()
+        ))),
+    }
+}
+
+/// One GET exchange with the agent: its status and body.
+fn exchange(addr: SocketAddr, path: &str) -> Result<(StatusCode, String)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -258,13 +289,9 @@ fn get(addr: SocketAddr, path: &str) -> Result<String> {
         let body = response.into_body().collect().await?.to_bytes();
         anyhow::Ok((status, String::from_utf8_lossy(&body).into_owned()))
     };
-    let (status, body) = runtime
+    runtime
         .block_on(async { tokio::time::timeout(TIMEOUT, exchange).await })
-        .map_err(|_| anyhow!("the agent at {addr} did not answer within {TIMEOUT:?}"))??;
-    if status != StatusCode::OK {
-        bail!("the agent answered {status}: {}", body.trim_end());
-    }
-    Ok(body)
+        .map_err(|_| anyhow!("the agent at {addr} did not answer within {TIMEOUT:?}"))?
 }
 
 /// Compares `actual` with the golden file `golden/<file>`; `PROXY_UPDATE_GOLDEN=1` rewrites

@@ -51,7 +51,7 @@ fn scheduler_of(flags: u16) -> &'static str {
 
 /// Per-CPU counters of `ids` in the pinned array `name` (summed over CPUs); zeros where
 /// an id cannot be read.
-fn counters(maps_dir: &Path, name: &str, ids: &[u32]) -> Result<Vec<ServiceStats>> {
+pub fn counters(maps_dir: &Path, name: &str, ids: &[u32]) -> Result<Vec<ServiceStats>> {
     let pin = maps_dir.join(name);
     let data = MapData::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
     let array: PerCpuArray<MapData, ServiceStats> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
@@ -71,13 +71,7 @@ fn counters(maps_dir: &Path, name: &str, ids: &[u32]) -> Result<Vec<ServiceStats
         .collect())
 }
 
-fn traffic(s: &ServiceStats) -> Traffic {
-    Traffic {
-        connections: Some(s.connections),
-        packets: Some(s.packets),
-        bytes: Some(s.bytes),
-    }
-}
+use super::services::traffic_of as traffic;
 
 /// One frontend as the maps hold it: its header, and the backend ids of its slots.
 struct Found {
@@ -180,6 +174,7 @@ pub fn services(root: &Path, service: Option<&ObjectName>, node: &str) -> Result
                     scheduler: scheduler_of(f.header.flags).into(),
                     affinity_timeout_seconds: (f.header.backend_id > 0)
                         .then_some(f.header.backend_id),
+                    not_programmed: None,
                     frontends: Vec::new(),
                     backends: Vec::new(),
                 },

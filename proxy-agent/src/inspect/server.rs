@@ -35,7 +35,7 @@ use tracing::info;
 
 use super::{
     conntrack::{self, FlowsView},
-    services::{self, Counted, ServicesView},
+    services::{self, Counted, Counting, ServicesView},
     trace::{self, TraceView},
 };
 use crate::{
@@ -65,6 +65,8 @@ pub enum Query {
     },
     Services {
         service: Option<ObjectName>,
+        /// Also the connections the mode relays itself (`inspect conntrack`).
+        relayed: bool,
         reply: oneshot::Sender<Selected>,
     },
     Trace {
@@ -82,14 +84,15 @@ pub struct Traced {
     pub relayed: Option<Vec<conntrack::FlowView>>,
 }
 
-/// The service ports `inspect services` asked for, as the proxier was last asked to serve
-/// them, with the mode's own counters (`None`: kernel conntrack counts them, off the loop).
+/// The service ports `inspect services` asked for, in the model's desired state, with how
+/// their counters are had, and the ports the mode could not program (with why).
 pub struct Selected {
     pub node: String,
     pub mode: &'static str,
     pub ports: Vec<Arc<ServicePortState>>,
     pub total: usize,
-    pub counted: Option<Counted>,
+    pub counting: Counting,
+    pub unprogrammed: std::collections::HashMap<crate::model::ServicePortName, String>,
     /// The connections the mode relays itself (userspace), for `inspect conntrack`.
     pub relayed: Option<Vec<conntrack::FlowView>>,
 }
@@ -134,16 +137,24 @@ impl Query {
                     relayed,
                 });
             }
-            Query::Services { service, reply } => {
+            Query::Services {
+                service,
+                relayed,
+                reply,
+            } => {
                 let (ports, total) = services::select(syncs.desired(), service.as_ref());
-                let counted = proxier.counted(ebpf, &ports);
-                let relayed = proxier.relayed_flows(&ports);
+                let counting = proxier.counting(ebpf, &ports);
+                let relayed = relayed.then(|| proxier.relayed_flows(&ports)).flatten();
+                let unprogrammed = crate::agent::sync_loop::ModeProxier::unprogrammed(proxier)
+                    .into_iter()
+                    .collect();
                 let _ = reply.send(Selected {
                     node: syncs.node_name().to_string(),
                     mode: proxier.mode().as_str(),
                     ports,
                     total,
-                    counted,
+                    counting,
+                    unprogrammed,
                     relayed,
                 });
             }
@@ -239,12 +250,19 @@ async fn one_service(
 }
 
 async fn services_of(state: AppState, service: Option<ObjectName>) -> Response {
-    let response = match ask(&state.queries, |reply| Query::Services { service, reply }).await {
-        Ok(selected) => match services_view(selected).await {
+    let root = state.bpffs_root.clone();
+    let response = match ask(&state.queries, |reply| Query::Services {
+        service,
+        relayed: false,
+        reply,
+    })
+    .await
+    {
+        Ok(selected) => match services_view(selected, root).await {
             Ok(view) => json(&view),
             Err(e) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                format!("reading kernel conntrack: {e:#}\n"),
+                format!("reading the counters: {e:#}\n"),
             )
                 .into_response(),
         },
@@ -345,7 +363,8 @@ fn with_datapath_state(
         }),
     }
     if view.mode == "ebpf" {
-        match trace::ebpf_affinity(root, client, destination, &port) {
+        let this_node_set = view.set == "thisNode";
+        match trace::ebpf_affinity(root, client, destination, this_node_set, &port) {
             Ok(remembered) => view.remembered = remembered,
             Err(e) => view.steps.push(trace::Step {
                 step: "affinity".into(),
@@ -383,7 +402,13 @@ async fn one_services_flows(
 /// pinned conntrack maps, the others' from kernel conntrack; read on a worker thread.
 async fn flows_of(state: AppState, service: Option<ObjectName>) -> Response {
     let asked = service.clone();
-    let response = match ask(&state.queries, |reply| Query::Services { service, reply }).await {
+    let response = match ask(&state.queries, |reply| Query::Services {
+        service,
+        relayed: true,
+        reply,
+    })
+    .await
+    {
         Ok(selected) => {
             let root = state.bpffs_root.clone();
             let read = tokio::task::spawn_blocking(move || -> Result<FlowsView> {
@@ -427,20 +452,24 @@ async fn flows_of(state: AppState, service: Option<ObjectName>) -> Response {
     response
 }
 
-/// The view of what the sync loop selected; kernel conntrack is read here, on a worker
-/// thread, when the mode keeps no counters of its own.
-async fn services_view(selected: Selected) -> Result<ServicesView> {
+/// The view of what the sync loop selected; the counters are read here, on a worker
+/// thread (the eBPF arrays through their pins, or kernel conntrack).
+async fn services_view(selected: Selected, root: Arc<std::path::Path>) -> Result<ServicesView> {
     let Selected {
         node,
         mode,
         ports,
         total,
-        counted,
+        counting,
+        unprogrammed,
         ..
     } = selected;
-    let counted = match counted {
-        Some(c) => c,
-        None => {
+    let counted = match counting {
+        Counting::Done(c) => c,
+        Counting::Ebpf(ids) => {
+            tokio::task::spawn_blocking(move || ids.read(&root.join("maps"))).await??
+        }
+        Counting::Conntrack => {
             let ports = ports.clone();
             tokio::task::spawn_blocking(move || -> Result<Counted> {
                 let flows = ConntrackFlows;
@@ -454,13 +483,17 @@ async fn services_view(selected: Selected) -> Result<ServicesView> {
             .await??
         }
     };
+    let mut views = services::view(&ports, &counted);
+    for (view, port) in views.iter_mut().zip(&ports) {
+        view.not_programmed = unprogrammed.get(&port.name).cloned();
+    }
     Ok(ServicesView {
         node,
         mode: mode.into(),
         counters: counted.source.clone(),
         total_ports: total,
         truncated: total > ports.len(),
-        ports: services::view(&ports, &counted),
+        ports: views,
     })
 }
 

@@ -49,6 +49,10 @@ pub struct PortView {
     pub family: String,
     pub scheduler: String,
     pub affinity_timeout_seconds: Option<u32>,
+    /// Why the mode could not program this port as the model has it (it is retried; what
+    /// served before may still serve); absent when it did, or when not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_programmed: Option<String>,
     pub frontends: Vec<FrontendView>,
     /// Every endpoint some frontend serves or drains, with its counters over all frontends.
     pub backends: Vec<BackendView>,
@@ -105,6 +109,89 @@ impl Traffic {
         self.connections = sum(self.connections, other.connections);
         self.packets = sum(self.packets, other.packets);
         self.bytes = sum(self.bytes, other.bytes);
+    }
+}
+
+/// How the counters of an answer are had: counted on the loop already (userspace), read
+/// from the eBPF counter arrays off the loop by id, or counted from kernel conntrack.
+#[derive(Debug)]
+pub enum Counting {
+    Done(Counted),
+    Ebpf(EbpfIds),
+    Conntrack,
+}
+
+/// The eBPF counter ids of the ports asked: per frontend (`SERVICE_STATS`) and per
+/// backend of each port (`BACKEND_STATS`, each id once), with how they are described.
+#[derive(Debug, Default)]
+pub struct EbpfIds {
+    pub frontends: Vec<(Frontend, u32)>,
+    /// (the port's cluster-IP frontend, backend, id).
+    pub backends: Vec<(Frontend, SocketAddr, u32)>,
+    pub backend_metrics: bool,
+}
+
+impl EbpfIds {
+    /// Reads the counters of these ids from the pinned arrays under `maps_dir`.
+    pub fn read(&self, maps_dir: &std::path::Path) -> anyhow::Result<Counted> {
+        let zeros = Traffic {
+            connections: Some(0),
+            packets: Some(0),
+            bytes: Some(0),
+        };
+        let mut counted = Counted {
+            source: format!(
+                "the eBPF datapath's counters since each id was given{}",
+                if self.backend_metrics {
+                    ""
+                } else {
+                    " (per backend only with --backend-metrics)"
+                }
+            ),
+            frontend_zero: zeros,
+            backend_zero: if self.backend_metrics {
+                zeros
+            } else {
+                Traffic::default()
+            },
+            ..Counted::default()
+        };
+        let ids: Vec<u32> = self.frontends.iter().map(|(_, id)| *id).collect();
+        let stats =
+            super::pinned::counters(maps_dir, proxy_common::map_names::SERVICE_STATS, &ids)?;
+        for ((frontend, _), s) in self.frontends.iter().zip(&stats) {
+            counted
+                .frontends
+                .entry(*frontend)
+                .or_insert(zeros)
+                .add(traffic_of(s));
+        }
+        if self.backend_metrics {
+            let slots: Vec<u32> = self
+                .backends
+                .iter()
+                .map(|(.., id)| id & proxy_common::BACKEND_INDEX_MASK)
+                .collect();
+            let stats =
+                super::pinned::counters(maps_dir, proxy_common::map_names::BACKEND_STATS, &slots)?;
+            for ((port, addr, _), s) in self.backends.iter().zip(&stats) {
+                counted
+                    .backends
+                    .entry((*port, *addr))
+                    .or_insert(zeros)
+                    .add(traffic_of(s));
+            }
+        }
+        Ok(counted)
+    }
+}
+
+/// A datapath counter as [`Traffic`].
+pub fn traffic_of(s: &proxy_common::ServiceStats) -> Traffic {
+    Traffic {
+        connections: Some(s.connections),
+        packets: Some(s.packets),
+        bytes: Some(s.bytes),
     }
 }
 
@@ -219,6 +306,7 @@ fn port_view(s: &ServicePortState, counted: &Counted) -> PortView {
         family: s.name.family.name().into(),
         scheduler: s.scheduler.name().into(),
         affinity_timeout_seconds: s.affinity_timeout,
+        not_programmed: None,
         frontends,
         backends,
     }

@@ -37,6 +37,9 @@ pub struct TraceView {
     pub verdict: String,
     /// Each decision on the way, in order.
     pub steps: Vec<Step>,
+    /// Which of the frontend's endpoint sets the client gets: `all`, or `thisNode`
+    /// (`externalTrafficPolicy: Local`'s set for clients on this node).
+    pub set: String,
     /// The endpoints a new flow chooses among.
     pub candidates: Vec<SocketAddr>,
     pub scheduler: Option<String>,
@@ -149,6 +152,7 @@ pub fn trace(
         mode: mode.into(),
         client: client.to_string(),
         destination: destination.to_string(),
+        set: "all".into(),
         ..TraceView::default()
     };
     fn step(out: &mut TraceView, step: &str, outcome: String) {
@@ -220,6 +224,7 @@ pub fn trace(
             }
             match (&f.in_cluster, on_node(client, local, node_addresses)) {
                 (Some(inner), (true, why)) => {
+                    out.set = "thisNode".into();
                     step(
                         &mut out,
                         "clients on this node",
@@ -241,7 +246,15 @@ pub fn trace(
     };
     out.candidates = backends.to_vec();
     out.scheduler = Some(s.scheduler.name().into());
-    out.decided_by = decider(mode, on_node(client, local, node_addresses).0);
+    let client_on_node = on_node(client, local, node_addresses).0;
+    out.decided_by = decider(mode, client_on_node);
+    if mode == "ebpf" && client_on_node {
+        step(
+            &mut out,
+            "socket hooks",
+            "a process below the hooks gets its backend at connect(), and its affinity is kept per network namespace (SOCK_AFFINITY), which this trace does not read; the affinity and flows below are the tc path's".into(),
+        );
+    }
     if backends.is_empty() {
         let outcome = match when_empty {
             WhenEmpty::Refuse => "refused: no endpoint serves it (TCP reset, ICMP unreachable)",
@@ -295,6 +308,7 @@ pub fn ebpf_affinity(
     root: &Path,
     client: IpAddr,
     destination: Frontend,
+    this_node_set: bool,
     port: &ServicePortState,
 ) -> Result<Option<Remembered>> {
     use aya::maps::{HashMap as BpfHashMap, Map, MapData};
@@ -304,7 +318,13 @@ pub fn ebpf_affinity(
     };
     let maps_dir = root.join("maps");
     let maps = crate::proxier::ebpf::maps::KernelMaps::open_pinned(&maps_dir)?;
-    let key = crate::proxier::ebpf::sync::service_key(destination, 0);
+    use crate::proxier::ebpf::sync::{service_key, Target};
+    let target = if this_node_set {
+        Target::in_cluster(destination)
+    } else {
+        Target::all(destination)
+    };
+    let key = service_key(target, 0);
     let header = maps
         .service(&key)
         .context("reading the frontend's header")?;

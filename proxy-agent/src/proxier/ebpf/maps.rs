@@ -10,13 +10,15 @@ use std::{
 use aya::{
     maps::{
         lpm_trie::{Key as LpmKey, LpmTrie},
-        Array, HashMap as BpfHashMap, IterableMap, MapData, MapError as AyaMapError,
+        Array, HashMap as BpfHashMap, IterableMap, MapData, MapError as AyaMapError, PerCpuArray,
+        PerCpuValues,
     },
     Pod,
 };
 use proxy_common::{
     map_names, Backend, BackendAddr6, MaglevKey, ServiceKey, ServiceKey6, ServiceName,
-    ServiceValue, SourceRangeKey, SourceRangeKey6, BACKEND_FLAG_IPV6, BACKEND_INDEX_MASK,
+    ServiceStats, ServiceValue, SourceRangeKey, SourceRangeKey6, BACKEND_FLAG_IPV6,
+    BACKEND_INDEX_MASK,
 };
 
 use crate::datapath::{
@@ -102,6 +104,11 @@ pub trait ServiceMaps {
         }
         Ok(())
     }
+    /// Zeroes the traffic counters of a service id (`SERVICE_STATS`) and of a backend slot
+    /// (`BACKEND_STATS`) about to be given out, so they count for their new holder only.
+    /// Best effort: a counter is no reason to fail a write.
+    fn reset_counters(&mut self, _service_id: Option<u32>, _backend_slot: Option<u32>) {}
+
     /// Names service ids in `SERVICE_NAMES` for `proxy-agent inspect`. No program reads
     /// it, so it is outside the write-order rules; maps without it ignore this.
     fn set_names(&mut self, _names: &[(u32, ServiceName)]) -> Result<(), MapError> {
@@ -324,6 +331,11 @@ pub struct KernelMaps {
     pub batches: bool,
     /// `SERVICE_NAMES` (absent from an object built before it).
     pub names: Option<BpfHashMap<MapData, u32, ServiceName>>,
+    /// `SERVICE_STATS` and `BACKEND_STATS`, to zero what is given out again.
+    pub counters: Option<(
+        PerCpuArray<MapData, ServiceStats>,
+        PerCpuArray<MapData, ServiceStats>,
+    )>,
 }
 
 /// Every entry of `map`: in batches where the kernel has them (5.6+; an adopting restart
@@ -409,6 +421,11 @@ impl KernelMaps {
                 .take_map(map_names::SERVICE_NAMES)
                 .ok()
                 .and_then(|m| BpfHashMap::try_from(m).ok()),
+            // Second handles: the runtime reads the counters through the datapath.
+            counters: Some((
+                PerCpuArray::try_from(datapath.second_handle(map_names::SERVICE_STATS)?)?,
+                PerCpuArray::try_from(datapath.second_handle(map_names::BACKEND_STATS)?)?,
+            )),
         })
     }
 }
@@ -444,6 +461,7 @@ impl KernelMaps {
             names: hash(map_names::SERVICE_NAMES)
                 .ok()
                 .and_then(|m| BpfHashMap::try_from(m).ok()),
+            counters: None,
         })
     }
 
@@ -616,6 +634,23 @@ impl ServiceMaps for KernelMaps {
             "SERVICES6",
             capacity,
         )
+    }
+
+    fn reset_counters(&mut self, service_id: Option<u32>, backend_slot: Option<u32>) {
+        let Some((services, backends)) = self.counters.as_mut() else {
+            return;
+        };
+        let Ok(cpus) = aya::util::nr_cpus() else {
+            return;
+        };
+        let zeros = || PerCpuValues::try_from(vec![ServiceStats::default(); cpus]);
+        for (array, index) in [(services, service_id), (backends, backend_slot)] {
+            if let (Some(index), Ok(zeros)) = (index, zeros()) {
+                if let Err(e) = array.set(index, zeros, 0) {
+                    tracing::debug!(index, "zeroing a traffic counter: {e}");
+                }
+            }
+        }
     }
 
     fn set_names(&mut self, names: &[(u32, ServiceName)]) -> Result<(), MapError> {

@@ -58,9 +58,11 @@ pub struct EbpfProxier<M: ServiceMaps> {
     prune_on_next_sync: bool,
     /// Which service port each programmed frontend belongs to (for per-service metrics).
     names: HashMap<crate::model::Frontend, ServicePortName>,
-    /// Service ids to name in `SERVICE_NAMES` at the end of the sync: those of frontends
-    /// new to this agent or to their service port.
-    pending_names: Vec<(u32, proxy_common::ServiceName)>,
+    /// What each entry set's service id was last named in `SERVICE_NAMES`: a fingerprint
+    /// of (id, name, kind), so a set whose id, service port or kind changed is named again.
+    named: HashMap<Target, u64>,
+    /// Names to write at the end of the sync (kept until a write succeeds).
+    pending_names: HashMap<Target, (u64, u32, proxy_common::ServiceName)>,
     /// A `SERVICE_NAMES` write failed and was logged.
     names_failed: bool,
     /// Ends the node's connected UDP sockets the socket hooks gave a backend that left
@@ -75,7 +77,8 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             failed: BTreeMap::new(),
             prune_on_next_sync: false,
             names: HashMap::new(),
-            pending_names: Vec::new(),
+            named: HashMap::new(),
+            pending_names: HashMap::new(),
             names_failed: false,
             socket_cleaner: None,
         }
@@ -124,10 +127,10 @@ impl<M: ServiceMaps> EbpfProxier<M> {
             .collect()
     }
 
-    /// Every backend slot written: its frontend, address and id.
+    /// Every backend written, draining ones too: its frontend, address and id.
     pub fn frontend_backend_ids(&self) -> Vec<(crate::model::Frontend, std::net::SocketAddr, u32)> {
         self.sync
-            .backend_ids()
+            .every_backend_id()
             .map(|(t, addr, id)| (t.frontend(), addr, id))
             .collect()
     }
@@ -222,31 +225,54 @@ impl<M: ServiceMaps> EbpfProxier<M> {
                 Target::all(f.frontend),
                 &spec(&f.backends, &f.draining, own),
             )?;
-            if self.names.insert(f.frontend, state.name.clone()).as_ref() != Some(&state.name) {
-                let name = proxy_common::ServiceName::new(
-                    &format!("{}:{}", state.name.service, state.name.port),
-                    frontend_kind(f.kind),
-                );
-                for target in targets(&f) {
-                    if let Some(id) = self.sync.service_id(&target) {
-                        self.pending_names.push((id, name));
-                    }
+            self.names.insert(f.frontend, state.name.clone());
+            let text = format!("{}:{}", state.name.service, state.name.port);
+            let kind = frontend_kind(f.kind);
+            for target in targets(&f) {
+                let Some(id) = self.sync.service_id(&target) else {
+                    continue;
+                };
+                let fingerprint = {
+                    use std::hash::{Hash, Hasher};
+                    let mut h = std::collections::hash_map::DefaultHasher::new();
+                    (id, &text, kind).hash(&mut h);
+                    h.finish()
+                };
+                if self.named.get(&target) != Some(&fingerprint) {
+                    let name = proxy_common::ServiceName::new(&text, kind);
+                    self.pending_names.insert(target, (fingerprint, id, name));
                 }
             }
         }
         Ok(ops)
     }
 
+    /// Forgets an entry set's name record (it was removed from the maps).
+    fn unname(&mut self, target: &Target) {
+        self.named.remove(target);
+        self.pending_names.remove(target);
+    }
+
     /// Writes the names of the service ids this sync gave frontends (best effort: only
     /// `inspect` reads them; a failure is logged once, and the names are written again
     /// when those frontends are).
     fn write_names(&mut self) {
-        let names = std::mem::take(&mut self.pending_names);
-        if names.is_empty() {
+        if self.pending_names.is_empty() {
             return;
         }
+        let names: Vec<(u32, proxy_common::ServiceName)> = self
+            .pending_names
+            .values()
+            .map(|(_, id, name)| (*id, *name))
+            .collect();
         match self.sync.maps_mut().set_names(&names) {
-            Ok(()) => self.names_failed = false,
+            Ok(()) => {
+                self.names_failed = false;
+                for (target, (fingerprint, ..)) in self.pending_names.drain() {
+                    self.named.insert(target, fingerprint);
+                }
+            }
+            // Kept: written with the next sync's.
             Err(e) if !std::mem::replace(&mut self.names_failed, true) => {
                 tracing::warn!("naming service ids for `inspect` (SERVICE_NAMES): {e}")
             }
@@ -300,6 +326,7 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
                 .collect();
             for f in stale {
                 self.names.remove(&f.frontend());
+                self.unname(&f);
                 debug!(frontend = %f, "removing what the previous agent programmed");
                 if let Err(e) = self.sync.remove(f) {
                     error!(frontend = %f, "removing from the datapath: {e}");
@@ -328,6 +355,7 @@ impl<M: ServiceMaps> Proxier for EbpfProxier<M> {
                 if !kept.contains(&Target::all(f.frontend())) {
                     self.names.remove(&f.frontend());
                 }
+                self.unname(&f);
                 if let Err(e) = self.sync.remove(f) {
                     error!(service = %old.name, frontend = %f, "removing from the datapath: {e}");
                 }

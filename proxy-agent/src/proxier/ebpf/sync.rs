@@ -406,6 +406,17 @@ impl<M: ServiceMaps> MapSync<M> {
         self.written.iter().map(|(f, w)| (f, w.service_id))
     }
 
+    /// Every backend of every frontend written, draining ones too: its frontend, address
+    /// and id.
+    pub fn every_backend_id(&self) -> impl Iterator<Item = (&Target, SocketAddr, u32)> {
+        self.written.iter().flat_map(|(f, w)| {
+            w.slots
+                .iter()
+                .chain(&w.draining)
+                .map(move |(id, addr)| (f, *addr, *id))
+        })
+    }
+
     /// Every backend written: its frontend, address and id.
     pub fn backend_ids(&self) -> impl Iterator<Item = (&Target, SocketAddr, u32)> {
         self.written
@@ -616,7 +627,12 @@ impl<M: ServiceMaps> MapSync<M> {
         let old = self.take_written(frontend);
         let service_id = match old.as_ref() {
             Some(w) => w.service_id,
-            None => self.service_ids.allocate()?,
+            None => {
+                let id = self.service_ids.allocate()?;
+                // Its counters start from zero, not from the last holder's.
+                self.maps.reset_counters(Some(id), None);
+                id
+            }
         };
         let old_slots = old.as_ref().map(|w| w.slots.clone()).unwrap_or_default();
         let old_draining = old.as_ref().map(|w| w.draining.clone()).unwrap_or_default();
@@ -651,6 +667,8 @@ impl<M: ServiceMaps> MapSync<M> {
                         Some(id) => draining.push((*id, addr)),
                         None => match self.backend_ids.allocate() {
                             Ok(id) => {
+                                self.maps
+                                    .reset_counters(None, Some(id & BACKEND_INDEX_MASK));
                                 allocated.push(id);
                                 draining.push((id, addr));
                             }
@@ -832,6 +850,8 @@ impl<M: ServiceMaps> MapSync<M> {
             }
             match self.backend_ids.allocate() {
                 Ok(id) => {
+                    self.maps
+                        .reset_counters(None, Some(id & BACKEND_INDEX_MASK));
                     fresh_ids.push(id);
                     allocated.push((id, *addr));
                 }
