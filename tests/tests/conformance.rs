@@ -1734,14 +1734,22 @@ fn udp_flow_moves_to_a_live_backend_when_its_backend_is_gone(mode: Mode) {
         assert!(answers[0] == "web-2a", "{who}: {answers:?}");
         let moved =
             first_moved.unwrap_or_else(|| panic!("{who}: the flow never moved: {answers:?}"));
+        // After moving, never back on the gone backend. A datagram may still go unanswered
+        // later, as UDP may (one did, once, in userspace mode on an emulated 5.10 whose CPUs
+        // a build shared): losses are bounded over the whole run instead.
         assert!(
-            answers[moved..].iter().all(|a| a == "web-2b"),
+            answers[moved..].iter().all(|a| a == "web-2b" || a == "-"),
             "{who}: after moving, the flow stays on the live backend: {answers:?}"
         );
         let lost = answers[..moved].iter().filter(|a| *a == "-").count();
         assert!(
             lost <= 2,
             "{who}: at most a datagram or two in flight is lost: {answers:?}"
+        );
+        let lost_later = answers[moved..].iter().filter(|a| *a == "-").count();
+        assert!(
+            lost_later <= 1,
+            "{who}: the live backend answers: {answers:?}"
         );
     }
 }
