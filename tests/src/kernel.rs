@@ -41,6 +41,15 @@ impl Hook {
 /// Why kernel tests cannot run here, if they cannot. `cargo xtask test` sets
 /// `PROXY_REQUIRE_KERNEL_TESTS=1`, which turns every such skip into a failure, so CI never
 /// passes by skipping.
+/// This kernel's (major, minor) version, for tests that depend on a feature's version.
+pub fn kernel_version() -> (u32, u32) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0))
+}
+
 pub fn kernel_tests_unavailable() -> Option<String> {
     let reason = if !Datapath::object_available() {
         Some("the eBPF object is not built (run `cargo xtask test`, which builds it)".to_string())

@@ -886,8 +886,10 @@ impl Agent {
         }
         let child = cmd
             .args(["--interfaces", "lxc*", "-v", "2"])
-            .args(extra)
+            // The runner's first, so a test's own flags (a map size it needs) win: the
+            // last of a repeated flag does.
             .args(from_env.split_whitespace())
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(logfile.try_clone()?)
             .stderr(logfile)

@@ -8,6 +8,7 @@ use std::{
 };
 
 use proxy_tests::{
+    kernel::kernel_version,
     lab::{client, manifest::service, Lab, LabOptions, TCP_PORT},
     require_kernel,
 };
@@ -433,15 +434,6 @@ fn auto_mode_runs_the_first_mode_this_kernel_supports_and_says_why() {
     }
     assert_eq!(get(&lab, metrics, "/proxyMode"), (200, next.to_string()));
     assert!(served(&lab));
-}
-
-/// The running kernel's (major, minor), e.g. (5, 10).
-fn kernel_version() -> (u32, u32) {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut numbers = release
-        .split(|c: char| !c.is_ascii_digit())
-        .map(|n| n.parse().unwrap_or(0));
-    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0))
 }
 
 /// [W2-2] tenant and fault safety: `cargo xtask test` runs and times these as their own part.
