@@ -778,9 +778,20 @@ fn inspect_services_shows_each_backend_and_the_traffic_it_carried(mode: Mode) {
     c.start_agents(&path, &args).expect("agents");
     let vip = addr("10.96.0.18", 80);
     let mut hellos = tcp_from_pod(&c, CLIENT, vip, 30);
-    let json = c
-        .inspect(1, &["services", "lab/web", "-o", "json"])
-        .unwrap();
+    // IPVS folds its per-CPU counters into what it reports every 2 s: ask until the
+    // frontend's count is in (at most 10 s; every other mode's is at once).
+    let deadline = std::time::Instant::now() + proxy_tests::scaled(Duration::from_secs(10));
+    let json = loop {
+        let json = c
+            .inspect(1, &["services", "lab/web", "-o", "json"])
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let counted = v["ports"][0]["frontends"][0]["traffic"]["connections"].as_u64();
+        if counted == Some(hellos.len() as u64) || std::time::Instant::now() > deadline {
+            break json;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
     assert_accounts_for(&c, mode, &json, &hellos);
     let table = c.inspect(1, &["services", "lab/web"]).unwrap();
     assert!(

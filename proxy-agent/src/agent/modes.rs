@@ -459,6 +459,7 @@ impl ActiveProxier {
         match (self, ebpf) {
             (ActiveProxier::Ebpf(p), Some(runtime)) => Counting::Ebpf(ebpf_ids(p, runtime, ports)),
             (ActiveProxier::Userspace(p), _) => Counting::Done(userspace_counted(p, ports)),
+            (ActiveProxier::Ipvs(_), _) => Counting::Ipvs,
             _ => Counting::Conntrack,
         }
     }

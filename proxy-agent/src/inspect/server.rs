@@ -469,6 +469,10 @@ async fn services_view(selected: Selected, root: Arc<std::path::Path>) -> Result
         Counting::Ebpf(ids) => {
             tokio::task::spawn_blocking(move || ids.read(&root.join("maps"))).await??
         }
+        Counting::Ipvs => {
+            let ports = ports.clone();
+            tokio::task::spawn_blocking(move || services::count_ipvs(&ports)).await??
+        }
         Counting::Conntrack => {
             let ports = ports.clone();
             tokio::task::spawn_blocking(move || -> Result<Counted> {

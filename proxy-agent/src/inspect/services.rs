@@ -2,10 +2,10 @@
 //! with weight and state, and traffic counters from the mode's own datapath, as
 //! `ipvsadm -Ln --stats` shows IPVS's.
 //!
-//! The frontends and backends are the desired state the proxier was last asked to serve
-//! ([`view`]); the counters are each mode's ([`Counted`]): the eBPF maps' per-frontend and
-//! per-backend counters, the userspace relays' own, and for the netfilter and ipvs modes
-//! the flows kernel conntrack tracks now ([`count_conntrack`]). Field names are part of
+//! The frontends and backends are the model's desired state ([`view`]); the counters are
+//! each mode's ([`Counted`]): the eBPF maps' per-frontend and per-backend counters
+//! ([`EbpfIds`]), the userspace relays' own, IPVS's ([`count_ipvs`]), and for the iptables
+//! and nftables modes the flows kernel conntrack tracks now ([`count_conntrack`]). Field names are part of
 //! `inspect services -o json` (docs/inspect.md): rename none.
 
 use std::{
@@ -118,7 +118,57 @@ impl Traffic {
 pub enum Counting {
     Done(Counted),
     Ebpf(EbpfIds),
+    /// IPVS's own counters of each real server (read over generic netlink).
+    Ipvs,
     Conntrack,
+}
+
+/// IPVS's counters of `ports`' virtual servers: per frontend, the sum over its real
+/// servers; per backend, the sum over the port's frontends.
+pub fn count_ipvs(ports: &[Arc<ServicePortState>]) -> anyhow::Result<Counted> {
+    let mut ipvs = crate::proxier::ipvs::netlink::KernelIpvs::open()?;
+    let zeros = Traffic {
+        connections: Some(0),
+        packets: Some(0),
+        bytes: Some(0),
+    };
+    let mut counted = Counted {
+        source: "IPVS's own counters (ipvsadm -Ln --stats): connections scheduled, packets and bytes both ways, since each virtual and real server was added".into(),
+        frontend_zero: zeros,
+        backend_zero: zeros,
+        ..Counted::default()
+    };
+    let mut unread = None;
+    for s in ports {
+        for f in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+            // A frontend IPVS does not hold (not programmed yet) counts nothing; the first
+            // such is named.
+            let servers = match ipvs.real_server_stats(&f) {
+                Ok(servers) => servers,
+                Err(e) => {
+                    unread.get_or_insert(format!("{e:#}"));
+                    continue;
+                }
+            };
+            for (addr, st) in servers {
+                let t = Traffic {
+                    connections: Some(st.connections),
+                    packets: Some(st.packets),
+                    bytes: Some(st.bytes),
+                };
+                counted.frontends.entry(f).or_insert(zeros).add(t);
+                counted
+                    .backends
+                    .entry((s.frontend, addr))
+                    .or_insert(zeros)
+                    .add(t);
+            }
+        }
+    }
+    if let Some(e) = unread {
+        counted.source.push_str(&format!("; not read: {e}"));
+    }
+    Ok(counted)
 }
 
 /// The eBPF counter ids of the ports asked: per frontend (`SERVICE_STATS`) and per

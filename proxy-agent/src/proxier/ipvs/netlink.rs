@@ -65,7 +65,14 @@ const IPVS_DEST_ATTR_U_THRESH: u16 = 5;
 const IPVS_DEST_ATTR_L_THRESH: u16 = 6;
 const IPVS_DEST_ATTR_ACTIVE_CONNS: u16 = 7;
 const IPVS_DEST_ATTR_INACT_CONNS: u16 = 8;
+const IPVS_DEST_ATTR_STATS: u16 = 10;
 const IPVS_DEST_ATTR_ADDR_FAMILY: u16 = 11;
+const IPVS_DEST_ATTR_STATS64: u16 = 12;
+const IPVS_STATS_ATTR_CONNS: u16 = 1;
+const IPVS_STATS_ATTR_INPKTS: u16 = 2;
+const IPVS_STATS_ATTR_OUTPKTS: u16 = 3;
+const IPVS_STATS_ATTR_INBYTES: u16 = 4;
+const IPVS_STATS_ATTR_OUTBYTES: u16 = 5;
 
 /// `IP_VS_SVC_F_PERSISTENT`: a client keeps its real server for the persistence timeout.
 const SVC_F_PERSISTENT: u32 = 0x1;
@@ -286,7 +293,83 @@ pub fn decode_real_server(body: &[u8], service_family: u16) -> Option<RealServer
     })
 }
 
+/// What IPVS counted for one real server of a virtual server since it was added:
+/// connections scheduled to it, packets and bytes both ways.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RealServerStats {
+    pub connections: u64,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// A real server's address and counters from a `IPVS_CMD_GET_DEST` reply: its 64-bit
+/// counters (4.2+), else the 32-bit ones.
+pub fn decode_real_server_stats(
+    body: &[u8],
+    service_family: u16,
+) -> Option<(SocketAddr, RealServerStats)> {
+    let (_, dest) = attrs(body).find(|(k, _)| *k == IPVS_CMD_ATTR_DEST)?;
+    let (mut family, mut addr, mut port) = (service_family, None, None);
+    let (mut stats, mut stats64) = (None, None);
+    for (k, p) in attrs(dest) {
+        match k {
+            IPVS_DEST_ATTR_ADDR => addr = Some(p),
+            IPVS_DEST_ATTR_PORT => port = be16_of(p),
+            IPVS_DEST_ATTR_ADDR_FAMILY => family = u16_of(p).unwrap_or(family),
+            IPVS_DEST_ATTR_STATS => stats = Some(p),
+            IPVS_DEST_ATTR_STATS64 => stats64 = Some(p),
+            _ => {}
+        }
+    }
+    let number = |p: &[u8]| -> u64 {
+        match p.len() {
+            8 => u64::from_ne_bytes(p.try_into().unwrap_or([0; 8])),
+            4 => u32::from_ne_bytes(p.try_into().unwrap_or([0; 4])) as u64,
+            _ => 0,
+        }
+    };
+    let mut counted = RealServerStats::default();
+    if let Some(nested) = stats64.or(stats) {
+        for (k, p) in attrs(nested) {
+            match k {
+                IPVS_STATS_ATTR_CONNS => counted.connections = number(p),
+                IPVS_STATS_ATTR_INPKTS | IPVS_STATS_ATTR_OUTPKTS => counted.packets += number(p),
+                IPVS_STATS_ATTR_INBYTES | IPVS_STATS_ATTR_OUTBYTES => counted.bytes += number(p),
+                _ => {}
+            }
+        }
+    }
+    Some((SocketAddr::new(parse_addr(family, addr?)?, port?), counted))
+}
+
 impl KernelIpvs {
+    /// The counters of `frontend`'s real servers (`ipvsadm -Ln --stats`), read only.
+    pub fn real_server_stats(
+        &mut self,
+        frontend: &Frontend,
+    ) -> Result<Vec<(SocketAddr, RealServerStats)>> {
+        self.dump_real_servers(frontend, decode_real_server_stats)
+            .with_context(|| format!("reading the counters of {frontend}'s real servers"))
+    }
+
+    /// `frontend`'s real servers as `decode` reads each `IPVS_CMD_GET_DEST` reply.
+    fn dump_real_servers<T>(
+        &mut self,
+        frontend: &Frontend,
+        decode: impl Fn(&[u8], u16) -> Option<T>,
+    ) -> Result<Vec<T>> {
+        let mut body = Vec::new();
+        nested(&mut body, IPVS_CMD_ATTR_SERVICE, |b| {
+            service_key(b, frontend)
+        });
+        let family = af(frontend.addr);
+        let mut found = Vec::new();
+        self.request(IPVS_CMD_GET_DEST, NLM_F_DUMP, &body, |reply| {
+            found.extend(decode(reply, family))
+        })?;
+        Ok(found)
+    }
+
     /// The IPVS family of this kernel; an error naming the modules to load if it has none.
     pub fn open() -> Result<Self> {
         let socket = nlattr::open(NETLINK_GENERIC, "generic netlink")?;
@@ -367,17 +450,8 @@ impl Ipvs for KernelIpvs {
     }
 
     fn real_servers(&mut self, frontend: &Frontend) -> Result<Vec<RealServer>> {
-        let mut body = Vec::new();
-        nested(&mut body, IPVS_CMD_ATTR_SERVICE, |b| {
-            service_key(b, frontend)
-        });
-        let family = af(frontend.addr);
-        let mut found = Vec::new();
-        self.request(IPVS_CMD_GET_DEST, NLM_F_DUMP, &body, |reply| {
-            found.extend(decode_real_server(reply, family))
-        })
-        .with_context(|| format!("listing the real servers of {frontend}"))?;
-        Ok(found)
+        self.dump_real_servers(frontend, decode_real_server)
+            .with_context(|| format!("listing the real servers of {frontend}"))
     }
 
     fn add_virtual_server(&mut self, vs: &VirtualServer) -> Result<()> {
@@ -580,5 +654,43 @@ mod tests {
             encode_real_server(&mut buf, &rs);
             assert_eq!(decode_real_server(&buf, af(vs.frontend.addr)), Some(rs));
         }
+    }
+
+    /// A real server's counters as the kernel sends them: the 64-bit set wins over the
+    /// 32-bit one, packets and bytes both ways added up.
+    #[test]
+    fn real_server_counters_are_read_from_the_64_bit_set() {
+        let rs = RealServer {
+            addr: "10.244.1.2:8080".parse().unwrap(),
+            weight: 1,
+            connections: (0, 0),
+        };
+        let mut plain = Vec::new();
+        encode_real_server(&mut plain, &rs);
+        let (_, dest) = attrs(&plain).next().unwrap();
+        let mut buf = Vec::new();
+        nested(&mut buf, IPVS_CMD_ATTR_DEST, |b| {
+            b.extend_from_slice(dest);
+            nested(b, IPVS_DEST_ATTR_STATS, |st| {
+                attr(st, IPVS_STATS_ATTR_CONNS, &7u32.to_ne_bytes());
+            });
+            nested(b, IPVS_DEST_ATTR_STATS64, |st| {
+                attr(st, IPVS_STATS_ATTR_CONNS, &30u64.to_ne_bytes());
+                attr(st, IPVS_STATS_ATTR_INPKTS, &200u64.to_ne_bytes());
+                attr(st, IPVS_STATS_ATTR_OUTPKTS, &150u64.to_ne_bytes());
+                attr(st, IPVS_STATS_ATTR_INBYTES, &12_000u64.to_ne_bytes());
+                attr(st, IPVS_STATS_ATTR_OUTBYTES, &9_000u64.to_ne_bytes());
+            });
+        });
+        let (addr, stats) = decode_real_server_stats(&buf, af(rs.addr.ip())).unwrap();
+        assert_eq!(addr, rs.addr);
+        assert_eq!(
+            stats,
+            RealServerStats {
+                connections: 30,
+                packets: 350,
+                bytes: 21_000
+            }
+        );
     }
 }
