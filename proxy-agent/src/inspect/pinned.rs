@@ -259,6 +259,16 @@ pub fn services(root: &Path, service: Option<&ObjectName>, node: &str) -> Result
                 .add(traffic(s));
         }
         p.view.backends = seen.into_values().collect();
+        // Per-backend counting is the agent's --backend-metrics, which the pins do not
+        // record: backends all at zero under a frontend that counted are not counted.
+        let counted = |t: &Traffic| t.connections.unwrap_or(0) > 0;
+        if p.view.frontends.iter().any(|f| counted(&f.traffic))
+            && !p.view.backends.iter().any(|b| counted(&b.traffic))
+        {
+            for b in &mut p.view.backends {
+                b.traffic = Traffic::default();
+            }
+        }
         out.push(p.view);
     }
     Ok(ServicesView {

@@ -40,6 +40,22 @@ fn spread(results: Vec<std::io::Result<String>>) -> String {
         .join(", ")
 }
 
+/// Runs `proxy-agent inspect ARGS` in the lab's node, as an operator would on a node, and
+/// prints what it said.
+fn inspect(lab: &Lab, args: &[&str]) -> Result<()> {
+    let bin = proxy_tests::lab::agent_binary()?;
+    let root = lab.bpffs.root();
+    let mut all = vec!["inspect"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--bpffs-root", root.to_str().context("bpffs path")?]);
+    let out = lab.node.exec(bin.to_str().context("agent path")?, &all)?;
+    println!("$ proxy-agent inspect {}", args.join(" "));
+    for line in out.lines() {
+        println!("  {line}");
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let Args {} = Args::parse();
     if let Some(reason) = kernel_tests_unavailable() {
@@ -102,6 +118,9 @@ fn main() -> Result<()> {
         ),
         Ok(pod) => println!("TCP {dead}: unexpectedly answered by {pod}"),
     }
+    // What an operator asks the agent on the node (kubectl exec ... proxy-agent inspect).
+    inspect(&lab, &["services", "demo/web"])?;
+    inspect(&lab, &["explain", "demo/not-ready"])?;
     lab.stop_agent()?;
     println!(
         "agent stopped (SIGTERM): the pinned datapath keeps serving, as kube-proxy's rules do"
@@ -115,6 +134,8 @@ fn main() -> Result<()> {
         "TCP {web} with no agent running, 30 connections: {}",
         spread(after_stop)
     );
+    // With no agent to ask, inspect reads the pinned maps, which kept counting.
+    inspect(&lab, &["services", "demo/web"])?;
     let (ok, out) = lab.run_agent_once(&["--cleanup"])?;
     if !ok {
         bail!("proxy-agent --cleanup failed: {out}");
