@@ -146,53 +146,66 @@ fn read<K: aya::Pod, V: aya::Pod>(maps_dir: &Path, name: &str) -> Result<Vec<(K,
 /// a masqueraded flow's two source-NAT entries.
 const NOT_ORIGINAL: u8 = CT_FLAG_REPLY | CT_FLAG_SNAT | CT_FLAG_SNAT_REPLY;
 
+/// Adds the flows of the pinned map `name` (`flow` reads an entry: `None` for one that is
+/// not a flow's original direction) to `into`, by (protocol, client, frontend).
+fn gather<K: aya::Pod, V: aya::Pod>(
+    maps_dir: &Path,
+    name: &str,
+    required: bool,
+    flow: impl Fn(&K, &V) -> Option<Tracked>,
+    into: &mut HashMap<(u8, SocketAddr, SocketAddr), Tracked>,
+) -> Result<()> {
+    let entries: Vec<(K, V)> = match read(maps_dir, name) {
+        Ok(entries) => entries,
+        Err(e) if required => return Err(e),
+        Err(e) => {
+            tracing::debug!("{e:#}");
+            Vec::new()
+        }
+    };
+    for t in entries.iter().filter_map(|(k, v)| flow(k, v)) {
+        into.insert((t.protocol, t.client, t.frontend), t);
+    }
+    Ok(())
+}
+
 /// The flows in the pinned eBPF conntrack maps under `<root>/maps`: confirmed ones
 /// (`CONNTRACK`, `CONNTRACK6`) and those not confirmed yet (`CT_NEW`, `CT_NEW6`), each
 /// once, named by `SERVICE_NAMES`; only `service`'s with one.
 pub fn from_pins(root: &Path, service: Option<&ObjectName>) -> Result<Vec<FlowView>> {
     let maps_dir = root.join("maps");
     let mut tracked: HashMap<(u8, SocketAddr, SocketAddr), Tracked> = HashMap::new();
-    // Unconfirmed first: a flow in both (being confirmed) is taken from CONNTRACK.
-    for name in [map_names::CT_NEW, map_names::CONNTRACK] {
-        let v4: Vec<(ConntrackKey, ConntrackValue)> = match read(&maps_dir, name) {
-            Ok(v) => v,
-            Err(e) if name == map_names::CT_NEW => {
-                tracing::debug!("{e:#}");
-                Vec::new()
-            }
-            Err(e) => return Err(e),
-        };
-        for (k, v) in v4.into_iter().filter(|(_, v)| v.flags & NOT_ORIGINAL == 0) {
-            let ip = |a: u32| IpAddr::V4(Ipv4Addr::from(u32::from_be(a)));
-            let t = Tracked {
-                protocol: k.proto,
-                client: SocketAddr::new(ip(k.saddr), u16::from_be(k.sport)),
-                frontend: SocketAddr::new(ip(k.daddr), u16::from_be(k.dport)),
-                backend: SocketAddr::new(ip(v.nat_addr), u16::from_be(v.nat_port)),
-                flags: v.flags,
-                last_seen_ns: v.last_seen_ns,
-                service_id: v.service_id,
-            };
-            tracked.insert((t.protocol, t.client, t.frontend), t);
-        }
-    }
-    // Absent where the IPv6 datapath never loaded its maps.
-    for name in [map_names::CT_NEW6, map_names::CONNTRACK6] {
-        let v6: Vec<(ConntrackKey6, ConntrackValue6)> = read(&maps_dir, name).unwrap_or_default();
-        for (k, v) in v6.into_iter().filter(|(_, v)| v.flags & NOT_ORIGINAL == 0) {
-            let ip = |a: [u8; 16]| IpAddr::V6(Ipv6Addr::from(a));
-            let t = Tracked {
-                protocol: k.proto,
-                client: SocketAddr::new(ip(k.saddr), u16::from_be(k.sport)),
-                frontend: SocketAddr::new(ip(k.daddr), u16::from_be(k.dport)),
-                backend: SocketAddr::new(ip(v.nat_addr), u16::from_be(v.nat_port)),
-                flags: v.flags,
-                last_seen_ns: v.last_seen_ns,
-                service_id: v.service_id,
-            };
-            tracked.insert((t.protocol, t.client, t.frontend), t);
-        }
-    }
+    let v4 = |k: &ConntrackKey, v: &ConntrackValue| {
+        let ip = |a: u32| IpAddr::V4(Ipv4Addr::from(u32::from_be(a)));
+        let addr = |a, p: u16| SocketAddr::new(ip(a), u16::from_be(p));
+        (v.flags & NOT_ORIGINAL == 0).then(|| Tracked {
+            protocol: k.proto,
+            client: addr(k.saddr, k.sport),
+            frontend: addr(k.daddr, k.dport),
+            backend: addr(v.nat_addr, v.nat_port),
+            flags: v.flags,
+            last_seen_ns: v.last_seen_ns,
+            service_id: v.service_id,
+        })
+    };
+    let v6 = |k: &ConntrackKey6, v: &ConntrackValue6| {
+        let addr = |a: [u8; 16], p: u16| SocketAddr::new(Ipv6Addr::from(a).into(), u16::from_be(p));
+        (v.flags & NOT_ORIGINAL == 0).then(|| Tracked {
+            protocol: k.proto,
+            client: addr(k.saddr, k.sport),
+            frontend: addr(k.daddr, k.dport),
+            backend: addr(v.nat_addr, v.nat_port),
+            flags: v.flags,
+            last_seen_ns: v.last_seen_ns,
+            service_id: v.service_id,
+        })
+    };
+    // Unconfirmed first: a flow in both (being confirmed) is taken from the confirmed map.
+    // Only CONNTRACK must be there (the IPv6 maps are absent where IPv6 never loaded).
+    gather(&maps_dir, map_names::CT_NEW, false, v4, &mut tracked)?;
+    gather(&maps_dir, map_names::CONNTRACK, true, v4, &mut tracked)?;
+    gather(&maps_dir, map_names::CT_NEW6, false, v6, &mut tracked)?;
+    gather(&maps_dir, map_names::CONNTRACK6, false, v6, &mut tracked)?;
     let tracked: Vec<Tracked> = tracked.into_values().collect();
     let names: HashMap<u32, String> = read::<u32, ServiceName>(&maps_dir, map_names::SERVICE_NAMES)
         .unwrap_or_default()
