@@ -267,6 +267,20 @@ fn parse_node_port_addresses(list: Vec<String>) -> Result<Vec<NodePortAddress>> 
         .collect()
 }
 
+/// This node's name when neither `--hostname-override` nor the file names it: `$NODE_NAME`
+/// (the DaemonSet sets it from the pod's node), else the host name.
+pub fn default_node_name() -> String {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .unwrap_or_default()
+}
+
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
     s.parse()
 }
@@ -476,13 +490,7 @@ pub fn settings(matches: &ArgMatches) -> Result<Settings> {
         .hostname_override
         .clone()
         .or_else(|| f.and_then(|f| f.hostname_override.clone()))
-        .or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()))
-        .or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .ok()
-                .map(|h| h.trim().to_string())
-        })
-        .unwrap_or_default();
+        .unwrap_or_else(default_node_name);
     let mut datapath = DatapathConfig::DEFAULT;
     datapath.maglev_table_size = maglev_table_size;
     if let Some(ct) = f.map(|f| &f.conntrack) {

@@ -445,9 +445,7 @@ impl ActiveProxier {
         };
         Some((services, backends))
     }
-}
 
-impl ActiveProxier {
     /// How `inspect services` gets this mode's counters of `ports`: the userspace relays'
     /// (counted here), the eBPF arrays' ids (read off the sync loop), or kernel conntrack
     /// ([`crate::inspect::services::count_conntrack`], off the loop too).
@@ -463,9 +461,7 @@ impl ActiveProxier {
             _ => Counting::Conntrack,
         }
     }
-}
 
-impl ActiveProxier {
     /// The connections the mode itself relays through `ports` (`inspect conntrack`): the
     /// userspace mode's, which kernel conntrack sees as two unrelated flows; `None` for
     /// the modes whose flows conntrack (the kernel's or the eBPF maps) holds.
@@ -479,7 +475,7 @@ impl ActiveProxier {
         let mut flows = Vec::new();
         for s in ports {
             let name = format!("{}:{}", s.name.service, s.name.port);
-            for f in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+            for f in s.frontend_keys() {
                 for (client, endpoint) in p.open_connections(&f) {
                     flows.push(crate::inspect::conntrack::FlowView {
                         protocol: f.protocol.to_string(),
@@ -496,9 +492,7 @@ impl ActiveProxier {
         }
         Some(flows)
     }
-}
 
-impl ActiveProxier {
     /// The backend the mode remembers for `client` at `frontend` under ClientIP affinity,
     /// where the agent itself holds it (userspace; the eBPF mode's is read from its maps).
     pub fn remembered(
@@ -534,19 +528,14 @@ fn userspace_counted(
         ..Counted::default()
     };
     for s in ports {
-        for frontend in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+        for frontend in s.frontend_keys() {
             for (endpoint, (connections, bytes)) in p.relayed(&frontend) {
                 let t = Traffic {
                     connections: Some(connections),
                     bytes: Some(bytes),
                     packets: None,
                 };
-                counted.frontends.entry(frontend).or_insert(zero).add(t);
-                counted
-                    .backends
-                    .entry((s.frontend, endpoint))
-                    .or_insert(zero)
-                    .add(t);
+                counted.count(frontend, s.frontend, endpoint, t);
             }
         }
     }
@@ -565,11 +554,7 @@ fn ebpf_ids(
     // Every frontend of the ports asked → the port's cluster-IP frontend.
     let port_of: HashMap<Frontend, Frontend> = ports
         .iter()
-        .flat_map(|s| {
-            std::iter::once(s.frontend)
-                .chain(s.external.iter().map(|f| f.frontend))
-                .map(|f| (f, s.frontend))
-        })
+        .flat_map(|s| s.frontend_keys().map(|f| (f, s.frontend)))
         .collect();
     let frontends = p
         .frontend_ids()

@@ -212,6 +212,17 @@ pub fn duplicate(map: &MapData) -> Result<MapData> {
     Ok(MapData::from_fd(fd)?)
 }
 
+/// A per-CPU traffic counter's total over the CPUs.
+pub fn summed(per_cpu: &aya::maps::PerCpuValues<ServiceStats>) -> ServiceStats {
+    per_cpu
+        .iter()
+        .fold(ServiceStats::default(), |a, s| ServiceStats {
+            packets: a.packets + s.packets,
+            bytes: a.bytes + s.bytes,
+            connections: a.connections + s.connections,
+        })
+}
+
 /// `CLOCK_MONOTONIC` in ns: the clock of `bpf_ktime_get_ns`, which stamps conntrack entries.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -700,16 +711,7 @@ impl Datapath {
             .with_context(|| format!("eBPF object has no {name} map"))?;
         let array: PerCpuArray<&MapData, ServiceStats> = PerCpuArray::try_from(map)?;
         ids.iter()
-            .map(|id| {
-                let per_cpu = array.get(id, 0)?;
-                Ok(per_cpu
-                    .iter()
-                    .fold(ServiceStats::default(), |a, s| ServiceStats {
-                        packets: a.packets + s.packets,
-                        bytes: a.bytes + s.bytes,
-                        connections: a.connections + s.connections,
-                    }))
-            })
+            .map(|id| Ok(summed(&array.get(id, 0)?)))
             .collect()
     }
 

@@ -80,7 +80,7 @@ pub fn from_kernel(ports: &[Arc<ServicePortState>], entries: &[Entry]) -> Vec<Fl
     let mut owner: HashMap<(u8, SocketAddr), String> = HashMap::new();
     for s in ports {
         let name = format!("{}:{}", s.name.service, s.name.port);
-        for f in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+        for f in s.frontend_keys() {
             owner.insert(
                 (f.protocol.number(), SocketAddr::new(f.addr, f.port)),
                 name.clone(),

@@ -132,7 +132,11 @@ fn run(args: &InspectArgs) -> Result<String> {
                         args.bpffs_root.display()
                     );
                 }
-                pinned::services(&args.bpffs_root, name.as_ref(), &node_name())
+                pinned::services(
+                    &args.bpffs_root,
+                    name.as_ref(),
+                    &crate::cli::default_node_name(),
+                )
             };
             let view = if *pinned {
                 from_pins(None)?
@@ -180,7 +184,12 @@ fn run(args: &InspectArgs) -> Result<String> {
                         args.bpffs_root.display()
                     );
                     let flows = conntrack::from_pins(&args.bpffs_root, name.as_ref())?;
-                    conntrack::view(&node_name(), "ebpf", conntrack::FROM_PINS, flows)
+                    conntrack::view(
+                        &crate::cli::default_node_name(),
+                        "ebpf",
+                        conntrack::FROM_PINS,
+                        flows,
+                    )
                 }
                 Err(e) => return Err(e.into()),
             };
@@ -228,15 +237,6 @@ fn object_name(service: &str) -> Result<ObjectName> {
             name: name.into(),
         })
         .ok_or_else(|| anyhow!("{service:?}: expected NAMESPACE/NAME"))
-}
-
-/// This node's name as the agent names it by default ($NODE_NAME, else the host name).
-fn node_name() -> String {
-    std::env::var("NODE_NAME").unwrap_or_else(|_| {
-        std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_default()
-    })
 }
 
 /// Why a GET gave no answer to use.

@@ -59,13 +59,7 @@ pub fn counters(maps_dir: &Path, name: &str, ids: &[u32]) -> Result<Vec<ServiceS
         .iter()
         .map(|id| {
             array.get(id, 0).map_or(ServiceStats::default(), |per_cpu| {
-                per_cpu
-                    .iter()
-                    .fold(ServiceStats::default(), |a, s| ServiceStats {
-                        packets: a.packets + s.packets,
-                        bytes: a.bytes + s.bytes,
-                        connections: a.connections + s.connections,
-                    })
+                crate::datapath::summed(&per_cpu)
             })
         })
         .collect())

@@ -110,23 +110,15 @@ impl Query {
                 destination,
                 reply,
             } => {
+                let port = trace::port_of(syncs.desired(), destination).cloned();
                 let mut view = trace::trace(
                     (syncs.node_name(), proxier.mode().as_str()),
-                    syncs.desired(),
+                    port.as_deref(),
                     &syncs.local,
                     &crate::kernel::host::local_addresses(),
                     client,
                     destination,
                 );
-                let port = syncs
-                    .desired()
-                    .ports
-                    .values()
-                    .find(|s| {
-                        s.frontend == destination
-                            || s.external.iter().any(|f| f.frontend == destination)
-                    })
-                    .cloned();
                 let relayed = port
                     .as_ref()
                     .and_then(|p| proxier.relayed_flows(std::slice::from_ref(p)));

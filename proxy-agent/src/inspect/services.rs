@@ -9,7 +9,7 @@
 //! `inspect services -o json` (docs/inspect.md): rename none.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap},
     net::SocketAddr,
     sync::Arc,
 };
@@ -140,7 +140,7 @@ pub fn count_ipvs(ports: &[Arc<ServicePortState>]) -> anyhow::Result<Counted> {
     };
     let mut unread = None;
     for s in ports {
-        for f in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+        for f in s.frontend_keys() {
             // A frontend IPVS does not hold (not programmed yet) counts nothing; the first
             // such is named.
             let servers = match ipvs.real_server_stats(&f) {
@@ -156,12 +156,7 @@ pub fn count_ipvs(ports: &[Arc<ServicePortState>]) -> anyhow::Result<Counted> {
                     packets: Some(st.packets),
                     bytes: Some(st.bytes),
                 };
-                counted.frontends.entry(f).or_insert(zeros).add(t);
-                counted
-                    .backends
-                    .entry((s.frontend, addr))
-                    .or_insert(zeros)
-                    .add(t);
+                counted.count(f, s.frontend, addr, t);
             }
         }
     }
@@ -256,6 +251,22 @@ pub struct Counted {
     pub frontends: HashMap<Frontend, Traffic>,
     /// By the port's cluster-IP frontend (the port's identity in the datapath) and backend.
     pub backends: HashMap<(Frontend, SocketAddr), Traffic>,
+}
+
+impl Counted {
+    /// Counts `t` for `frontend`, and for `backend` of the service port whose cluster-IP
+    /// frontend is `port` (a backend's counters add up over its port's frontends).
+    pub fn count(&mut self, frontend: Frontend, port: Frontend, backend: SocketAddr, t: Traffic) {
+        let (frontend_zero, backend_zero) = (self.frontend_zero, self.backend_zero);
+        self.frontends
+            .entry(frontend)
+            .or_insert(frontend_zero)
+            .add(t);
+        self.backends
+            .entry((port, backend))
+            .or_insert(backend_zero)
+            .add(t);
+    }
 }
 
 /// `service`'s service ports (every Service's without one) of `desired`, at most
@@ -372,7 +383,7 @@ pub fn count_conntrack<'a>(
     // (protocol, address, port) of every frontend → the port's cluster-IP frontend.
     let mut owner: HashMap<(u8, SocketAddr), (Frontend, Frontend)> = HashMap::new();
     for s in ports {
-        for f in std::iter::once(s.frontend).chain(s.external.iter().map(|f| f.frontend)) {
+        for f in s.frontend_keys() {
             let key = (f.protocol.number(), SocketAddr::new(f.addr, f.port));
             owner.insert(key, (f, s.frontend));
         }
@@ -393,30 +404,11 @@ pub fn count_conntrack<'a>(
         backend_zero: one_zero,
         ..Counted::default()
     };
-    let mut per_frontend: BTreeMap<Frontend, u64> = BTreeMap::new();
     for e in entries {
-        let Some((frontend, port)) = owner.get(&(e.original.protocol, e.original.dst)) else {
-            continue;
-        };
-        *per_frontend.entry(*frontend).or_default() += 1;
-        counted
-            .backends
-            .entry((*port, e.reply.src))
-            .or_default()
-            .add(one);
+        if let Some((frontend, port)) = owner.get(&(e.original.protocol, e.original.dst)) {
+            counted.count(*frontend, *port, e.reply.src, one);
+        }
     }
-    counted.frontends = per_frontend
-        .into_iter()
-        .map(|(f, n)| {
-            (
-                f,
-                Traffic {
-                    connections: Some(n),
-                    ..Traffic::default()
-                },
-            )
-        })
-        .collect();
     counted
 }
 

@@ -10,6 +10,7 @@
 use std::{
     net::{IpAddr, SocketAddr},
     path::Path,
+    sync::Arc,
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -136,12 +137,20 @@ fn on_node(client: IpAddr, local: &LocalTraffic, node_addresses: &[IpAddr]) -> (
     }
 }
 
-/// The trace of a new flow from `client` to `destination` over `desired`, as the model
-/// had the mode program it. `existing` and `remembered` are filled by the caller from
+/// The service port of `desired` that `destination` is a frontend of.
+pub fn port_of(desired: &DesiredState, destination: Frontend) -> Option<&Arc<ServicePortState>> {
+    desired
+        .ports
+        .values()
+        .find(|s| s.frontend_keys().any(|f| f == destination))
+}
+
+/// The trace of a new flow from `client` to `destination`, a frontend of `port` (`None`:
+/// of no service port), as the model had the mode program it. `existing` and `remembered` are filled by the caller from
 /// the datapath's state.
 pub fn trace(
     (node, mode): (&str, &str),
-    desired: &DesiredState,
+    port: Option<&ServicePortState>,
     local: &LocalTraffic,
     node_addresses: &[IpAddr],
     client: IpAddr,
@@ -161,16 +170,7 @@ pub fn trace(
             outcome,
         })
     }
-    let found = desired.ports.values().find_map(|s| {
-        if s.frontend == destination {
-            return Some((s, None));
-        }
-        s.external
-            .iter()
-            .position(|f| f.frontend == destination)
-            .map(|i| (s, Some(i)))
-    });
-    let Some((s, external)) = found else {
+    let Some(s) = port else {
         step(
             &mut out,
             "frontend",
@@ -181,6 +181,8 @@ pub fn trace(
         out.decided_by = "nothing of this agent's".into();
         return out;
     };
+    // Which external frontend it is, if it is not the cluster IP.
+    let external = s.external.iter().position(|f| f.frontend == destination);
     out.service = Some(format!("{}:{}", s.name.service, s.name.port));
     let kind = external.map_or(FrontendKind::ClusterIp, |i| s.external[i].kind);
     out.kind = Some(kind.name().into());
@@ -380,8 +382,6 @@ pub fn ebpf_affinity(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
     use crate::model::{Cidr, FrontendState, InCluster};
 
@@ -454,7 +454,7 @@ mod tests {
         let t = |client: &str, dst: Frontend| {
             trace(
                 ("n1", "ebpf"),
-                &d,
+                port_of(&d, dst).map(|p| &**p),
                 &local(),
                 &[],
                 client.parse().unwrap(),
@@ -492,13 +492,14 @@ mod tests {
     fn the_json_is_the_golden_one() {
         let (s, backends) = web();
         let d = desired(s);
+        let dst = parse_destination("10.96.0.10:80/TCP").unwrap();
         let mut v = trace(
             ("node-1", "ebpf"),
-            &d,
+            port_of(&d, dst).map(|p| &**p),
             &local(),
             &[],
             "10.244.1.2".parse().unwrap(),
-            parse_destination("10.96.0.10:80/TCP").unwrap(),
+            dst,
         );
         v.remembered = Some(Remembered {
             backend: backends[1],

@@ -408,6 +408,12 @@ impl ServicePortState {
         }
     }
 
+    /// The address, port and protocol of every frontend, the cluster IP first (without
+    /// the copies of their states that [`Self::frontends`] makes).
+    pub fn frontend_keys(&self) -> impl Iterator<Item = Frontend> + '_ {
+        std::iter::once(self.frontend).chain(self.external.iter().map(|f| f.frontend))
+    }
+
     /// Every frontend, the cluster IP first.
     pub fn frontends(&self) -> Vec<FrontendState> {
         let mut all = vec![FrontendState {
