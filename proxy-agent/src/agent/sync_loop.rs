@@ -416,6 +416,18 @@ impl SyncLoop {
             proxier.sync(self.model.desired(), &changes)
         };
         let elapsed = started.elapsed().as_secs_f64();
+        // Programmed now: recorded before the gauges below, so a scrape that sees the new
+        // backends also sees the latency of the change that brought them.
+        if matches!(&result, Ok(r) if r.services_failed == 0) {
+            if let Some(since) = self.pending_since.take() {
+                let took = SystemTime::now().duration_since(since).unwrap_or_default();
+                self.metrics
+                    .network_programming_duration
+                    .observe(took.as_secs_f64());
+            }
+            self.metrics.service_changes_pending.set(0);
+            self.metrics.endpoint_changes_pending.set(0);
+        }
         self.last_sync = Some(Instant::now());
         self.needs_full = result.is_err();
         self.metrics.sync_duration.observe(elapsed);
@@ -479,15 +491,6 @@ impl SyncLoop {
                 let now = SystemTime::now();
                 self.health.updated(now);
                 self.metrics.sync_last_timestamp.set(unix_seconds(now));
-                if report.services_failed == 0 {
-                    if let Some(since) = self.pending_since.take() {
-                        self.metrics
-                            .network_programming_duration
-                            .observe(now.duration_since(since).unwrap_or_default().as_secs_f64());
-                    }
-                    self.metrics.service_changes_pending.set(0);
-                    self.metrics.endpoint_changes_pending.set(0);
-                }
                 if !changes.is_empty() || report.services_failed > 0 {
                     info!(
                         full,
