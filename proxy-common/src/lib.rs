@@ -72,6 +72,13 @@ pub mod map_names {
     /// The node's pod interfaces under an interface-based `detectLocalMode`: ifindex (u32)
     /// -> 1. Read when [`super::DatapathConfig::pods_by_interface`] is set.
     pub const LOCAL_IFACES: &str = "LOCAL_IFACES";
+    /// New flows as decided, while someone follows them: a ring buffer of
+    /// [`super::FlowEvent`]s (`inspect flows --follow`).
+    pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
+    /// Whether anyone follows: one [`super::FlowListener`].
+    pub const FLOW_LISTENER: &str = "FLOW_LISTENER";
+    /// Per CPU: events sent this second and those held back ([`super::FlowRate`]).
+    pub const FLOW_RATE: &str = "FLOW_RATE";
 }
 
 /// Entries of `LOCAL_IFACES`: more interfaces than a node has pods (kubelet's default is
@@ -884,6 +891,82 @@ impl ServiceName {
     }
 }
 
+/// Bytes of the `FLOW_EVENTS` ring buffer (a power of two, a multiple of the page size):
+/// about 2 700 [`FlowEvent`]s between two reads of the listener.
+pub const FLOW_EVENTS_BYTES: u32 = 256 * 1024;
+
+/// Value of `FLOW_LISTENER[0]`: whether, and how fast, the datapath records new flows in
+/// `FLOW_EVENTS` (`proxy-agent inspect flows --follow` writes it; see proxy-ebpf's `flows`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowListener {
+    /// Records until this time (`bpf_ktime_get_ns`); 0: no listener.
+    pub until_ns: u64,
+    /// The listener's process id (one reader at a time).
+    pub owner: u32,
+    /// Events each CPU may send per second; the rest are counted in [`FlowRate::limited`].
+    pub max_per_second: u32,
+}
+
+/// Value of the per-CPU `FLOW_RATE[0]`: this CPU's events in the current second, and those
+/// it did not send.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowRate {
+    /// Start of the current one-second window (`bpf_ktime_get_ns`).
+    pub window_ns: u64,
+    pub sent: u32,
+    /// Not sent: over the listener's rate.
+    pub limited: u32,
+    /// Not sent: the ring was full (the listener reads too slowly).
+    pub lost: u32,
+    pub _pad0: u32,
+}
+
+/// One decided flow in `FLOW_EVENTS`. Addresses are 16 bytes, an IPv4 one IPv4-mapped
+/// (`::ffff:a.b.c.d`); ports in network byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowEvent {
+    /// When it was decided (`bpf_ktime_get_ns`).
+    pub time_ns: u64,
+    /// The client; `::` on the socket path (its source is chosen after connect).
+    pub client: [u8; 16],
+    pub frontend: [u8; 16],
+    /// The chosen backend; `::` when none was ([`FlowEvent::backend_id`] 0).
+    pub backend: [u8; 16],
+    /// The frontend's service id (`SERVICE_NAMES` key); 0 where the hook did not know it.
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub client_port: u16,
+    pub frontend_port: u16,
+    pub backend_port: u16,
+    pub proto: u8,
+    /// `FLOW_VERDICT_*`.
+    pub verdict: u8,
+    /// `FLOW_PATH_*`.
+    pub path: u8,
+    pub _pad0: u8,
+    pub _pad1: u16,
+    pub _pad2: u32,
+}
+
+/// Given a backend.
+pub const FLOW_VERDICT_FORWARDED: u8 = 1;
+/// No endpoint: the client was refused (a reset, an ICMP unreachable, ECONNREFUSED).
+pub const FLOW_VERDICT_REFUSED: u8 = 2;
+/// `externalTrafficPolicy: Local` without a local endpoint: dropped.
+pub const FLOW_VERDICT_DROPPED: u8 = 3;
+/// Outside the frontend's `loadBalancerSourceRanges`: dropped.
+pub const FLOW_VERDICT_DENIED: u8 = 4;
+
+/// Decided by the tc programs, from a packet.
+pub const FLOW_PATH_TC: u8 = 1;
+/// Decided by the socket hooks, for a process of the node itself.
+pub const FLOW_PATH_SOCKET_NODE: u8 = 2;
+/// Decided by the socket hooks, for a process in a pod.
+pub const FLOW_PATH_SOCKET_POD: u8 = 3;
+
 /// Value of the per-CPU `SERVICE_STATS` array (indexed by a service port's id) and
 /// `BACKEND_STATS` array (indexed by a backend's slot): traffic, both directions.
 #[repr(C)]
@@ -1065,6 +1148,9 @@ mod pod {
     unsafe impl aya::Pod for super::DatapathConfig {}
     unsafe impl aya::Pod for super::ServiceStats {}
     unsafe impl aya::Pod for super::ServiceName {}
+    unsafe impl aya::Pod for super::FlowListener {}
+    unsafe impl aya::Pod for super::FlowRate {}
+    unsafe impl aya::Pod for super::FlowEvent {}
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
     unsafe impl aya::Pod for super::SourceRangeKey {}
@@ -1097,6 +1183,19 @@ mod tests {
 
     // The datapath and the agent must agree byte for byte; these are the layouts both sides
     // were written against.
+    #[test]
+    fn flow_layouts() {
+        assert_eq!(size_of::<FlowListener>(), 16);
+        assert_eq!(size_of::<FlowRate>(), 24);
+        assert_eq!(size_of::<FlowEvent>(), 80);
+        assert_eq!(offset_of!(FlowEvent, service_id), 56);
+        assert_eq!(offset_of!(FlowEvent, client_port), 64);
+        assert_eq!(offset_of!(FlowEvent, proto), 70);
+        assert_eq!(offset_of!(FlowEvent, path), 72);
+        assert_eq!(align_of::<FlowEvent>(), 8);
+        assert!(FLOW_EVENTS_BYTES.is_power_of_two() && FLOW_EVENTS_BYTES.is_multiple_of(4096));
+    }
+
     #[test]
     fn service_name_layout_and_bounds() {
         assert_eq!(size_of::<ServiceName>(), 148);

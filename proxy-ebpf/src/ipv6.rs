@@ -35,9 +35,11 @@ use proxy_common::{
     SockRevNatKey, SockRevNatKey6, SockRevNatValue6, SourceRangeKey6, Stat, BACKEND_FLAG_REMOTE,
     BACKEND_INDEX_MASK, CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN,
     CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS,
-    HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP, SCOPE_ALL, SERVICE_FLAG_DROP_WHEN_EMPTY,
-    SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL,
-    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
+    FLOW_PATH_TC, FLOW_VERDICT_DENIED, FLOW_VERDICT_DROPPED, FLOW_VERDICT_FORWARDED,
+    FLOW_VERDICT_REFUSED, HAIRPIN_SOURCE6, IPPROTO_TCP, IPPROTO_UDP, SCOPE_ALL,
+    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_MASQUERADE,
+    SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
+    SERVICE_SCHEDULER_SHIFT,
 };
 
 use crate::{
@@ -47,8 +49,8 @@ use crate::{
         initial_expected_ack, lookup, may_open, note_reply, reply_taken, touch, track, Entry,
         Table, V6,
     },
-    count_connection, read, scope_of, scoped_header,
-    sock::{choose, node_allowed4, refuse_socket, Call, Choice, SOCK_ALLOW},
+    count_connection, flows, read, scope_of, scoped_header,
+    sock::{choose, node_allowed4, refuse_socket, socket_path, Call, Choice, SOCK_ALLOW},
     tcp_word, Frontend4, Hook, SlotTable, ETH_HLEN, SNAT_PORT_MIN, SNAT_PORT_SPAN, SNAT_PORT_TRIES,
     SOCK_REVNAT, TCP_ACK, TCP_ACK_OFF, TCP_CSUM_OFF, TCP_FIN, TCP_RST, TCP_SEQ_OFF, TCP_SYN,
     UDP_CSUM_OFF,
@@ -236,20 +238,11 @@ fn open_flow(ctx: &TcContext, pkt: &Packet6, known: bool) -> Result<i32, Stat> {
     if !frontend_header(ctx, pkt, &mut header) {
         return Ok(TC_ACT_UNSPEC);
     }
-    if header.count == 0 {
-        if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
-            bump(Stat::NoLocalEndpoint);
-            return Ok(TC_ACT_SHOT as i32);
-        }
-        return crate::refuse(ctx);
-    }
-    if !known && !may_open(pkt.key.proto, pkt.tcp_flags) {
-        bump(Stat::UntrackedSegment);
-        return Ok(TC_ACT_UNSPEC);
-    }
-    if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0 && !source_allowed(&pkt, header.service_id) {
-        bump(Stat::SourceRangeDenied);
-        return Ok(TC_ACT_SHOT as i32);
+    match admission(pkt, &header, known) {
+        ADMITTED => {}
+        UNTRACKED => return Ok(TC_ACT_UNSPEC),
+        FLOW_VERDICT_REFUSED => return crate::refuse(ctx),
+        _ => return Ok(TC_ACT_SHOT as i32),
     }
     let mut backend_id = sticky_backend(&pkt, &header);
     if backend_id == 0 {
@@ -269,6 +262,51 @@ fn open_flow(ctx: &TcContext, pkt: &Packet6, known: bool) -> Result<i32, Stat> {
         Err(e) => return Err(e),
     }
     Ok(TC_ACT_UNSPEC)
+}
+
+const ADMITTED: u8 = 0;
+const UNTRACKED: u8 = u8::MAX;
+
+/// Whether a new flow to a frontend with `header` may open: [`ADMITTED`], [`UNTRACKED`]
+/// (a segment that opens nothing, left alone), or the `FLOW_VERDICT_*` it gets instead
+/// (no endpoint, a Local policy without a local one, outside the source ranges), counted
+/// and told. A subprogram of its own: its checks and its telling would otherwise add to
+/// the new-flow program's frame, which is at the stack budget's edge.
+#[inline(never)]
+fn admission(pkt: &Packet6, header: &ServiceValue, known: bool) -> u8 {
+    let verdict = if header.count == 0 {
+        if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
+            bump(Stat::NoLocalEndpoint);
+            FLOW_VERDICT_DROPPED
+        } else {
+            FLOW_VERDICT_REFUSED
+        }
+    } else if !known && !may_open(pkt.key.proto, pkt.tcp_flags) {
+        bump(Stat::UntrackedSegment);
+        return UNTRACKED;
+    } else if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0
+        && !source_allowed(pkt, header.service_id)
+    {
+        bump(Stat::SourceRangeDenied);
+        FLOW_VERDICT_DENIED
+    } else {
+        return ADMITTED;
+    };
+    told(&pkt.key, header.service_id, 0, verdict);
+    verdict
+}
+
+/// As IPv4's `told`: a follower of new flows hears what the tc path decided.
+#[inline(always)]
+fn told(key: &ConntrackKey6, service_id: u32, backend_id: u32, verdict: u8) {
+    if flows::followed() {
+        flows::tell6(
+            key,
+            service_id,
+            backend_id,
+            flows::how(verdict, FLOW_PATH_TC),
+        );
+    }
 }
 
 /// IPv6 with TCP or UDP directly after the fixed header, or after a Fragment header;
@@ -772,6 +810,8 @@ fn new_flow(
         &backend_addr,
         (pkt.l4_off + 2, pkt.key.dport, backend_port),
     )?;
+    // Here rather than in `open_flow`: its frame is at the stack budget's edge.
+    told(&pkt.key, service_id, backend_id, FLOW_VERDICT_FORWARDED);
     if hairpin != 0 {
         // The port stays as `resolve_clash` left it.
         translate_source(ctx, pkt, true, (source_port, source_port))?;
@@ -1044,8 +1084,14 @@ pub fn socket_to_backend(ctx: &SockAddrContext, call: Call) -> i32 {
     };
     let (backend_addr, backend_port) = match chosen {
         SocketBackend::Untouched => return SOCK_ALLOW,
-        SocketBackend::Refused => return refuse_socket(),
-        SocketBackend::Backend(a, p) => (a, p),
+        SocketBackend::Refused(service_id) => {
+            socket_told(ctx, &addr, port, proto, service_id, 0);
+            return refuse_socket();
+        }
+        SocketBackend::Backend(a, p, id) => {
+            socket_told(ctx, &addr, port, proto, 0, id);
+            (a, p)
+        }
     };
     let key = SockRevNatKey6 {
         cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
@@ -1067,9 +1113,37 @@ pub fn socket_to_backend(ctx: &SockAddrContext, call: Call) -> i32 {
 enum SocketBackend {
     /// Not a frontend, or left to the tc path.
     Untouched,
-    Refused,
-    /// The backend's address (IPv4-mapped for an IPv4 service) and port.
-    Backend([u8; 16], u16),
+    /// Refused, by frontend (service id).
+    Refused(u32),
+    /// The backend's address (IPv4-mapped for an IPv4 service), port and id.
+    Backend([u8; 16], u16, u32),
+}
+
+/// A follower of new flows hears what the hooks decided for a socket naming `addr`:`port`
+/// (a refusal by frontend `service_id`, or backend `backend_id`, which names its own).
+#[inline(always)]
+fn socket_told(
+    ctx: &SockAddrContext,
+    addr: &[u8; 16],
+    port: u16,
+    proto: u8,
+    service_id: u32,
+    backend_id: u32,
+) {
+    if flows::followed() {
+        let key = ConntrackKey6::new([0; 16], *addr, 0, port, proto);
+        let verdict = if backend_id != 0 {
+            FLOW_VERDICT_FORWARDED
+        } else {
+            FLOW_VERDICT_REFUSED
+        };
+        flows::tell6(
+            &key,
+            service_id,
+            backend_id,
+            flows::how(verdict, socket_path(ctx)),
+        );
+    }
 }
 
 #[inline(always)]
@@ -1109,13 +1183,13 @@ fn ipv6_backend(
         node_allowed6,
     ) {
         Choice::Leave => return SocketBackend::Untouched,
-        Choice::Refuse => return SocketBackend::Refused,
+        Choice::Refuse => return SocketBackend::Refused(header.service_id),
         Choice::Backend(id, _) => id,
     };
     let (Some(b), Some(a)) = (backend(id), BACKEND_ADDRS6.get(id & BACKEND_INDEX_MASK)) else {
         return SocketBackend::Untouched;
     };
-    SocketBackend::Backend(a.addr, b.port)
+    SocketBackend::Backend(a.addr, b.port, id)
 }
 
 /// Whether the node's IPv6 address is inside frontend `service_id`'s source ranges.
@@ -1152,13 +1226,13 @@ fn mapped_backend(
     let frontend = frontend.scoped(scope_of(&header));
     let b = match choose(ctx, frontend, &header, proto, call, v4, node_allowed4) {
         Choice::Leave => return SocketBackend::Untouched,
-        Choice::Refuse => return SocketBackend::Refused,
+        Choice::Refuse => return SocketBackend::Refused(header.service_id),
         Choice::Backend(_, b) => b,
     };
     let mut mapped = *addr;
     let octets = b.addr.to_ne_bytes();
     mapped[12..16].copy_from_slice(&octets);
-    SocketBackend::Backend(mapped, b.port)
+    SocketBackend::Backend(mapped, b.port, b.id)
 }
 
 /// recvfrom / getpeername on a socket translated above: it sees the frontend it asked for.

@@ -24,6 +24,7 @@
 #![allow(internal_features)]
 
 mod conntrack;
+mod flows;
 mod ipv6;
 mod refuse;
 mod sock;
@@ -56,11 +57,13 @@ use proxy_common::{
     ServiceName, ServiceStats, ServiceValue, SockAffinityKey, SockLbValue, SockRevNatKey,
     SockRevNatValue, SourceRangeKey, Stat, BACKEND_FLAG_REMOTE, BACKEND_INDEX_MASK,
     CT_FLAG_CLOSING, CT_FLAG_COUNTED, CT_FLAG_EGRESS_ONLY, CT_FLAG_HAIRPIN, CT_FLAG_REPLY,
-    CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, HAIRPIN_SOURCE,
-    IPPROTO_TCP, IPPROTO_UDP, LBLCR_SET_SIZE, LOCAL_IFACES_MAX, SCOPE_ALL, SCOPE_IN_CLUSTER,
-    SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL, SERVICE_FLAG_IN_CLUSTER_SET,
-    SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SCOPE_IN_CLUSTER,
-    SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK, SERVICE_SCHEDULER_SHIFT,
+    CT_FLAG_SEEN_REPLY, CT_FLAG_SNAT, CT_FLAG_SNAT_REPLY, CT_REFRESH_NS, FLOW_PATH_TC,
+    FLOW_VERDICT_DENIED, FLOW_VERDICT_DROPPED, FLOW_VERDICT_FORWARDED, FLOW_VERDICT_REFUSED,
+    HAIRPIN_SOURCE, IPPROTO_TCP, IPPROTO_UDP, LBLCR_SET_SIZE, LOCAL_IFACES_MAX, SCOPE_ALL,
+    SCOPE_IN_CLUSTER, SERVICE_FLAG_DROP_WHEN_EMPTY, SERVICE_FLAG_EXTERNAL,
+    SERVICE_FLAG_IN_CLUSTER_SET, SERVICE_FLAG_MASQUERADE, SERVICE_FLAG_MASQUERADE_ALL,
+    SERVICE_FLAG_SCOPE_IN_CLUSTER, SERVICE_FLAG_SOURCE_RANGES, SERVICE_SCHEDULER_MASK,
+    SERVICE_SCHEDULER_SHIFT,
 };
 
 // Sizes here are defaults for loaders that do not size maps; the agent always sets them from
@@ -68,7 +71,7 @@ use proxy_common::{
 #[map]
 static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(65536, 0);
 #[map]
-static BACKENDS: Array<Backend> = Array::with_max_entries(65536, 0);
+pub(crate) static BACKENDS: Array<Backend> = Array::with_max_entries(65536, 0);
 #[map]
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackValue> =
     LruHashMap::with_max_entries(262144, 0);
@@ -668,8 +671,10 @@ fn open_flow(ctx: &TcContext, pkt: &Packet, known: bool) -> Result<i32, Stat> {
     if header.count == 0 {
         if header.flags & SERVICE_FLAG_DROP_WHEN_EMPTY != 0 {
             bump(Stat::NoLocalEndpoint);
+            told(&pkt.key, header.service_id, 0, FLOW_VERDICT_DROPPED);
             return Ok(TC_ACT_SHOT);
         }
+        told(&pkt.key, header.service_id, 0, FLOW_VERDICT_REFUSED);
         debug!(
             ctx,
             "refused {:i}:{} -> {:i}:{}: no ready endpoint",
@@ -785,6 +790,20 @@ fn bump(stat: Stat) {
     if let Some(c) = STATS.get_ptr_mut(stat as u32) {
         // SAFETY: per-CPU slot, no concurrent writer.
         unsafe { *c += 1 };
+    }
+}
+
+/// Tells a follower of new flows (`inspect flows --follow`) what the tc path decided for
+/// `key`'s flow; one array lookup while no one follows.
+#[inline(always)]
+fn told(key: &ConntrackKey, service_id: u32, backend_id: u32, verdict: u8) {
+    if flows::followed() {
+        flows::tell4(
+            key,
+            service_id,
+            backend_id,
+            flows::how(verdict, FLOW_PATH_TC),
+        );
     }
 }
 
@@ -995,6 +1014,7 @@ fn new_flow(
     let service_id = header.service_id;
     if header.flags & SERVICE_FLAG_SOURCE_RANGES != 0 && !source_allowed(pkt, service_id) {
         bump(Stat::SourceRangeDenied);
+        told(&pkt.key, service_id, 0, FLOW_VERDICT_DENIED);
         return Ok(TC_ACT_SHOT);
     }
     // The header slot's backend_id is the ClientIP affinity timeout in seconds.
@@ -1102,6 +1122,7 @@ fn new_flow(
     }
     bump(Stat::NewFlow);
     account(ctx, service_id, backend_id, true);
+    told(&pkt.key, service_id, backend_id, FLOW_VERDICT_FORWARDED);
     // Compiled in, but dead code the verifier removes unless the agent runs with -v 4.
     debug!(
         ctx,

@@ -46,13 +46,14 @@ use aya_ebpf::{
     EbpfContext,
 };
 use proxy_common::{
-    scheduler, AffinityValue, Backend, ServiceStats, ServiceValue, SockAffinityKey, SockLbValue,
-    SockRevNatKey, SockRevNatValue, SourceRangeKey, Stat, BACKEND_INDEX_MASK, IPPROTO_TCP,
-    IPPROTO_UDP, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
+    scheduler, AffinityValue, Backend, ConntrackKey, ServiceStats, ServiceValue, SockAffinityKey,
+    SockLbValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, Stat, BACKEND_INDEX_MASK,
+    FLOW_PATH_SOCKET_NODE, FLOW_PATH_SOCKET_POD, FLOW_VERDICT_FORWARDED, FLOW_VERDICT_REFUSED,
+    IPPROTO_TCP, IPPROTO_UDP, SERVICE_FLAG_MASQUERADE_ALL, SERVICE_FLAG_SOURCE_RANGES,
 };
 
 use crate::{
-    affinity_timeout_again, backend, bump, config, count_connection, remembered, schedule,
+    affinity_timeout_again, backend, bump, config, count_connection, flows, remembered, schedule,
     scheduler_again, scheduler_of, scope_of, scoped_header, Frontend4, SlotTable, BACKEND_STATS,
     BACKEND_STATS_ENABLED, HOST_NETNS_COOKIE, SERVICE_STATS, SOCKET_SCANS, SOCK_AFFINITY,
     SOCK_HOST_ONLY, SOCK_LB, SOCK_RELEASE_ATTACHED, SOCK_REVNAT, SOCK_SET_RETVAL, SOURCE_RANGES,
@@ -326,8 +327,14 @@ pub fn socket_to_backend(ctx: &SockAddrContext, call: Call) -> i32 {
     let frontend = frontend.scoped(scope_of(&header));
     let backend = match choose(ctx, frontend, &header, proto, call, addr, node_allowed4) {
         Choice::Leave => return SOCK_ALLOW,
-        Choice::Refuse => return refuse_socket(),
-        Choice::Backend(_, b) => b,
+        Choice::Refuse => {
+            told(ctx, addr, port, proto, header.service_id, 0);
+            return refuse_socket();
+        }
+        Choice::Backend(id, b) => {
+            told(ctx, addr, port, proto, b.service_id, id);
+            b
+        }
     };
     let key = SockRevNatKey {
         cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
@@ -344,6 +351,38 @@ pub fn socket_to_backend(ctx: &SockAddrContext, call: Call) -> i32 {
     sa.user_ip4 = backend.addr;
     sa.user_port = backend.port as u32;
     SOCK_ALLOW
+}
+
+/// A follower of new flows (`inspect flows --follow`) hears what the hook decided for a
+/// socket naming `addr`:`port` (`backend_id` 0: refused).
+#[inline(always)]
+fn told(ctx: &SockAddrContext, addr: u32, port: u16, proto: u8, service_id: u32, backend_id: u32) {
+    if flows::followed() {
+        let key = ConntrackKey::new(0, addr, 0, port, proto);
+        let verdict = if backend_id != 0 {
+            FLOW_VERDICT_FORWARDED
+        } else {
+            FLOW_VERDICT_REFUSED
+        };
+        flows::tell4(
+            &key,
+            service_id,
+            backend_id,
+            flows::how(verdict, socket_path(ctx)),
+        );
+    }
+}
+
+/// Whose socket it is, as a follower of new flows is told: the node's own process or a pod's.
+#[inline(always)]
+pub fn socket_path(ctx: &SockAddrContext) -> u8 {
+    // SAFETY: a helper taking the program's context.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    if netns == host_netns() {
+        FLOW_PATH_SOCKET_NODE
+    } else {
+        FLOW_PATH_SOCKET_POD
+    }
 }
 
 /// recvfrom / getpeername on a socket the hook above translated: the frontend it asked for,

@@ -476,13 +476,7 @@ impl Cluster {
     /// pod (the agent's binary, in the node's network namespace): what it printed, or an
     /// error with what it said.
     pub fn inspect(&self, index: u8, args: &[&str]) -> Result<String> {
-        let node = self.node(index);
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", &node.ns.name])
-            .arg(crate::lab::agent_binary()?)
-            .arg("inspect")
-            .args(args)
-            .output()?;
+        let out = self.inspect_command(index, args)?.output()?;
         if !out.status.success() {
             anyhow::bail!(
                 "proxy-agent inspect {args:?} on node {index}: {}",
@@ -490,6 +484,19 @@ impl Cluster {
             );
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `proxy-agent inspect ARGS` on node `index`, as [`Cluster::inspect`] runs it, with
+    /// node `index`'s `--bpffs-root`, to spawn (`inspect flows --follow` runs until stopped).
+    pub fn inspect_command(&self, index: u8, args: &[&str]) -> Result<std::process::Command> {
+        let node = self.node(index);
+        let mut command = std::process::Command::new("ip");
+        command
+            .args(["netns", "exec", &node.ns.name])
+            .arg(crate::lab::agent_binary()?)
+            .arg("inspect")
+            .args(args);
+        Ok(command)
     }
 
     /// A command that runs `podclient` as a process of node `index` itself: in its host

@@ -133,6 +133,13 @@ conformance!(
     inspect_services_shows_each_backend_and_the_traffic_it_carried,
     inspect_conntrack_lists_a_held_connection,
     inspect_trace_agrees_with_where_connections_go,
+    inspect_flows_follow_shows_new_flows: [
+        run,
+        "flows --follow reads the eBPF datapath's ring buffer; here `conntrack -E` follows new flows",
+        "flows --follow reads the eBPF datapath's ring buffer; here `conntrack -E` follows new flows",
+        "flows --follow reads the eBPF datapath's ring buffer; here `conntrack -E` follows new flows",
+        "flows --follow reads the eBPF datapath's ring buffer; the userspace proxier's relays are not in it"
+    ],
     named_target_port_is_resolved_per_endpoint,
     service_without_endpoints_is_refused,
     terminating_endpoints_serve_only_when_none_is_ready,
@@ -945,6 +952,140 @@ fn inspect_trace_agrees_with_where_connections_go(mode: Mode) {
         .inspect(1, &["trace", &client, "10.96.0.20:80/TCP"])
         .unwrap();
     assert!(table.contains("candidates"), "{table}");
+}
+
+/// `inspect flows --follow` on the client's node shows new flows as the datapath decides
+/// them: a pod's connection outside the socket hooks (decided at tc, with the client's
+/// address and the backend that answered), a refusal by a Service without endpoints, and a
+/// pod's connection through the hooks (decided at connect). One follower at a time; one
+/// that stops leaves the datapath recording nothing, and the next can start.
+fn inspect_flows_follow_shows_new_flows(mode: Mode) {
+    use std::io::BufRead;
+    let mut c = Cluster::new().expect("cluster lab");
+    let yaml = service("web", "10.96.0.21", "", &[("", "TCP", 80, "8080")])
+        + &slice(&c, "web", "1", &[("", "TCP", 8080)], &ready(&ALL))
+        + &service("dead", "10.96.0.22", "", &[("", "TCP", 80, "8080")]);
+    let path = c.write_manifests(&yaml).unwrap();
+    c.start_agents(&path, &["--proxy-mode", mode.name()])
+        .expect("agents");
+    let root = c.node(1).bpffs.root();
+    let root = root.to_str().unwrap();
+    let follow = ["flows", "--follow", "-o", "json", "--bpffs-root", root];
+    let mut follower = c
+        .inspect_command(1, &follow)
+        .unwrap()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = |from: Box<dyn std::io::Read + Send>| {
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(from).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        rx
+    };
+    let stdout = lines(Box::new(follower.stdout.take().unwrap()));
+    let stderr = lines(Box::new(follower.stderr.take().unwrap()));
+    let wait = proxy_tests::scaled(Duration::from_secs(10));
+    let said = stderr
+        .recv_timeout(wait)
+        .expect("the follower says it follows");
+    assert!(said.starts_with("following new flows"), "{said}");
+
+    c.pod_clients_outside_hooks = true;
+    let at_tc = tcp_from_pod(&c, CLIENT, addr("10.96.0.21", 80), 1).remove(0);
+    let refused = pod_exchanges(
+        &c,
+        CLIENT,
+        Transport::Tcp,
+        addr("10.96.0.22", 80).into(),
+        1,
+        None,
+        10,
+    );
+    assert!(refused[0].is_err(), "{refused:?}");
+    c.pod_clients_outside_hooks = false;
+    let at_socket = tcp_from_pod(&c, CLIENT, addr("10.96.0.21", 80), 1).remove(0);
+
+    // What a user looks for: each decision once it is made, named and placed.
+    let mut seen = Vec::new();
+    let found = |seen: &[serde_json::Value], path: &str, verdict: &str, frontend: &str| {
+        seen.iter()
+            .find(|f| f["path"] == path && f["verdict"] == verdict && f["frontend"] == frontend)
+            .cloned()
+    };
+    let deadline = std::time::Instant::now() + wait;
+    let (tc, refusal, socket) = loop {
+        if let Ok(line) = stdout.recv_timeout(Duration::from_millis(200)) {
+            seen.push(serde_json::from_str::<serde_json::Value>(&line).unwrap());
+        }
+        let all = (
+            found(&seen, "tc", "forwarded", "10.96.0.21:80"),
+            found(&seen, "tc", "refused", "10.96.0.22:80"),
+            found(&seen, "socket-pod", "forwarded", "10.96.0.21:80"),
+        );
+        if let (Some(a), Some(b), Some(d)) = all {
+            break (a, b, d);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "missing flows; the follower printed {seen:#?}"
+        );
+    };
+    assert_eq!(tc["service"], "lab/web:", "{tc}");
+    assert_eq!(tc["protocol"], "TCP", "{tc}");
+    let client = tc["client"].as_str().unwrap();
+    assert!(client.starts_with(&format!("{CLIENT_IP}:")), "{tc}");
+    assert_eq!(pod_at(&c, &tc["backend"]), at_tc.pod, "{tc}");
+    assert_eq!(refusal["service"], "lab/dead:", "{refusal}");
+    assert!(refusal["backend"].is_null(), "{refusal}");
+    assert_eq!(socket["service"], "lab/web:", "{socket}");
+    assert!(
+        socket["client"].is_null(),
+        "decided before the source is chosen: {socket}"
+    );
+    assert_eq!(pod_at(&c, &socket["backend"]), at_socket.pod, "{socket}");
+
+    // The ring has one reader.
+    let second = c.inspect(1, &follow).unwrap_err().to_string();
+    assert!(
+        second.contains("another `inspect flows --follow`"),
+        "{second}"
+    );
+
+    // Stopped by Ctrl-C, it says what it showed, and the next follower may start.
+    unsafe { libc::kill(follower.id() as i32, libc::SIGINT) };
+    assert!(follower.wait().unwrap().success());
+    let summary: Vec<String> = stderr.try_iter().collect();
+    assert!(
+        summary.iter().any(|l| l.contains("flows shown")),
+        "{summary:?}"
+    );
+    let mut next = c
+        .inspect_command(
+            1,
+            &[&follow[..], &["--count", "1", "--service", "lab/web"]].concat(),
+        )
+        .unwrap()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let next_err = lines(Box::new(next.stderr.take().unwrap()));
+    let said = next_err
+        .recv_timeout(wait)
+        .expect("the next follower starts");
+    assert!(said.starts_with("following new flows"), "{said}");
+    c.pod_clients_outside_hooks = true;
+    tcp_from_pod(&c, CLIENT, addr("10.96.0.21", 80), 1);
+    let out = next.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let line = String::from_utf8_lossy(&out.stdout);
+    let flow: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(flow["service"], "lab/web:", "{line}");
 }
 
 /// `inspect services lab/web -o json`'s answer counts `hellos` at the cluster IP and, per

@@ -434,7 +434,7 @@ fn cleanup_removes_everything(mode: &str) {
         .flatten()
         .map(|e| MapInfo::from_pin(e.path()).unwrap().id())
         .collect();
-    assert_eq!(map_ids.len(), 31, "every map of the datapath is pinned");
+    assert_eq!(map_ids.len(), 34, "every map of the datapath is pinned");
     let link_id = (mode == "tcx").then(|| tcx_link_on_lxc0(&lab).id());
     let prog_id = program_on_lxc0(&lab);
     lab.stop_agent().unwrap();

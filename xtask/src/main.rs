@@ -419,7 +419,7 @@ fn test(extra: &[String], full_matrix: bool) -> Result<()> {
             PLACEMENT_TESTS,
         ]))?;
         // Their own part, so what [W2-7] added to a CI run shows on its own.
-        parts.start("test: proxy-agent inspect in every mode (services, conntrack, trace)");
+        parts.start("test: proxy-agent inspect in every mode (services, conntrack, trace, flows)");
         run(&mut workspace_tests(&[
             "--test",
             "conformance",

@@ -419,6 +419,10 @@ impl Datapath {
                 map_names::TAIL_CALLS,
                 // Pods stay told apart while the agent restarts.
                 map_names::LOCAL_IFACES,
+                // What `inspect flows --follow` reads and writes (see `inspect::flows`).
+                map_names::FLOW_EVENTS,
+                map_names::FLOW_LISTENER,
+                map_names::FLOW_RATE,
             ] {
                 loader.map_pin_path(name, root.map_pin(name));
             }
@@ -588,6 +592,17 @@ impl Datapath {
             .context("writing the datapath configuration")?;
         self.config = *config;
         Ok(())
+    }
+
+    /// Writes `FLOW_LISTENER` as a follower of new flows does (`inspect flows --follow`
+    /// writes it through the pin; the benchmark, with a listener present, here).
+    pub fn set_flow_listener(&mut self, listener: proxy_common::FlowListener) -> Result<()> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::FLOW_LISTENER)
+            .context("eBPF object has no FLOW_LISTENER map")?;
+        let mut array: Array<&mut MapData, proxy_common::FlowListener> = Array::try_from(map)?;
+        array.set(0, listener, 0).context("writing FLOW_LISTENER")
     }
 
     /// Writes the IPv6 datapath settings (masquerade address, cluster CIDR).

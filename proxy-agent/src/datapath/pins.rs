@@ -459,6 +459,45 @@ fn incompatibility(root: &BpffsRoot, sizes: &mut DatapathSizes) -> Result<Option
     Ok(None)
 }
 
+/// The maps of `inspect flows --follow` hold nothing worth keeping: a pinned one shaped
+/// otherwise than this agent's (another build's) is removed, and made anew at load,
+/// rather than refusing the others' adoption.
+fn remove_unlike_flow_pins(root: &BpffsRoot) -> Result<()> {
+    use std::mem::size_of;
+    for (name, map_type, value_size, max_entries) in [
+        (
+            map_names::FLOW_EVENTS,
+            MapType::RingBuf,
+            0,
+            proxy_common::FLOW_EVENTS_BYTES,
+        ),
+        (
+            map_names::FLOW_LISTENER,
+            MapType::Array,
+            size_of::<proxy_common::FlowListener>(),
+            1,
+        ),
+        (
+            map_names::FLOW_RATE,
+            MapType::PerCpuArray,
+            size_of::<proxy_common::FlowRate>(),
+            1,
+        ),
+    ] {
+        let pin = root.map_pin(name);
+        let Ok(info) = MapInfo::from_pin(&pin) else {
+            continue;
+        };
+        if info.map_type().ok() != Some(map_type)
+            || info.value_size() as usize != value_size
+            || info.max_entries() != max_entries
+        {
+            fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Decides whether the pinned maps can be reused, and removes them if not. May lower
 /// `sizes` to the pinned maps' sizes.
 pub fn adopt_or_rebuild(root: &BpffsRoot, sizes: &mut DatapathSizes) -> Result<Adoption> {
@@ -472,6 +511,7 @@ pub fn adopt_or_rebuild(root: &BpffsRoot, sizes: &mut DatapathSizes) -> Result<A
     match incompatibility(root, &mut pinned_sizes)? {
         None => {
             *sizes = pinned_sizes;
+            remove_unlike_flow_pins(root)?;
             Ok(Adoption::Adopted)
         }
         Some(reason) => {

@@ -6,12 +6,14 @@
 //! | `inspect services [NAMESPACE/NAME]` | every frontend of the service ports this node serves, its backends with weight and state, and traffic counters per frontend and backend | the desired state the proxier serves, and the mode's counters ([`services`]); in eBPF mode with the agent stopped, the pinned maps ([`pinned`]) |
 //! | `inspect conntrack [--service NAMESPACE/NAME]` | the flows through services: client, frontend, backend, protocol, state, idle time or expiry | the eBPF conntrack maps (from their pins), or kernel conntrack ([`conntrack`]) |
 //! | `inspect trace SRC DST:PORT/PROTO` | what a new flow from SRC would get: frontend, source-range verdict, endpoint set, remembered affinity and tracked flows, scheduler candidates and rule, what decides it | the model's state and the mode's ([`trace`]), without sending a packet or changing state |
+//! | `inspect flows --follow [--service NAMESPACE/NAME]` | new flows as the eBPF datapath decides them: path (tc or socket hook), client, frontend, Service, backend, verdict | a ring buffer the datapath fills only while someone follows ([`flows`]) |
 //! | `inspect explain NAMESPACE/NAME` | for each port, family and frontend of a Service: served or why not; for each endpoint and each kind of traffic: serving, draining or unused, and the rule that decided it | the model's own decisions ([`crate::model::explain`]), asked of the running agent over [`server`] |
 //!
 //! Each prints an aligned table ([`table`]) or, with `-o json`, the answer's JSON, whose
 //! field names are documented in docs/inspect.md and kept stable.
 
 pub mod conntrack;
+pub mod flows;
 pub mod pinned;
 pub mod server;
 pub mod services;
@@ -89,6 +91,24 @@ pub enum What {
         source: String,
         /// The destination, as ADDRESS:PORT/PROTOCOL (`10.96.0.10:80/TCP`).
         destination: String,
+    },
+    /// New flows as the eBPF datapath decides them (frontend, backend, verdict, and whether
+    /// a packet at tc or a socket hook decided), until Ctrl-C. The datapath records them only
+    /// while someone follows; `-o json` prints one object per line.
+    Flows {
+        /// Keep printing new flows as they come (needed: nothing is recorded otherwise).
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Only this Service's flows, as NAMESPACE/NAME.
+        #[arg(long)]
+        service: Option<String>,
+        /// Stop after this many flows.
+        #[arg(long)]
+        count: Option<u64>,
+        /// At most this many flows per second on each CPU; the datapath counts the rest,
+        /// and the total is printed at the end.
+        #[arg(long, default_value_t = flows::DEFAULT_RATE, value_parser = clap::value_parser!(u32).range(1..=flows::MAX_RATE as i64))]
+        rate: u32,
     },
     /// For each endpoint of a Service, whether this node sends it traffic, for each kind of
     /// traffic and frontend, and why (conditions, traffic policies, topology hints,
@@ -215,6 +235,12 @@ fn run(args: &InspectArgs) -> Result<String> {
                 Output::Table => table::trace(&view),
             })
         }
+        What::Flows {
+            follow: f,
+            service,
+            count,
+            rate,
+        } => follow(args, *f, service.as_deref(), *count, *rate),
         What::Explain { service } => {
             let body = get(addr, &format!("/debug/explain/{}", object_name(service)?))?;
             let explanation: Explanation = serde_json::from_str(&body)
@@ -225,6 +251,31 @@ fn run(args: &InspectArgs) -> Result<String> {
             })
         }
     }
+}
+
+/// `inspect flows`: printed as they come, straight from the pins (nothing is left to
+/// print after).
+fn follow(
+    args: &InspectArgs,
+    follow: bool,
+    service: Option<&str>,
+    count: Option<u64>,
+    rate: u32,
+) -> Result<String> {
+    if !follow {
+        anyhow::bail!(
+            "the datapath records new flows only while someone follows them: add --follow"
+        );
+    }
+    let name = service.map(object_name).transpose()?;
+    flows::follow(flows::Follow {
+        root: &args.bpffs_root,
+        service: name.as_ref(),
+        count,
+        rate,
+        output: args.output,
+    })?;
+    Ok(String::new())
 }
 
 /// `NAMESPACE/NAME` as an object name.

@@ -52,6 +52,10 @@ struct Args {
     /// IPv6 services, clients and backends (every packet then takes the tail call into IPv6).
     #[arg(long)]
     ipv6: bool,
+    /// A follower of new flows present (`inspect flows --follow`, at its default rate and
+    /// reading nothing), to measure what following costs; without it, no one follows.
+    #[arg(long)]
+    flow_listener: bool,
     /// Also write the table (Markdown) to this file, besides standard output.
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
@@ -124,6 +128,13 @@ fn measure(n_services: u32, args: &Args) -> Result<Measurement> {
     };
     let mut dp = TestDatapath::load(sizes)?;
     let ip = |v4: Ipv4Addr| in_family(v4, args.ipv6);
+    if args.flow_listener {
+        dp.datapath.set_flow_listener(proxy_common::FlowListener {
+            until_ns: u64::MAX,
+            owner: std::process::id(),
+            max_per_second: proxy_agent::inspect::flows::DEFAULT_RATE,
+        })?;
+    }
     if args.all_features {
         dp.datapath.configure(&proxy_common::DatapathConfig {
             masquerade_addr: u32::from(Ipv4Addr::new(10, 251, 0, 1)).to_be(),
@@ -327,13 +338,18 @@ fn main() -> Result<()> {
     }
     use std::fmt::Write as _;
     let mut text = format!(
-        "BPF_PROG_TEST_RUN, tc ingress, {} TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}, kernel {}\n\n",
+        "BPF_PROG_TEST_RUN, tc ingress, {} TCP, {} backends/service, {} distinct flows x {} rounds, kernel-timed per packet{}{}, kernel {}\n\n",
         if args.ipv6 { "IPv6" } else { "IPv4" },
         args.backends,
         args.flows,
         args.rounds,
         if args.all_features {
             "; every service with ClientIP affinity, source ranges and masquerading"
+        } else {
+            ""
+        },
+        if args.flow_listener {
+            "; a follower of new flows present (inspect flows --follow, default rate, not reading)"
         } else {
             ""
         },
@@ -397,6 +413,7 @@ mod tests {
         assert_eq!(a.services, [1, 1_000, 10_000, 100_000]);
         assert_eq!((a.flows, a.rounds, a.backends), (10_000, 5, 2));
         assert!(!a.all_features && !a.ipv6 && a.out.is_none() && a.maglev_memory.is_none());
+        assert!(!a.flow_listener);
         let a = parse(&[
             "--services",
             "1, 100000",
