@@ -56,6 +56,34 @@ fn inspect(lab: &Lab, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// `proxy-agent inspect flows --follow --count N` in the lab's node while `traffic` runs:
+/// the new flows it printed as the datapath decided them.
+fn follow_flows(lab: &Lab, count: usize, traffic: impl FnOnce() -> Result<()>) -> Result<()> {
+    use std::io::BufRead;
+    let bin = proxy_tests::lab::agent_binary()?;
+    let root = lab.bpffs.root();
+    let n = count.to_string();
+    let args = ["inspect", "flows", "--follow", "--count", &n];
+    let mut child = std::process::Command::new("ip")
+        .args(["netns", "exec", &lab.node.name])
+        .arg(&bin)
+        .args(args)
+        .args(["--bpffs-root", root.to_str().context("bpffs path")?])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    // It prints this line once it listens: traffic before it would not be shown.
+    let mut said = String::new();
+    std::io::BufReader::new(child.stderr.take().context("stderr")?).read_line(&mut said)?;
+    traffic()?;
+    let out = child.wait_with_output()?;
+    println!("$ proxy-agent {}", args.join(" "));
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        println!("  {line}");
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let Args {} = Args::parse();
     if let Some(reason) = kernel_tests_unavailable() {
@@ -121,6 +149,14 @@ fn main() -> Result<()> {
     // What an operator asks the agent on the node (kubectl exec ... proxy-agent inspect).
     inspect(&lab, &["services", "demo/web"])?;
     inspect(&lab, &["explain", "demo/not-ready"])?;
+    // New flows as the datapath decides them, while someone follows.
+    follow_flows(&lab, 3, || {
+        lab.client.ns.run(move || {
+            let _ = client::tcp_hello(web, Duration::from_secs(2));
+            let _ = client::tcp_hello(web, Duration::from_secs(2));
+            let _ = client::tcp_hello(dead, Duration::from_secs(2));
+        })
+    })?;
     lab.stop_agent()?;
     println!(
         "agent stopped (SIGTERM): the pinned datapath keeps serving, as kube-proxy's rules do"
