@@ -11,7 +11,7 @@
 use std::{
     collections::HashMap,
     io::Write,
-    net::{IpAddr, Ipv6Addr},
+    net::Ipv6Addr,
     path::Path,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -97,10 +97,8 @@ fn endpoint(addr: [u8; 16], port: u16) -> String {
 impl FlowView {
     /// `event` as shown; `boot_unix_ns` is the Unix time of monotonic 0.
     pub fn new(event: &FlowEvent, boot_unix_ns: u64, service: Option<String>) -> Self {
-        let unspecified = |a: &[u8; 16]| {
-            matches!(Ipv6Addr::from(*a).to_canonical(), IpAddr::V4(v) if v.is_unspecified())
-                || Ipv6Addr::from(*a).is_unspecified()
-        };
+        // `::ffff:0.0.0.0` (an IPv4 socket's) and `::` (an IPv6 one's) alike.
+        let unspecified = |a: &[u8; 16]| Ipv6Addr::from(*a).to_canonical().is_unspecified();
         Self {
             time_unix_ms: (boot_unix_ns + event.time_ns) / 1_000_000,
             path: path_name(event.path),
