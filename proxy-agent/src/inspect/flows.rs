@@ -266,12 +266,14 @@ fn of_service(service: Option<&str>, wanted: &ObjectName) -> bool {
 /// Prints new flows until Ctrl-C, SIGTERM or `count` of them.
 pub fn follow(f: Follow) -> Result<()> {
     let (mut pins, ring) = Pins::open(f.root)?;
+    // What the ring holds from before this follower listened is not shown.
+    let started_ns = monotonic_ns();
     pins.listen(f.rate)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let (before_limited, before_lost) = pins.not_sent();
-    let result = runtime.block_on(stream(&mut pins, ring, &f));
+    let result = runtime.block_on(stream(&mut pins, ring, started_ns, &f));
     pins.stop();
     let (limited, lost) = pins.not_sent();
     let shown = result?;
@@ -284,7 +286,12 @@ pub fn follow(f: Follow) -> Result<()> {
     Ok(())
 }
 
-async fn stream(pins: &mut Pins, ring: RingBuf<MapData>, f: &Follow<'_>) -> Result<u64> {
+async fn stream(
+    pins: &mut Pins,
+    ring: RingBuf<MapData>,
+    started_ns: u64,
+    f: &Follow<'_>,
+) -> Result<u64> {
     let boot_unix_ns = SystemTime::now()
         .duration_since(UNIX_EPOCH)?
         .as_nanos()
@@ -320,6 +327,10 @@ async fn stream(pins: &mut Pins, ring: RingBuf<MapData>, f: &Follow<'_>) -> Resu
                     let event: FlowEvent =
                         unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
                     drop(item);
+                    // Left in the ring by an earlier follower that stopped mid-batch.
+                    if event.time_ns < started_ns {
+                        continue;
+                    }
                     let service = names.get(pins, event.service_id);
                     if f.service.is_some_and(|s| !of_service(service.as_deref(), s)) {
                         continue;
